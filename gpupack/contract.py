@@ -1,0 +1,374 @@
+"""The names and formats that gpupack's components and users share.
+
+Everything that crosses a process boundary lives here: resource names users write, labels, the
+annotations the extender writes for the device plugin, the node inventory the device plugin
+publishes for the extender, and defrag reservations. Both sides import this module, so a format
+change is one edit and a decoding error is reported the same way everywhere.
+
+Decoders never raise on bad data from the cluster with anything but :class:`ContractError`, whose
+message names the object and field, so a corrupt annotation is reported, not crashed on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+# --- user-facing API (../shared/design/contract.md §1) ------------------------------------
+DOMAIN = "gpupack.io"
+RES_GPU = f"{DOMAIN}/gpu"  # count of GPUs per container
+RES_GPU_MEM = f"{DOMAIN}/gpu-mem"  # MiB on EACH of those GPUs
+RES_GPU_SM = f"{DOMAIN}/gpu-sm"  # percent of SMs on EACH GPU, 1..100
+MANAGED_RESOURCES = (RES_GPU, RES_GPU_MEM, RES_GPU_SM)
+
+LABEL_CLASS = f"{DOMAIN}/class"  # pod or namespace label: online | offline
+CLASS_ONLINE = "online"
+CLASS_OFFLINE = "offline"
+CLASSES = (CLASS_ONLINE, CLASS_OFFLINE)
+
+# Optional pod annotation restricting GPU models, e.g. "NVIDIA-H100-80GB-HBM3|NVIDIA-A100-SXM4-80GB".
+ANN_GPU_MODELS = f"{DOMAIN}/gpu-models"
+
+# --- node side ------------------------------------------------------------------------------
+# Node label the DaemonSet selects on, and labels published for humans and nodeAffinity.
+LABEL_GPU_NODE = f"{DOMAIN}/gpu-node"
+LABEL_GPU_MODEL = f"{DOMAIN}/gpu-model"
+LABEL_GPU_COUNT = f"{DOMAIN}/gpu-count"
+# Node annotation: JSON NodeInventory written by the device plugin, read by the extender.
+ANN_INVENTORY = f"{DOMAIN}/inventory"
+# Node annotation: JSON list of Reservation written by defrag, honoured by the extender.
+ANN_RESERVATIONS = f"{DOMAIN}/reservations"
+
+# The kubelet-facing resource is a small count: SLOTS_PER_GPU device IDs per GPU, so that an
+# 8 x H200 node advertises 8 * SLOTS_PER_GPU IDs (a few KiB), never one per MiB.
+SLOTS_PER_GPU = 16
+
+# --- pod side: the handoff from extender (bind) to device plugin (Allocate) -----------------
+ANN_ASSIGNMENT = f"{DOMAIN}/assignment"  # JSON Assignment, written before the Binding
+ANN_HANDOFF = f"{DOMAIN}/handoff"  # pending | done | failed
+ANN_ALLOCATED = f"{DOMAIN}/allocated"  # JSON list of container names Allocate has served
+HANDOFF_PENDING = "pending"
+HANDOFF_DONE = "done"
+HANDOFF_FAILED = "failed"
+
+# Scheduler name used by gpupack's kube-scheduler profile.
+SCHEDULER_NAME = "gpupack-scheduler"
+
+SCHEMA_VERSION = 1
+
+
+class ContractError(ValueError):
+    """Data that does not follow this contract; the message says which object and field."""
+
+
+# --- quantities -------------------------------------------------------------------------------
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
+_SUFFIX = {
+    None: Decimal(1),
+    "m": Decimal("0.001"),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
+}
+
+
+def parse_quantity(value: Any, what: str = "quantity") -> Decimal:
+    """Parse a Kubernetes quantity ("20k", "1500m", "16Gi", 3) exactly.
+
+    The API server canonicalises numbers (20000 arrives as "20k"), so int() is never enough.
+    """
+    if isinstance(value, bool):
+        raise ContractError(f"{what}: expected a quantity, got a boolean")
+    if isinstance(value, int):
+        return Decimal(value)
+    if isinstance(value, float):
+        return Decimal(str(value))
+    if not isinstance(value, str):
+        raise ContractError(f"{what}: expected a quantity string, got {type(value).__name__}")
+    m = _QUANTITY.match(value.strip())
+    if not m:
+        raise ContractError(f"{what}: {value!r} is not a Kubernetes quantity")
+    try:
+        number = Decimal(m.group(1))
+    except InvalidOperation as e:
+        raise ContractError(f"{what}: {value!r} is not a Kubernetes quantity") from e
+    return number * _SUFFIX[m.group(2)]
+
+
+def parse_int_quantity(value: Any, what: str) -> int:
+    """A quantity that must be a whole, non-negative number (GPU count, MiB, percent)."""
+    q = parse_quantity(value, what)
+    if q != q.to_integral_value():
+        raise ContractError(f"{what}: {value!r} is not a whole number")
+    if q < 0:
+        raise ContractError(f"{what}: {value!r} is negative")
+    return int(q)
+
+
+# --- node inventory (device plugin -> extender) -----------------------------------------------
+@dataclass(frozen=True)
+class GPUInfo:
+    uuid: str
+    index: int
+    model: str
+    mem_mib: int
+    sm_count: int
+    healthy: bool = True
+    numa_node: int = -1
+    pci_bus_id: str = ""
+    unhealthy_reason: str = ""
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    gpus: tuple[GPUInfo, ...]
+    slots_per_gpu: int = SLOTS_PER_GPU
+    # Where enforcement comes from on this node ("hami-core", "mps", or "none").
+    enforcement: str = "hami-core"
+    updated: str = ""  # RFC 3339, informational
+    skipped: tuple[str, ...] = ()  # GPUs not offered, with the reason (MIG mode, NVML error)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["v"] = SCHEMA_VERSION
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+
+def _req(d: dict, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise ContractError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise ContractError(f"{where}: field {key!r} has the wrong type ({type(v).__name__})")
+    return v
+
+
+def _load_json(text: Any, where: str) -> Any:
+    if not isinstance(text, str):
+        raise ContractError(f"{where}: expected a JSON string")
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ContractError(f"{where}: not valid JSON ({e})") from e
+
+
+def decode_inventory(text: Any, node: str = "?") -> NodeInventory:
+    where = f"node {node} annotation {ANN_INVENTORY}"
+    d = _load_json(text, where)
+    if not isinstance(d, dict):
+        raise ContractError(f"{where}: expected a JSON object")
+    if d.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"{where}: unsupported version {d.get('v')!r}")
+    gpus_raw = _req(d, "gpus", list, where)
+    gpus = []
+    seen: set[str] = set()
+    for i, g in enumerate(gpus_raw):
+        w = f"{where} gpus[{i}]"
+        if not isinstance(g, dict):
+            raise ContractError(f"{w}: expected an object")
+        info = GPUInfo(
+            uuid=_req(g, "uuid", str, w),
+            index=_req(g, "index", int, w),
+            model=_req(g, "model", str, w),
+            mem_mib=_req(g, "mem_mib", int, w),
+            sm_count=_req(g, "sm_count", int, w),
+            healthy=bool(g.get("healthy", True)),
+            numa_node=int(g.get("numa_node", -1)) if isinstance(g.get("numa_node", -1), int) else -1,
+            pci_bus_id=str(g.get("pci_bus_id", "")),
+            unhealthy_reason=str(g.get("unhealthy_reason", "")),
+        )
+        if info.mem_mib <= 0 or info.sm_count < 0 or info.index < 0:
+            raise ContractError(f"{w}: mem_mib must be positive, index and sm_count non-negative")
+        if info.uuid in seen:
+            raise ContractError(f"{w}: duplicate GPU uuid {info.uuid}")
+        seen.add(info.uuid)
+        gpus.append(info)
+    slots = d.get("slots_per_gpu", SLOTS_PER_GPU)
+    if not isinstance(slots, int) or slots <= 0:
+        raise ContractError(f"{where}: slots_per_gpu must be a positive integer")
+    return NodeInventory(
+        gpus=tuple(gpus),
+        slots_per_gpu=slots,
+        enforcement=str(d.get("enforcement", "hami-core")),
+        updated=str(d.get("updated", "")),
+        skipped=tuple(str(s) for s in d.get("skipped", []) if isinstance(s, str)),
+    )
+
+
+# --- assignment (extender at bind -> device plugin at Allocate) --------------------------------
+@dataclass(frozen=True)
+class GPUShare:
+    """One container's share of one GPU."""
+
+    uuid: str
+    index: int
+    mem_mib: int  # reserved memory on this GPU (the whole GPU's memory when exclusive)
+    sm_pct: int  # reserved SM percent (100 when exclusive)
+    exclusive: bool = False
+
+
+@dataclass(frozen=True)
+class Assignment:
+    pod_uid: str
+    node: str
+    pod_class: str
+    # container name -> its GPU shares; init containers are listed too
+    containers: dict[str, tuple[GPUShare, ...]] = field(default_factory=dict)
+    bound_at: str = ""  # RFC 3339
+    reservation: str = ""  # id of the defrag reservation this pod consumed, if any
+
+    def to_json(self) -> str:
+        d = {
+            "v": SCHEMA_VERSION,
+            "pod_uid": self.pod_uid,
+            "node": self.node,
+            "class": self.pod_class,
+            "bound_at": self.bound_at,
+            "containers": {c: [asdict(s) for s in shares] for c, shares in self.containers.items()},
+        }
+        if self.reservation:
+            d["reservation"] = self.reservation
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+    def gpu_uuids(self) -> set[str]:
+        return {s.uuid for shares in self.containers.values() for s in shares}
+
+
+def decode_assignment(text: Any, pod: str = "?") -> Assignment:
+    where = f"pod {pod} annotation {ANN_ASSIGNMENT}"
+    d = _load_json(text, where)
+    if not isinstance(d, dict):
+        raise ContractError(f"{where}: expected a JSON object")
+    if d.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"{where}: unsupported version {d.get('v')!r}")
+    pod_class = _req(d, "class", str, where)
+    if pod_class not in CLASSES:
+        raise ContractError(f"{where}: unknown class {pod_class!r}")
+    containers_raw = _req(d, "containers", dict, where)
+    containers: dict[str, tuple[GPUShare, ...]] = {}
+    for cname, shares_raw in containers_raw.items():
+        w = f"{where} container {cname!r}"
+        if not isinstance(shares_raw, list) or not shares_raw:
+            raise ContractError(f"{w}: expected a non-empty list of GPU shares")
+        shares = []
+        for j, s in enumerate(shares_raw):
+            ws = f"{w}[{j}]"
+            if not isinstance(s, dict):
+                raise ContractError(f"{ws}: expected an object")
+            share = GPUShare(
+                uuid=_req(s, "uuid", str, ws),
+                index=_req(s, "index", int, ws),
+                mem_mib=_req(s, "mem_mib", int, ws),
+                sm_pct=_req(s, "sm_pct", int, ws),
+                exclusive=bool(s.get("exclusive", False)),
+            )
+            if share.mem_mib < 0 or not 0 <= share.sm_pct <= 100:
+                raise ContractError(f"{ws}: mem_mib must be >= 0 and sm_pct in 0..100")
+            shares.append(share)
+        containers[cname] = tuple(shares)
+    return Assignment(
+        pod_uid=_req(d, "pod_uid", str, where),
+        node=_req(d, "node", str, where),
+        pod_class=pod_class,
+        containers=containers,
+        bound_at=str(d.get("bound_at", "")),
+        reservation=str(d.get("reservation", "")),
+    )
+
+
+def decode_allocated(text: Any, pod: str = "?") -> list[str]:
+    where = f"pod {pod} annotation {ANN_ALLOCATED}"
+    d = _load_json(text, where)
+    if not isinstance(d, list) or not all(isinstance(x, str) for x in d):
+        raise ContractError(f"{where}: expected a JSON list of container names")
+    return d
+
+
+# --- defrag reservations (defrag -> extender) --------------------------------------------------
+@dataclass(frozen=True)
+class Reservation:
+    """Capacity on one node held for the replacement of an evicted pod.
+
+    The extender treats the held capacity as used by everyone except a pod that matches
+    (same namespace and owner); that pod is steered to `gpus` and consumes the reservation.
+    """
+
+    id: str
+    namespace: str
+    owner_kind: str  # e.g. ReplicaSet, StatefulSet
+    owner_name: str
+    pod_class: str
+    # container name -> GPU shares to hold (same shape as an Assignment's)
+    containers: dict[str, tuple[GPUShare, ...]]
+    expires: str  # RFC 3339; an expired reservation holds nothing
+    evicted_pod: str = ""  # namespace/name of the pod whose move this serves
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "namespace": self.namespace,
+            "owner_kind": self.owner_kind,
+            "owner_name": self.owner_name,
+            "class": self.pod_class,
+            "containers": {c: [asdict(s) for s in sh] for c, sh in self.containers.items()},
+            "expires": self.expires,
+            "evicted_pod": self.evicted_pod,
+        }
+
+
+def encode_reservations(reservations: list[Reservation]) -> str:
+    return json.dumps(
+        {"v": SCHEMA_VERSION, "reservations": [r.to_dict() for r in reservations]},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+
+
+def decode_reservations(text: Any, node: str = "?") -> list[Reservation]:
+    where = f"node {node} annotation {ANN_RESERVATIONS}"
+    d = _load_json(text, where)
+    if not isinstance(d, dict) or d.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"{where}: expected an object with v={SCHEMA_VERSION}")
+    out = []
+    for i, r in enumerate(_req(d, "reservations", list, where)):
+        w = f"{where} reservations[{i}]"
+        if not isinstance(r, dict):
+            raise ContractError(f"{w}: expected an object")
+        # Reuse the assignment decoder for the container shares so both validate the same way.
+        shares = decode_assignment(
+            json.dumps(
+                {
+                    "v": SCHEMA_VERSION,
+                    "pod_uid": "",
+                    "node": node,
+                    "class": r.get("class", ""),
+                    "containers": r.get("containers", {}),
+                }
+            ),
+            pod=w,
+        )
+        out.append(
+            Reservation(
+                id=_req(r, "id", str, w),
+                namespace=_req(r, "namespace", str, w),
+                owner_kind=_req(r, "owner_kind", str, w),
+                owner_name=_req(r, "owner_name", str, w),
+                pod_class=shares.pod_class,
+                containers=shares.containers,
+                expires=_req(r, "expires", str, w),
+                evicted_pod=str(r.get("evicted_pod", "")),
+            )
+        )
+    return out
