@@ -1,0 +1,351 @@
+"""Pure helpers for the bind -> Allocate handoff, shared by the extender and the device plugin.
+
+The design (one pending handoff per node; the pod itself is the "lock") is described in the
+project docs. Everything here is pure: no I/O, no clock unless passed in. Pods may be given as
+API JSON dicts (camelCase keys, as a watch or `kubectl get -o json` returns them) or as objects of
+the official `kubernetes` client (snake_case attributes); :func:`pod_view` normalises both.
+
+Who uses what:
+- extender at bind: :func:`blocking_handoff` (is node N blocked by a pending handoff?),
+  :func:`handoff_annotations_for_bind`.
+- device plugin at Allocate: :func:`pending_pods_on_node`, :func:`plan_allocate`,
+  :func:`container_env`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from gpupack import contract
+from gpupack.contract import (
+    ANN_ALLOCATED,
+    ANN_ASSIGNMENT,
+    ANN_HANDOFF,
+    HANDOFF_DONE,
+    HANDOFF_PENDING,
+    RES_GPU,
+    RES_GPU_MEM,
+    RES_GPU_SM,
+    Assignment,
+    ContractError,
+    GPUShare,
+)
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+# Enforcement modes: which env a shared container is handed.
+ENFORCE_HAMI = "hami-core"
+ENFORCE_MPS = "mps"
+ENFORCE_BOTH = "both"
+ENFORCEMENT_MODES = (ENFORCE_HAMI, ENFORCE_MPS, ENFORCE_BOTH)
+
+
+# --- normalised pod view ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContainerView:
+    name: str
+    init: bool
+    limits: Mapping[str, Any]
+    requests: Mapping[str, Any]
+
+    def gpu_count(self) -> int:
+        """GPUs the kubelet will ask the device plugin for (the `gpupack.io/gpu` count).
+
+        Only an explicit `gpupack.io/gpu` makes the kubelet call Allocate for this container: it
+        calls the plugin only for resources the plugin registered. Raises ContractError on junk.
+        """
+        raw = self.limits.get(RES_GPU, self.requests.get(RES_GPU))
+        if raw is None:
+            return 0
+        return contract.parse_int_quantity(raw, f"container {self.name!r} {RES_GPU}")
+
+    def wants_gpupack(self) -> bool:
+        keys = set(self.limits) | set(self.requests)
+        return any(r in keys for r in (RES_GPU, RES_GPU_MEM, RES_GPU_SM))
+
+
+@dataclass(frozen=True)
+class PodView:
+    namespace: str
+    name: str
+    uid: str
+    node_name: str
+    phase: str
+    deleting: bool
+    annotations: Mapping[str, str]
+    containers: tuple[ContainerView, ...] = field(default=())  # init containers first, spec order
+    resource_version: str = ""
+    scheduler_name: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def live(self) -> bool:
+        """Still able to be admitted by a kubelet: not terminal and not being deleted."""
+        return not self.deleting and self.phase not in TERMINAL_PHASES
+
+    @property
+    def handoff(self) -> str:
+        return self.annotations.get(ANN_HANDOFF, "")
+
+    def assignment(self) -> Assignment:
+        """The decoded assignment; ContractError (naming the pod) when missing or corrupt."""
+        raw = self.annotations.get(ANN_ASSIGNMENT)
+        if raw is None:
+            raise ContractError(f"pod {self.key}: no {ANN_ASSIGNMENT} annotation")
+        return contract.decode_assignment(raw, pod=self.key)
+
+    def allocated(self) -> list[str]:
+        raw = self.annotations.get(ANN_ALLOCATED)
+        if raw in (None, ""):
+            return []
+        return contract.decode_allocated(raw, pod=self.key)
+
+
+def _get(obj: Any, camel: str, snake: str | None = None, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    v = obj.get(camel, default) if isinstance(obj, Mapping) else getattr(obj, snake or camel, default)
+    return default if v is None else v
+
+
+def _containers(spec: Any) -> tuple[ContainerView, ...]:
+    out: list[ContainerView] = []
+    for key, snake, init in (("initContainers", "init_containers", True), ("containers", "containers", False)):
+        for c in _get(spec, key, snake, []) or []:
+            res = _get(c, "resources", default={})
+            out.append(
+                ContainerView(
+                    name=str(_get(c, "name", default="")),
+                    init=init,
+                    limits=dict(_get(res, "limits", default={}) or {}),
+                    requests=dict(_get(res, "requests", default={}) or {}),
+                )
+            )
+    return tuple(out)
+
+
+def pod_view(pod: Any) -> PodView:
+    """Normalise an API dict or a kubernetes-client V1Pod into a PodView."""
+    if isinstance(pod, PodView):
+        return pod
+    meta = _get(pod, "metadata", default={})
+    spec = _get(pod, "spec", default={})
+    status = _get(pod, "status", default={})
+    return PodView(
+        namespace=str(_get(meta, "namespace", default="")),
+        name=str(_get(meta, "name", default="")),
+        uid=str(_get(meta, "uid", default="")),
+        node_name=str(_get(spec, "nodeName", "node_name", "")),
+        phase=str(_get(status, "phase", default="")),
+        deleting=_get(meta, "deletionTimestamp", "deletion_timestamp") is not None,
+        annotations=dict(_get(meta, "annotations", default={}) or {}),
+        containers=_containers(spec),
+        resource_version=str(_get(meta, "resourceVersion", "resource_version", "")),
+        scheduler_name=str(_get(spec, "schedulerName", "scheduler_name", "")),
+    )
+
+
+# --- the per-node predicate -------------------------------------------------------------------
+def is_pending_handoff(pod: Any) -> bool:
+    """A live pod whose GPUs the device plugin has not yet handed out completely."""
+    p = pod_view(pod)
+    return p.live and p.handoff == HANDOFF_PENDING
+
+
+def pending_pods_on_node(pods: Iterable[Any], node: str) -> list[PodView]:
+    """Live pods bound to `node` with handoff=pending, oldest bind first (by assignment bound_at)."""
+    out = [p for p in map(pod_view, pods) if p.node_name == node and is_pending_handoff(p)]
+    out.sort(key=lambda p: (_bound_at_text(p), p.key))
+    return out
+
+
+def blocking_handoff(pods: Iterable[Any], node: str, exclude_uid: str = "") -> PodView | None:
+    """The pod whose pending handoff blocks another bind to `node`, or None when the node is free.
+
+    The extender calls this under its per-node bind mutex with its cluster view. `exclude_uid`
+    is the pod being bound (a retried bind of the same pod must not block itself).
+    """
+    for p in pending_pods_on_node(pods, node):
+        if p.uid != exclude_uid:
+            return p
+    return None
+
+
+def _bound_at_text(p: PodView) -> str:
+    try:
+        return p.assignment().bound_at
+    except ContractError:
+        return ""
+
+
+def parse_rfc3339(text: str) -> datetime | None:
+    if not text:
+        return None
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def handoff_age_s(pod: Any, now: datetime) -> float | None:
+    """Seconds since the pod's assignment was written (its bound_at), None when unknown."""
+    t = parse_rfc3339(_bound_at_text(pod_view(pod)))
+    return None if t is None else (now - t).total_seconds()
+
+
+def blocking_message(node: str, blocker: PodView) -> str:
+    since = _bound_at_text(blocker) or "an unknown time"
+    return f"node {node}: waiting for the kubelet to admit pod {blocker.key} (GPU handoff pending since {since})"
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def handoff_annotations_for_bind(assignment: Assignment) -> dict[str, str | None]:
+    """metadata.annotations patch the extender writes before posting the Binding."""
+    return {ANN_ASSIGNMENT: assignment.to_json(), ANN_HANDOFF: HANDOFF_PENDING, ANN_ALLOCATED: None}
+
+
+def rollback_annotations() -> dict[str, str | None]:
+    """metadata.annotations patch that undoes :func:`handoff_annotations_for_bind`."""
+    return {ANN_ASSIGNMENT: None, ANN_HANDOFF: None, ANN_ALLOCATED: None}
+
+
+# --- which container is next --------------------------------------------------------------------
+def gpu_containers(pod: Any) -> list[ContainerView]:
+    """Containers the kubelet calls Allocate for, in its order: init containers, then containers."""
+    return [c for c in pod_view(pod).containers if c.gpu_count() > 0]
+
+
+def next_container(pod: Any) -> ContainerView | None:
+    """The next GPU container (kubelet order) not yet recorded in `gpupack.io/allocated`."""
+    p = pod_view(pod)
+    done = set(p.allocated())
+    for c in gpu_containers(p):
+        if c.name not in done:
+            return c
+    return None
+
+
+# --- env handed to a container ------------------------------------------------------------------
+def container_env(shares: tuple[GPUShare, ...] | list[GPUShare], enforcement: str = ENFORCE_BOTH) -> dict[str, str]:
+    """Environment for a container's GPU shares. GPU i = position in NVIDIA_VISIBLE_DEVICES."""
+    if enforcement not in ENFORCEMENT_MODES:
+        raise ValueError(f"enforcement must be one of {', '.join(ENFORCEMENT_MODES)}, got {enforcement!r}")
+    env = {
+        "NVIDIA_VISIBLE_DEVICES": ",".join(s.uuid for s in shares),
+        "GPUPACK_ASSIGNMENT": json.dumps(
+            [{"uuid": s.uuid, "mem_mib": s.mem_mib, "sm_pct": s.sm_pct, "exclusive": s.exclusive} for s in shares],
+            separators=(",", ":"),
+        ),
+    }
+    if all(s.exclusive for s in shares):
+        return env
+    sm = min(s.sm_pct for s in shares)
+    if enforcement in (ENFORCE_HAMI, ENFORCE_BOTH):
+        for i, s in enumerate(shares):
+            env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{s.mem_mib}m"
+        env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
+    if enforcement in (ENFORCE_MPS, ENFORCE_BOTH):
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(sm)
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{i}={s.mem_mib}M" for i, s in enumerate(shares))
+    return env
+
+
+# --- the Allocate decision ------------------------------------------------------------------------
+class HandoffError(Exception):
+    """Allocate must fail; the message is for the operator (it reaches `kubectl describe pod`)."""
+
+
+@dataclass(frozen=True)
+class AllocatePlan:
+    pod: PodView
+    container: str
+    shares: tuple[GPUShare, ...]
+    env: dict[str, str]
+    # metadata.annotations patch to apply (with the pod's resourceVersion) before answering
+    patch: dict[str, str]
+    completes: bool  # true when this was the pod's last GPU container
+
+
+def no_pending_message(node: str) -> str:
+    return (
+        f"no pending gpupack assignment for a pod on node {node}: was the pod scheduled by "
+        f"{contract.SCHEDULER_NAME} (schedulerName) and bound through the extender?"
+    )
+
+
+def select_pending_pod(pods: Iterable[Any], node: str) -> PodView:
+    """The one pod Allocate serves on `node`; HandoffError when there is none or more than one."""
+    pending = pending_pods_on_node(pods, node)
+    if not pending:
+        raise HandoffError(no_pending_message(node))
+    if len(pending) > 1:
+        names = ", ".join(p.key for p in pending)
+        raise HandoffError(
+            f"node {node}: {len(pending)} pods have a pending GPU handoff ({names}); refusing to guess "
+            "which one the kubelet is admitting. Delete or re-schedule all but one."
+        )
+    return pending[0]
+
+
+def plan_allocate(
+    pod: Any,
+    node: str,
+    device_count: int,
+    gpus: Mapping[str, bool],
+    enforcement: str = ENFORCE_BOTH,
+) -> AllocatePlan:
+    """Decide what Allocate answers for the next container of `pod`.
+
+    `gpus` maps every GPU UUID on this node to its health. Raises HandoffError with an
+    operator-readable reason when the handoff cannot be served safely.
+    """
+    p = pod_view(pod)
+    try:
+        a = p.assignment()
+        allocated = p.allocated()
+        containers = gpu_containers(p)
+    except ContractError as e:
+        raise HandoffError(f"pod {p.key}: {e}") from e
+    if a.pod_uid and p.uid and a.pod_uid != p.uid:
+        raise HandoffError(f"pod {p.key}: assignment was written for pod UID {a.pod_uid}, this pod is {p.uid}")
+    if a.node != node:
+        raise HandoffError(f"pod {p.key}: assignment is for node {a.node!r}, this device plugin serves {node!r}")
+    nxt = next((c for c in containers if c.name not in set(allocated)), None)
+    if nxt is None:
+        raise HandoffError(f"pod {p.key}: every GPU container is already allocated ({', '.join(allocated)})")
+    want = nxt.gpu_count()
+    if device_count != want:
+        raise HandoffError(
+            f"pod {p.key} container {nxt.name}: the kubelet asked for {device_count} {RES_GPU} device(s) "
+            f"but the container requests {want}; kubelet and gpupack disagree on container order"
+        )
+    shares = a.containers.get(nxt.name)
+    if not shares:
+        raise HandoffError(f"pod {p.key}: assignment has no GPUs for container {nxt.name}")
+    if len(shares) != want:
+        raise HandoffError(
+            f"pod {p.key} container {nxt.name}: assignment lists {len(shares)} GPU(s), container requests {want}"
+        )
+    for s in shares:
+        if s.uuid not in gpus:
+            raise HandoffError(f"pod {p.key} container {nxt.name}: assigned GPU {s.uuid} is not on node {node}")
+        if not gpus[s.uuid]:
+            raise HandoffError(f"pod {p.key} container {nxt.name}: assigned GPU {s.uuid} is unhealthy")
+    env = container_env(shares, enforcement)
+    new_allocated = [*allocated, nxt.name]
+    completes = len(new_allocated) >= len(containers)
+    patch = {ANN_ALLOCATED: json.dumps(new_allocated, separators=(",", ":"))}
+    if completes:
+        patch[ANN_HANDOFF] = HANDOFF_DONE
+    return AllocatePlan(pod=p, container=nxt.name, shares=shares, env=env, patch=patch, completes=completes)
