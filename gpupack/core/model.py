@@ -1,0 +1,260 @@
+"""Plain data for the packing core: what a cluster holds and what a pod asks for.
+
+Units: GPU memory in MiB; GPU compute in *milli* of one GPU (0..1000). Users write SM share in
+percent (`gpupack.io/gpu-sm: 40`), which is 400 milli here; the finer unit lets the openb trace
+(whose shares are in milli) replay without rounding.
+
+The state is mutable on purpose: the scheduler path and the trace replay place thousands of pods
+per second, and copying a 50,000-GPU snapshot per decision would dominate. What-if planning uses
+:meth:`ClusterState.clone`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FULL = 1000  # milli in one GPU
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """One container's GPU need. `mem_mib`/`milli` are per GPU; both None means whole GPUs."""
+
+    name: str
+    gpus: int
+    mem_mib: int | None = None
+    milli: int | None = None
+    init: bool = False
+
+    @property
+    def exclusive(self) -> bool:
+        return self.mem_mib is None and self.milli is None
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    key: str  # "namespace/name"
+    pod_class: str = "online"
+    containers: tuple[ContainerRequest, ...] = ()  # app containers needing GPUs
+    init_containers: tuple[ContainerRequest, ...] = ()
+    cpu_milli: int = 0  # host CPU/RAM: checked by the replay; kube-scheduler checks them in a cluster
+    ram_mib: int = 0
+    gpu_models: frozenset[str] | None = None  # allowed models; None = any
+    uid: str = ""
+    namespace: str = ""
+    owner: tuple[str, str] | None = None  # (kind, name) of the controlling owner
+
+    @property
+    def gpu_containers(self) -> tuple[ContainerRequest, ...]:
+        return self.containers
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(c.gpus for c in self.containers)
+
+    @property
+    def needs_gpu(self) -> bool:
+        return bool(self.containers or self.init_containers)
+
+
+@dataclass
+class GPU:
+    uuid: str
+    index: int
+    model: str
+    mem_mib: int
+    sm_count: int = 0
+    healthy: bool = True
+    mem_used: int = 0
+    milli_used: int = 0
+    pod_class: str | None = None  # class of the pods on it; None when empty
+    exclusive: bool = False  # held whole by one container
+    # pod key -> (mem MiB, milli) that pod holds here
+    holders: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def free_mem(self) -> int:
+        return 0 if self.exclusive else self.mem_mib - self.mem_used
+
+    @property
+    def free_milli(self) -> int:
+        return 0 if self.exclusive else FULL - self.milli_used
+
+    @property
+    def empty(self) -> bool:
+        return not self.holders
+
+    def copy(self) -> GPU:
+        g = GPU(
+            self.uuid,
+            self.index,
+            self.model,
+            self.mem_mib,
+            self.sm_count,
+            self.healthy,
+            self.mem_used,
+            self.milli_used,
+            self.pod_class,
+            self.exclusive,
+            dict(self.holders),
+        )
+        return g
+
+
+@dataclass
+class Node:
+    name: str
+    gpus: list[GPU]
+    cpu_milli: int = 0  # 0 = not tracked (a real cluster: kube-scheduler checks CPU/RAM)
+    ram_mib: int = 0
+    cpu_used: int = 0
+    ram_used: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    schedulable: bool = True
+
+    @property
+    def model(self) -> str:
+        return self.gpus[0].model if self.gpus else ""
+
+    @property
+    def free_cpu(self) -> int:
+        return self.cpu_milli - self.cpu_used
+
+    @property
+    def free_ram(self) -> int:
+        return self.ram_mib - self.ram_used
+
+    def gpu(self, uuid: str) -> GPU | None:
+        for g in self.gpus:
+            if g.uuid == uuid:
+                return g
+        return None
+
+    def copy(self) -> Node:
+        return Node(
+            self.name,
+            [g.copy() for g in self.gpus],
+            self.cpu_milli,
+            self.ram_mib,
+            self.cpu_used,
+            self.ram_used,
+            dict(self.labels),
+            self.schedulable,
+        )
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one container holds on one GPU."""
+
+    gpu_index: int  # position in Node.gpus
+    mem_mib: int
+    milli: int
+    exclusive: bool = False
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a pod goes: a node and, per container (init containers too), its GPU shares."""
+
+    node: str
+    containers: dict[str, tuple[Share, ...]]
+
+    def per_gpu(self) -> dict[int, tuple[int, int, bool]]:
+        """GPU index -> (mem, milli, exclusive) the pod as a whole holds there."""
+        return _pod_usage(self)
+
+
+def _pod_usage(p: Placement) -> dict[int, tuple[int, int, bool]]:
+    out: dict[int, tuple[int, int, bool]] = {}
+    for shares in p.containers.values():
+        for s in shares:
+            mem, milli, ex = out.get(s.gpu_index, (0, 0, False))
+            out[s.gpu_index] = (mem + s.mem_mib, milli + s.milli, ex or s.exclusive)
+    return out
+
+
+class PlacementError(ValueError):
+    """A placement that would break an invariant (over-commit, class mix, exclusivity)."""
+
+
+@dataclass
+class ClusterState:
+    nodes: dict[str, Node] = field(default_factory=dict)
+    # pod key -> (request, placement, per-GPU usage actually charged)
+    pods: dict[str, tuple[PodRequest, Placement, dict[int, tuple[int, int, bool]]]] = field(
+        default_factory=dict
+    )
+
+    def add_node(self, node: Node) -> None:
+        self.nodes[node.name] = node
+
+    def clone(self) -> ClusterState:
+        return ClusterState({n: node.copy() for n, node in self.nodes.items()}, dict(self.pods))
+
+    def place(self, pod: PodRequest, placement: Placement, charged: dict[int, tuple[int, int, bool]]) -> None:
+        """Record a pod; `charged` is the per-GPU usage from :func:`gpupack.core.fit.pod_charge`.
+
+        Checks every invariant again, so a caller bug can never over-commit a GPU.
+        """
+        if pod.key in self.pods:
+            raise PlacementError(f"pod {pod.key} is already placed")
+        node = self.nodes.get(placement.node)
+        if node is None:
+            raise PlacementError(f"unknown node {placement.node}")
+        if node.cpu_milli and pod.cpu_milli > node.free_cpu:
+            raise PlacementError(f"node {node.name}: CPU over-commit")
+        if node.ram_mib and pod.ram_mib > node.free_ram:
+            raise PlacementError(f"node {node.name}: RAM over-commit")
+        for idx, (mem, milli, ex) in charged.items():
+            g = node.gpus[idx]
+            if ex:
+                if not g.empty:
+                    raise PlacementError(f"{node.name} GPU {idx}: exclusive use of a GPU that is in use")
+            else:
+                if g.exclusive:
+                    raise PlacementError(f"{node.name} GPU {idx}: GPU is held exclusively")
+                if g.pod_class is not None and g.pod_class != pod.pod_class:
+                    raise PlacementError(f"{node.name} GPU {idx}: {pod.pod_class} pod on a {g.pod_class} GPU")
+                if mem > g.free_mem or milli > g.free_milli:
+                    raise PlacementError(f"{node.name} GPU {idx}: over-commit")
+        for idx, (mem, milli, ex) in charged.items():
+            g = node.gpus[idx]
+            if ex:
+                g.exclusive = True
+                g.mem_used = g.mem_mib
+                g.milli_used = FULL
+            else:
+                g.mem_used += mem
+                g.milli_used += milli
+            g.pod_class = pod.pod_class
+            g.holders[pod.key] = (g.mem_mib if ex else mem, FULL if ex else milli)
+        node.cpu_used += pod.cpu_milli
+        node.ram_used += pod.ram_mib
+        self.pods[pod.key] = (pod, placement, charged)
+
+    def release(self, key: str) -> PodRequest | None:
+        entry = self.pods.pop(key, None)
+        if entry is None:
+            return None
+        pod, placement, charged = entry
+        node = self.nodes.get(placement.node)
+        if node is None:
+            return pod
+        for idx in charged:
+            g = node.gpus[idx]
+            mem, milli = g.holders.pop(key, (0, 0))
+            if g.exclusive:
+                g.exclusive = False
+                g.mem_used = 0
+                g.milli_used = 0
+            else:
+                g.mem_used -= mem
+                g.milli_used -= milli
+            if not g.holders:
+                g.pod_class = None
+                g.mem_used = 0
+                g.milli_used = 0
+        node.cpu_used -= pod.cpu_milli
+        node.ram_used -= pod.ram_mib
+        return pod

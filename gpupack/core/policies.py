@@ -1,0 +1,128 @@
+"""Placement policies, selectable by name. Each one answers two questions over plain data:
+which GPU inside a node (`gpu_rank`, lower first) and how good a node is (`node_score`, higher first).
+
+`schedule` is the Filter → Score → pick loop the replay and the extender's bind share; the
+extender runs the filter and score halves separately per HTTP verb.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from gpupack.core.fit import Fit, FitFailure, fit, tightest
+from gpupack.core.model import FULL, GPU, ClusterState, Node, PodRequest
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def gpu_rank(self, node: Node, gpu: GPU, mem: int, milli: int) -> float:
+        return tightest(node, gpu, mem, milli)
+
+    def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
+        raise NotImplementedError
+
+    def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
+        return fit(node, pod, self.gpu_rank)
+
+    def observe(self, pod: PodRequest) -> None:
+        """Called once per arriving pod; policies that learn the workload's shape override it."""
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def gpu_rank(self, node: Node, gpu: GPU, mem: int, milli: int) -> float:
+        return self.rng.random()
+
+    def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
+        return self.rng.random()
+
+
+def _gpu_free_after(node: Node, f: Fit) -> float:
+    """Free GPU milli on the node after placing `f`, as a share of the node's GPU capacity."""
+    total = len(node.gpus) * FULL
+    if not total:
+        return 0.0
+    free = sum(g.free_milli for g in node.gpus if g.healthy)
+    for _, milli, ex in f.charged.values():
+        free -= FULL if ex else milli
+    return max(0.0, free / total)
+
+
+class BestFitPolicy(Policy):
+    """The node left with the least room, averaged over normalised CPU and GPU; tightest GPU inside."""
+
+    name = "bestfit"
+
+    def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
+        parts = [_gpu_free_after(node, f)]
+        if node.cpu_milli:
+            parts.append((node.free_cpu - pod.cpu_milli) / node.cpu_milli)
+        return -sum(parts) / len(parts)
+
+
+@dataclass
+class Decision:
+    node: str | None
+    fit: Fit | None
+    failures: dict[str, FitFailure] = field(default_factory=dict)
+
+    @property
+    def placed(self) -> bool:
+        return self.fit is not None
+
+
+def filter_nodes(
+    nodes: Iterable[Node], pod: PodRequest, policy: Policy
+) -> tuple[dict[str, Fit], dict[str, FitFailure]]:
+    ok: dict[str, Fit] = {}
+    bad: dict[str, FitFailure] = {}
+    for node in nodes:
+        r = policy.fit(node, pod)
+        if isinstance(r, Fit):
+            ok[node.name] = r
+        else:
+            bad[node.name] = r
+    return ok, bad
+
+
+def schedule(state: ClusterState, pod: PodRequest, policy: Policy, commit: bool = True) -> Decision:
+    """Filter every node, score the feasible ones, pick the best (ties: the policy's seeded order)."""
+    ok, bad = filter_nodes(state.nodes.values(), pod, policy)
+    if not ok:
+        return Decision(None, None, bad)
+    best_name, best_key = None, None
+    for name, f in ok.items():
+        key = (policy.node_score(state.nodes[name], pod, f), policy.rng.random())
+        if best_key is None or key > best_key:
+            best_name, best_key = name, key
+    assert best_name is not None
+    chosen = ok[best_name]
+    if commit:
+        state.place(pod, chosen.placement, chosen.charged)
+    return Decision(best_name, chosen, bad)
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "random": RandomPolicy,
+    "bestfit": BestFitPolicy,
+}
+DEFAULT_POLICY = "bestfit"
+
+
+class UnknownPolicy(ValueError):
+    pass
+
+
+def get_policy(name: str, seed: int = 0, **kwargs) -> Policy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise UnknownPolicy(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
+    return factory(seed=seed, **kwargs)
