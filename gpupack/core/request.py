@@ -20,8 +20,8 @@ from gpupack.contract import (
     RES_GPU_MEM,
     RES_GPU_SM,
     ContractError,
-    parse_int_quantity,
 )
+from gpupack.contract import parse_int_quantity as _parse_int
 from gpupack.core.model import ContainerRequest, PodRequest
 
 
@@ -29,14 +29,29 @@ class RequestError(ContractError):
     """A pod whose gpupack request breaks a rule; the message names the container and value."""
 
 
+def parse_int_quantity(value: Any, what: str) -> int:
+    try:
+        return _parse_int(value, what)
+    except RequestError:
+        raise
+    except ContractError as e:
+        raise RequestError(str(e)) from None
+
+
+def _field(d: dict[str, Any], key: str, typ: type, where: str) -> Any:
+    """d[key] if present and not null, else an empty `typ`; any other type is an error."""
+    v = d.get(key)
+    if v is None:
+        return typ()
+    if not isinstance(v, typ):
+        raise RequestError(f"{where}: {key} must be {'an object' if typ is dict else 'a list'}")
+    return v
+
+
 def _resources(c: dict[str, Any], where: str) -> dict[str, Any]:
-    res = c.get("resources") or {}
-    if not isinstance(res, dict):
-        raise RequestError(f"{where}: resources must be an object")
-    limits = res.get("limits") or {}
-    requests = res.get("requests") or {}
-    if not isinstance(limits, dict) or not isinstance(requests, dict):
-        raise RequestError(f"{where}: resources.limits/requests must be objects")
+    res = _field(c, "resources", dict, where)
+    limits = _field(res, "limits", dict, where)
+    requests = _field(res, "requests", dict, where)
     out: dict[str, Any] = {}
     for name in (RES_GPU, RES_GPU_MEM, RES_GPU_SM):
         lim, req = limits.get(name), requests.get(name)
@@ -84,9 +99,9 @@ def parse_container(c: Any, init: bool, where: str) -> ContainerRequest | None:
 
 
 def pod_class_of(pod: dict[str, Any], namespace_labels: dict[str, str] | None = None) -> str:
-    meta = pod.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    value = labels.get(LABEL_CLASS) if isinstance(labels, dict) else None
+    meta = _field(pod, "metadata", dict, "pod")
+    labels = _field(meta, "labels", dict, "pod metadata")
+    value = labels.get(LABEL_CLASS)
     source = "pod label"
     if value is None and namespace_labels:
         value, source = namespace_labels.get(LABEL_CLASS), "namespace label"
@@ -101,10 +116,8 @@ def parse_pod(pod: Any, namespace_labels: dict[str, str] | None = None) -> PodRe
     """Parse a pod; a pod without gpupack resources gives a request with no containers."""
     if not isinstance(pod, dict):
         raise RequestError("pod must be a JSON object")
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    if not isinstance(meta, dict) or not isinstance(spec, dict):
-        raise RequestError("pod metadata and spec must be objects")
+    meta = _field(pod, "metadata", dict, "pod")
+    spec = _field(pod, "spec", dict, "pod")
     ns = meta.get("namespace") or "default"
     name = meta.get("name") or meta.get("generateName") or ""
     if not isinstance(ns, str) or not isinstance(name, str):
@@ -112,20 +125,17 @@ def parse_pod(pod: Any, namespace_labels: dict[str, str] | None = None) -> PodRe
     where = f"pod {ns}/{name}"
     containers, inits = [], []
     for key, init, out in (("initContainers", True, inits), ("containers", False, containers)):
-        lst = spec.get(key) or []
-        if not isinstance(lst, list):
-            raise RequestError(f"{where}: spec.{key} must be a list")
-        for c in lst:
+        for c in _field(spec, key, list, f"{where} spec"):
             req = parse_container(c, init, where)
             if req is not None:
                 out.append(req)
     models = None
-    anns = meta.get("annotations") or {}
-    if isinstance(anns, dict) and anns.get(ANN_GPU_MODELS):
+    anns = _field(meta, "annotations", dict, f"{where} metadata")
+    if anns.get(ANN_GPU_MODELS):
         raw = str(anns[ANN_GPU_MODELS]).replace(",", "|")
         models = frozenset(m.strip() for m in raw.split("|") if m.strip()) or None
     owner = None
-    for ref in meta.get("ownerReferences") or []:
+    for ref in _field(meta, "ownerReferences", list, f"{where} metadata"):
         if isinstance(ref, dict) and ref.get("controller"):
             owner = (str(ref.get("kind", "")), str(ref.get("name", "")))
     return PodRequest(
