@@ -1,0 +1,122 @@
+"""`gpupack device-plugin`: the per-node kubelet device plugin.
+
+    gpupack device-plugin --node-name N [--kubelet-dir DIR] [--metrics-port P]
+                          [--enforcement hami-core|mps|both] [--kubeconfig FILE]
+                          [--fake CONFIG.yaml | --fake-gpus N]
+    gpupack device-plugin --discover [--json] [--fake ... ]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from deviceplugin.api import DEFAULT_PLUGIN_DIR
+from deviceplugin.discovery import NvmlUnavailable, discover, init_nvml
+from deviceplugin.nvml_facade import NvmlFacade
+from gpupack import handoff
+
+PROG = "gpupack device-plugin"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="gpupack's kubelet device plugin (resource gpupack.io/gpu)")
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), help="this node (default $NODE_NAME)")
+    p.add_argument("--kubelet-dir", default=DEFAULT_PLUGIN_DIR, help="kubelet device plugin directory")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    fake = p.add_mutually_exclusive_group()
+    fake.add_argument("--fake", metavar="CONFIG.yaml", help="use a fake NVML described by this file (no GPU needed)")
+    fake.add_argument("--fake-gpus", type=int, metavar="N", help="use a fake NVML with N H200-class GPUs")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-addr", default="0.0.0.0", help="address for /metrics (default 0.0.0.0)")
+    p.add_argument("--enforcement", choices=handoff.ENFORCEMENT_MODES, default=handoff.ENFORCE_BOTH,
+                   help="which env a shared container gets: HAMi-core, MPS, or both (default)")
+    p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between GPU health probes")
+    p.add_argument("--discover", action="store_true", help="print the GPU inventory and exit")
+    p.add_argument("--json", action="store_true", help="with --discover: print JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def make_nvml(args: argparse.Namespace) -> NvmlFacade:
+    if args.fake:
+        from deviceplugin.fake_nvml import FakeNvml
+
+        return FakeNvml.from_file(args.fake)
+    if args.fake_gpus is not None:
+        from deviceplugin.fake_nvml import FakeNvml
+
+        return FakeNvml({"gpus": args.fake_gpus, "numa_nodes": 2 if args.fake_gpus > 1 else 1})
+    from deviceplugin.nvml_facade import PynvmlFacade
+
+    return PynvmlFacade()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from deviceplugin.fake_nvml import FakeConfigError
+
+    try:
+        nvml = make_nvml(args)
+        init_nvml(nvml)
+        found = discover(nvml)
+    except (NvmlUnavailable, FakeConfigError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    if args.discover:
+        print(found.to_json() if args.json else found.table())
+        nvml.shutdown()
+        return 0
+    if not args.node_name:
+        print(f"{PROG}: --node-name (or $NODE_NAME) is required", file=sys.stderr)
+        return 2
+    if not found.gpus:
+        print(f"{PROG}: no usable GPU on this node ({'; '.join(found.skipped) or 'NVML reports none'})",
+              file=sys.stderr)
+        return 1
+
+    from deviceplugin.kube import KubeError, load_api_client
+    from deviceplugin.plugin import DevicePlugin, PluginConfig
+
+    try:
+        api_client = load_api_client(args.kubeconfig)
+    except KubeError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    cfg = PluginConfig(
+        node=args.node_name, kubelet_dir=args.kubelet_dir, enforcement=args.enforcement,
+        metrics_port=args.metrics_port, metrics_addr=args.metrics_addr, probe_interval_s=args.probe_interval,
+    )
+    for s in found.skipped:
+        logging.getLogger("gpupack.deviceplugin").warning("skipped %s", s)
+    plugin = DevicePlugin(cfg, nvml, found, api_client)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger("gpupack.deviceplugin").info("signal %d: stopping", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        plugin.start()
+    except OSError as e:
+        print(f"{PROG}: cannot start: {e}", file=sys.stderr)
+        plugin.stop()
+        return 1
+    while not done.wait(1.0):
+        pass
+    plugin.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

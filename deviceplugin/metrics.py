@@ -1,0 +1,128 @@
+"""Prometheus metrics of the device plugin (served on /metrics by prometheus-client).
+
+Per-GPU reservations are computed at scrape time from the assignments of the live pods on this
+node (state lives in Kubernetes), cached briefly so a scrape storm does not hammer the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from deviceplugin.health import DeviceState
+from gpupack import handoff
+
+log = logging.getLogger("gpupack.deviceplugin.metrics")
+
+
+def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]]:
+    """uuid -> (reserved MiB, reserved SM %) summed over the live pods assigned on `node`.
+
+    Init containers run before the app containers, so a pod holds the larger of its init
+    containers' and the sum of its app containers' shares, per GPU.
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for p in map(handoff.pod_view, pods):
+        if not p.live or handoff.ANN_ASSIGNMENT not in p.annotations:
+            continue
+        try:
+            a = p.assignment()
+        except handoff.ContractError:
+            continue
+        if a.node != node:
+            continue
+        init_names = {c.name for c in p.containers if c.init}
+        app: dict[str, list[int]] = {}
+        init: dict[str, list[int]] = {}
+        for cname, shares in a.containers.items():
+            target = init if cname in init_names else app
+            for s in shares:
+                acc = target.setdefault(s.uuid, [0, 0])
+                if target is init:
+                    acc[0], acc[1] = max(acc[0], s.mem_mib), max(acc[1], s.sm_pct)
+                else:
+                    acc[0] += s.mem_mib
+                    acc[1] += s.sm_pct
+        for uuid in set(app) | set(init):
+            mem = max(app.get(uuid, [0, 0])[0], init.get(uuid, [0, 0])[0])
+            sm = max(app.get(uuid, [0, 0])[1], init.get(uuid, [0, 0])[1])
+            m0, s0 = out.get(uuid, (0, 0))
+            out[uuid] = (m0 + mem, s0 + sm)
+    return out
+
+
+class _GPUCollector(Collector):
+    def __init__(self, node: str, state: DeviceState, list_pods: Callable[[], list[dict]] | None, ttl_s: float):
+        self.node = node
+        self.state = state
+        self.list_pods = list_pods
+        self.ttl_s = ttl_s
+        self._cache: tuple[float, dict[str, tuple[int, int]]] = (0.0, {})
+        self._lock = threading.Lock()
+
+    def _reserved(self) -> dict[str, tuple[int, int]]:
+        if self.list_pods is None:
+            return {}
+        with self._lock:
+            t, val = self._cache
+            if time.monotonic() - t < self.ttl_s:
+                return val
+            try:
+                val = reserved_by_gpu(self.list_pods(), self.node)
+            except Exception as e:  # a scrape must not fail because the API is down
+                log.warning("cannot compute reservations: %s", e)
+                return val
+            self._cache = (time.monotonic(), val)
+            return val
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["node", "gpu", "index", "model"]
+        cap = GaugeMetricFamily("gpupack_gpu_memory_mib", "GPU memory capacity (MiB)", labels=labels)
+        sms = GaugeMetricFamily("gpupack_gpu_sm_count", "Streaming multiprocessors of the GPU", labels=labels)
+        healthy = GaugeMetricFamily("gpupack_gpu_healthy", "1 when the GPU is healthy", labels=labels)
+        rmem = GaugeMetricFamily(
+            "gpupack_gpu_reserved_memory_mib", "GPU memory reserved by assigned pods (MiB)", labels=labels
+        )
+        rsm = GaugeMetricFamily(
+            "gpupack_gpu_reserved_sm_percent", "SM share reserved by assigned pods (percent)", labels=labels
+        )
+        reserved = self._reserved()
+        for g in self.state.gpus():
+            lv = [self.node, g.uuid, str(g.index), g.model]
+            cap.add_metric(lv, g.mem_mib)
+            sms.add_metric(lv, g.sm_count)
+            healthy.add_metric(lv, 1 if g.healthy else 0)
+            m, s = reserved.get(g.uuid, (0, 0))
+            rmem.add_metric(lv, m)
+            rsm.add_metric(lv, s)
+        yield from (cap, sms, healthy, rmem, rsm)
+
+
+class Metrics:
+    def __init__(
+        self, node: str, state: DeviceState, list_pods: Callable[[], list[dict]] | None = None, ttl_s: float = 5.0
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_GPUCollector(node, state, list_pods, ttl_s))
+        self.handoff_failures = Counter(
+            "gpupack_handoff_failures", "Allocate calls that failed the handoff, by reason",
+            ["reason"], registry=self.registry,
+        )
+        self.allocate_latency = Histogram(
+            "gpupack_allocate_seconds", "Allocate latency (including the Kubernetes API calls)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry,
+        )
+        self.registrations = Counter(
+            "gpupack_kubelet_registrations", "Successful registrations with the kubelet", registry=self.registry
+        )
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return server

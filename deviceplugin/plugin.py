@@ -1,0 +1,90 @@
+"""Wires discovery, health, serving, registration, publishing and metrics into one plugin."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from kubernetes import client
+
+from deviceplugin.allocate import Allocator
+from deviceplugin.api import KUBELET_SOCKET_NAME
+from deviceplugin.discovery import Discovery
+from deviceplugin.health import DeviceState, HealthWatcher
+from deviceplugin.kube import Kube
+from deviceplugin.metrics import Metrics
+from deviceplugin.nvml_facade import NvmlFacade
+from deviceplugin.publish import Publisher
+from deviceplugin.registration import KubeletWatcher
+from deviceplugin.server import DevicePluginService, PluginServer
+from gpupack import handoff
+
+log = logging.getLogger("gpupack.deviceplugin")
+
+SOCKET_NAME = "gpupack.sock"
+
+
+@dataclass
+class PluginConfig:
+    node: str
+    kubelet_dir: str
+    enforcement: str = handoff.ENFORCE_BOTH
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    probe_interval_s: float = 5.0
+    socket_name: str = SOCKET_NAME
+
+
+class DevicePlugin:
+    def __init__(self, cfg: PluginConfig, nvml: NvmlFacade, discovery: Discovery, api_client: client.ApiClient):
+        self.cfg = cfg
+        self.nvml = nvml
+        self.state = DeviceState(discovery.gpus, discovery.skipped)
+        self.kube = Kube(api_client)
+        self.metrics = Metrics(cfg.node, self.state, list_pods=lambda: self.kube.pods_on_node(cfg.node))
+        self.allocator = Allocator(self.kube, cfg.node, self.state, self.metrics, cfg.enforcement)
+        self.stopping = threading.Event()
+        self.socket_path = os.path.join(cfg.kubelet_dir, cfg.socket_name)
+        self.server = PluginServer(self.socket_path, DevicePluginService(self.state, self.allocator, self.stopping))
+        self.health = HealthWatcher(nvml, self.state, probe_interval_s=cfg.probe_interval_s)
+        self.publisher = Publisher(self.kube, cfg.node, self.state, cfg.enforcement)
+        self.watcher = KubeletWatcher(
+            os.path.join(cfg.kubelet_dir, KUBELET_SOCKET_NAME), self.server, cfg.socket_name,
+            on_registered=self.metrics.registrations.inc,
+        )
+        self._metrics_server = None
+
+    def start(self) -> None:
+        os.makedirs(self.cfg.kubelet_dir, exist_ok=True)
+        self.server.start()
+        self.health.start()
+        self.publisher.start()
+        self.watcher.start()
+        if self.cfg.metrics_port is not None:
+            self._metrics_server = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
+            log.info("metrics on http://%s:%d/metrics", self.cfg.metrics_addr, self.metrics_port)
+
+    @property
+    def metrics_port(self) -> int | None:
+        if self._metrics_server is None:
+            return None
+        return int(self._metrics_server.server_address[1])
+
+    def stop(self) -> None:
+        """Stop serving and remove the socket (SIGTERM)."""
+        self.stopping.set()
+        self.state.wake_all()
+        self.watcher.stop()
+        self.server.stop()
+        self.health.stop()
+        self.publisher.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        try:
+            self.nvml.shutdown()
+        except Exception as e:  # shutting down anyway
+            log.debug("nvml shutdown: %s", e)
+        log.info("device plugin stopped; socket %s removed", self.socket_path)
