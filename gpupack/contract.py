@@ -54,6 +54,10 @@ HANDOFF_PENDING = "pending"
 HANDOFF_DONE = "done"
 HANDOFF_FAILED = "failed"
 
+# Pod label the extender sets at bind, next to the assignment: its pod watch selects on it, so the
+# extender's memory grows with gpupack pods only, not with every pod in the cluster.
+LABEL_MANAGED = f"{DOMAIN}/managed"
+
 # Scheduler name used by gpupack's kube-scheduler profile.
 SCHEDULER_NAME = "gpupack-scheduler"
 
