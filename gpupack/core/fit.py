@@ -177,8 +177,57 @@ def tightest(node: Node, g: GPU, mem: int, milli: int) -> float:
     return left_mem * 0.5 + left_milli * 0.5
 
 
+def _fit_one_share(node: Node, pod: PodRequest, c: ContainerRequest, rank: GpuRank) -> Fit | None:
+    """The common case (one container, one shared GPU) without the general bookkeeping.
+
+    The extender filters every node per pod, so this path is what its latency is made of; it must
+    decide exactly as the general path does (tests compare the two). None means "does not fit
+    here": the caller then runs the general path, which explains why.
+    """
+    if (node.cpu_milli and pod.cpu_milli > node.cpu_milli - node.cpu_used) or (
+        node.ram_mib and pod.ram_mib > node.ram_mib - node.ram_used
+    ):
+        return None
+    mem = c.mem_mib or 0
+    milli = c.milli or 0
+    cls = pod.pod_class
+    models = pod.gpu_models
+    best = None
+    best_key = 0.0
+    for g in node.gpus:
+        if (
+            not g.healthy
+            or g.exclusive
+            or (g.pod_class is not None and g.pod_class != cls)
+            or g.mem_mib - g.mem_used < mem
+            or FULL - g.milli_used < milli
+            or (models is not None and g.model not in models)
+        ):
+            continue
+        key = rank(node, g, mem, milli)
+        if best is None or key < best_key:
+            best, best_key = g, key
+    if best is None:
+        return None
+    return Fit(
+        Placement(node.name, {c.name: (Share(best.index, mem, milli, False),)}),
+        {best.index: (mem, milli, False)},
+    )
+
+
 def fit(node: Node, pod: PodRequest, rank: GpuRank = tightest) -> Fit | FitFailure:
     """Place every GPU container of `pod` on `node`, choosing GPUs by `rank`; or say why not."""
+    if len(pod.containers) == 1 and not pod.init_containers and node.schedulable and node.gpus:
+        c = pod.containers[0]
+        if c.gpus == 1 and not c.exclusive:
+            f = _fit_one_share(node, pod, c, rank)
+            if f is not None:
+                return f
+    return fit_general(node, pod, rank)
+
+
+def fit_general(node: Node, pod: PodRequest, rank: GpuRank = tightest) -> Fit | FitFailure:
+    """The general path: any mix of containers, init containers, whole and shared GPUs."""
     bad = static_check(node, pod)
     if bad is not None:
         return bad

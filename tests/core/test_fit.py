@@ -98,3 +98,37 @@ def test_multi_gpu_container_gets_distinct_gpus_on_one_node():
     assert isinstance(f, Fit)
     idx = [s.gpu_index for s in f.placement.containers["c"]]
     assert len(set(idx)) == 3
+
+
+def test_fast_single_share_path_decides_like_the_general_path():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from gpupack.core.fit import fit_general
+
+    @settings(max_examples=200, deadline=None)
+    @given(
+        st.lists(st.tuples(st.sampled_from(["online", "offline"]), st.integers(1, 20000), st.integers(0, 60)), max_size=12),
+        st.sampled_from(["online", "offline"]),
+        st.integers(1, 24576),
+        st.integers(0, 100),
+        st.booleans(),
+    )
+    def check(existing, cls, mem, pct, sick):
+        n = node(n=4)
+        n.gpus[2].healthy = not sick
+        s = ClusterState()
+        s.add_node(n)
+        for i, (c, m, p) in enumerate(existing):
+            f = fit(n, req(f"e{i}", cls=c, mem=m, milli=p * 10))
+            if f:
+                s.place(req(f"e{i}", cls=c, mem=m, milli=p * 10), f.placement, f.charged)
+        pod = req(cls=cls, mem=mem, milli=pct * 10 or None)
+        a, b = fit(n, pod), fit_general(n, pod)
+        assert type(a) is type(b)
+        if isinstance(a, Fit):
+            assert a.placement == b.placement and a.charged == b.charged
+        else:
+            assert a.reason == b.reason
+
+    check()
