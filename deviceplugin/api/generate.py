@@ -33,6 +33,28 @@ def generate() -> dict[str, str]:
     return out
 
 
+def proto_descriptor() -> bytes:
+    """FileDescriptorProto of proto/api.proto as protoc compiles it now (serialized)."""
+    from google.protobuf import descriptor_pb2
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "api.desc"
+        rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_DIR}", f"--descriptor_set_out={out}", "api.proto"])
+        if rc != 0:
+            raise RuntimeError(f"protoc failed with exit status {rc}")
+        fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    f = fds.file[0]
+    # Generated modules embed descriptors without json_name; drop it to compare like with like.
+    stack = list(f.message_type)
+    while stack:
+        m = stack.pop()
+        for fld in m.field:
+            fld.ClearField("json_name")
+        stack.extend(m.nested_type)
+    return f.SerializeToString(deterministic=True)
+
+
 def stale_files() -> list[str]:
     return [n for n, text in generate().items() if not (OUT_DIR / n).exists() or (OUT_DIR / n).read_text() != text]
 
