@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from gpupack.core.fgd import FGDPolicy, Workload
 from gpupack.core.fit import Fit, FitFailure, fit, tightest
 from gpupack.core.model import FULL, GPU, ClusterState, Node, PodRequest
 
@@ -20,6 +21,14 @@ class Policy:
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
+        # Per-seed random order of the nodes: ties go to the node first in it (openb-replay.md).
+        self.tie_key: dict[str, float] = {}
+
+    def rank_nodes(self, names: Iterable[str]) -> None:
+        """Give every node not seen before its place in the tie order (one RNG draw each, in order)."""
+        for n in names:
+            if n not in self.tie_key:
+                self.tie_key[n] = self.rng.random()
 
     def gpu_rank(self, node: Node, gpu: GPU, mem: int, milli: int) -> float:
         return tightest(node, gpu, mem, milli)
@@ -56,15 +65,24 @@ def _gpu_free_after(node: Node, f: Fit) -> float:
 
 
 class BestFitPolicy(Policy):
-    """The node left with the least room, averaged over normalised CPU and GPU; tightest GPU inside."""
+    """The node left with the least room, averaged over normalised CPU and GPU; tightest GPU inside.
+
+    Integer score ``int(100 * (1 - leftover))`` as in the published simulator (openb-replay.md).
+    """
 
     name = "bestfit"
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
-        parts = [_gpu_free_after(node, f)]
-        if node.cpu_milli:
-            parts.append((node.free_cpu - pod.cpu_milli) / node.cpu_milli)
-        return -sum(parts) / len(parts)
+        return bestfit_score(
+            _gpu_free_after(node, f),
+            (node.free_cpu - pod.cpu_milli) / node.cpu_milli if node.cpu_milli else None,
+        )
+
+
+def bestfit_score(gpu_left: float, cpu_left: float | None) -> int:
+    """Shared by the policy and the replay's fast path so both compute the same float expression."""
+    left = gpu_left if cpu_left is None else (gpu_left + cpu_left) / 2
+    return int(100 * (1 - left))
 
 
 @dataclass
@@ -92,17 +110,26 @@ def filter_nodes(
     return ok, bad
 
 
+def pick_best(scored: list[tuple[str, float]], policy: Policy) -> str:
+    """Highest score; ties go to the node first in the policy's seeded random node order.
+
+    A fixed order (not a fresh draw per decision) is what the published openb runs did; it also
+    makes ties pack onto the same nodes instead of spreading. The replay's fast path does the same.
+    """
+    policy.rank_nodes(n for n, _ in scored)
+    top = max(s for _, s in scored)
+    return min((n for n, s in scored if s == top), key=policy.tie_key.__getitem__)
+
+
 def schedule(state: ClusterState, pod: PodRequest, policy: Policy, commit: bool = True) -> Decision:
     """Filter every node, score the feasible ones, pick the best (ties: the policy's seeded order)."""
+    policy.rank_nodes(state.nodes)
     ok, bad = filter_nodes(state.nodes.values(), pod, policy)
     if not ok:
         return Decision(None, None, bad)
-    best_name, best_key = None, None
-    for name, f in ok.items():
-        key = (policy.node_score(state.nodes[name], pod, f), policy.rng.random())
-        if best_key is None or key > best_key:
-            best_name, best_key = name, key
-    assert best_name is not None
+    best_name = pick_best(
+        [(name, policy.node_score(state.nodes[name], pod, f)) for name, f in ok.items()], policy
+    )
     chosen = ok[best_name]
     if commit:
         state.place(pod, chosen.placement, chosen.charged)
@@ -113,7 +140,24 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "random": RandomPolicy,
     "bestfit": BestFitPolicy,
 }
-DEFAULT_POLICY = "bestfit"
+DEFAULT_POLICY = "gpupack"
+
+
+class FGD(FGDPolicy, Policy):
+    """`fgd`: fragmentation gradient descent (see :mod:`gpupack.core.fgd`)."""
+
+    def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
+        Policy.__init__(self, seed)
+        self._setup(workload)
+
+
+POLICIES["fgd"] = FGD
+
+
+def _register_extra() -> None:
+    # The default policy's module imports this one; register it lazily to avoid an import cycle.
+    if "gpupack" not in POLICIES:
+        from gpupack.core import gpupack_policy  # noqa: F401
 
 
 class UnknownPolicy(ValueError):
@@ -121,6 +165,7 @@ class UnknownPolicy(ValueError):
 
 
 def get_policy(name: str, seed: int = 0, **kwargs) -> Policy:
+    _register_extra()
     try:
         factory = POLICIES[name]
     except KeyError:

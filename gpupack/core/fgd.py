@@ -1,0 +1,190 @@
+"""Fragmentation Gradient Descent (FGD), as published for the openb trace.
+
+Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing Workloads with Fragmentation
+Gradient Descent", USENIX ATC 2023.
+
+A node's *fragmentation* is the GPU capacity (milli) that a typical arriving pod could not use
+there, averaged over a target workload: the pod shapes that make up ~95% of the pods, each weighted
+by its popularity. For one shape, a node that cannot host it at all (wrong model, too little CPU,
+too few GPUs with enough free milli) counts all of its free GPU milli as fragment; a node that can
+counts only the GPUs whose free milli is below the shape's per-GPU request. FGD places a pod where,
+and on the GPU where, that expected fragmentation grows least. Host RAM is ignored, as published.
+
+Scores are integers 0..100, ``int(100 * sigmoid(decrease / 1000))`` as in the published simulator,
+so many nodes tie; :func:`gpupack.core.policies.schedule` breaks ties with the policy's seeded RNG.
+
+Fragmentation is kept as an integer (shape counts × milli) so that the trace replay's vectorised
+fast path and this per-node code compute bit-identical scores.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gpupack.core.fit import Fit, FitFailure, fit
+from gpupack.core.model import FULL, GPU, Node, PodRequest
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one kind of pod asks for: host CPU, GPU count and per-GPU share, allowed models, class."""
+
+    cpu_milli: int
+    gpus: int
+    milli: int  # per GPU; FULL for whole GPUs
+    mem_mib: int = 0  # per GPU; 0 in the openb trace
+    models: frozenset[str] | None = None
+    pod_class: str | None = None
+
+
+def shape_of(pod: PodRequest) -> Shape:
+    """The pod's shape; a multi-container pod is summarised by its largest GPU container."""
+    cs = pod.containers
+    if not cs:
+        return Shape(pod.cpu_milli, 0, 0, 0, pod.gpu_models, pod.pod_class)
+    c = max(cs, key=lambda c: (c.exclusive, c.gpus, c.milli or 0, c.mem_mib or 0))
+    milli = FULL if c.exclusive else (c.milli or 0)
+    return Shape(pod.cpu_milli, c.gpus, milli, c.mem_mib or 0, pod.gpu_models, pod.pod_class)
+
+
+class Workload:
+    """Popularity of pod shapes; `typical()` keeps the most popular ones covering `coverage` of pods.
+
+    Weights stay integer counts and `total` counts every pod seen, as the published simulator
+    divides each shape's count by all pods without renormalising the kept ones.
+    """
+
+    def __init__(self, counts: Counter[Shape] | None = None, coverage: float = 0.95) -> None:
+        self.counts: Counter[Shape] = Counter(counts or {})
+        self.coverage = coverage
+        self._cache: tuple[int, tuple[tuple[Shape, ...], tuple[int, ...]]] | None = None
+        self._version = 0
+
+    @classmethod
+    def of(cls, shapes: Iterable[Shape], coverage: float = 0.95) -> Workload:
+        return cls(Counter(shapes), coverage)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def add(self, shape: Shape) -> None:
+        self.counts[shape] += 1
+        self._version += 1
+
+    def typical(self) -> tuple[tuple[Shape, ...], tuple[int, ...]]:
+        if self._cache is not None and self._cache[0] == self._version:
+            return self._cache[1]
+        total = self.total
+        shapes: list[Shape] = []
+        weights: list[int] = []
+        acc = 0
+        for s, n in self.counts.most_common():  # ties keep first-seen order: deterministic
+            shapes.append(s)
+            weights.append(n)
+            acc += n
+            if acc >= self.coverage * total:
+                break
+        out = (tuple(shapes), tuple(weights))
+        self._cache = (self._version, out)
+        return out
+
+
+def node_state(node: Node) -> tuple[list[int], int | None]:
+    """Free milli per GPU (an unhealthy GPU has none) and free CPU (None when CPU is not tracked)."""
+    frees = [g.free_milli if g.healthy else 0 for g in node.gpus]
+    return frees, (node.free_cpu if node.cpu_milli else None)
+
+
+def frag(
+    frees: Sequence[int], cpu_left: int | None, model: str, shapes: Sequence[Shape], weights: Sequence[int]
+) -> int:
+    """Expected fragmentation × pod count: Σ_shape count × (free milli that shape cannot use here)."""
+    total = sum(frees)
+    out = 0
+    for s, w in zip(shapes, weights, strict=True):
+        if (
+            s.gpus
+            and (s.models is None or model in s.models)
+            and (cpu_left is None or cpu_left >= s.cpu_milli)
+        ):
+            fits = 0
+            part = 0
+            for f in frees:
+                if f >= s.milli:
+                    fits += 1
+                else:
+                    part += f
+            if fits >= s.gpus:
+                out += w * part
+                continue
+        out += w * total
+    return out
+
+
+# Integer score k (0..99) iff x >= logit(k/100): one table shared by both code paths.
+SIGMOID_STEPS = tuple(math.log(k / (100 - k)) for k in range(1, 100))
+
+
+def sigmoid_score(decrease: int, total: int) -> int:
+    """``int(100 * sigmoid(decrease / total / 1000))`` without float drift between code paths."""
+    if total <= 0:
+        return 50
+    return bisect_right(SIGMOID_STEPS, decrease / (total * 1000))
+
+
+def after(
+    frees: Sequence[int], cpu_left: int | None, pod: PodRequest, charged: dict
+) -> tuple[list[int], int | None]:
+    out = list(frees)
+    for idx, (_, milli, ex) in charged.items():
+        out[idx] -= FULL if ex else milli
+    return out, (None if cpu_left is None else cpu_left - pod.cpu_milli)
+
+
+class FGDPolicy:
+    """Mixin body for the `fgd` policy; registered in :mod:`gpupack.core.policies`.
+
+    `workload`: the target workload (the replay passes the trace's shapes). Without one the policy
+    learns it from the pods it is shown through `observe`, which is what a live scheduler does.
+    """
+
+    name = "fgd"
+    workload: Workload
+    learn: bool
+
+    def _setup(self, workload: Workload | None) -> None:
+        self.learn = workload is None
+        self.workload = workload if workload is not None else Workload()
+
+    def observe(self, pod: PodRequest) -> None:
+        if self.learn:
+            self.workload.add(shape_of(pod))
+
+    def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
+        shapes, weights = self.workload.typical()
+        total = self.workload.total
+        frees, cpu = node_state(node)
+        model = node.model
+        before = frag(frees, cpu, model, shapes, weights)
+        cpu_after = None if cpu is None else cpu - pod.cpu_milli
+
+        def rank(n: Node, g: GPU, mem: int, milli: int) -> float:
+            if milli >= FULL:
+                return g.index  # whole GPUs: all idle ones leave the same node behind
+            trial = list(frees)
+            trial[g.index] -= milli
+            return -sigmoid_score(before - frag(trial, cpu_after, model, shapes, weights), total)
+
+        return fit(node, pod, rank)
+
+    def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
+        shapes, weights = self.workload.typical()
+        frees, cpu = node_state(node)
+        before = frag(frees, cpu, node.model, shapes, weights)
+        a_frees, a_cpu = after(frees, cpu, pod, f.charged)
+        return sigmoid_score(before - frag(a_frees, a_cpu, node.model, shapes, weights), self.workload.total)

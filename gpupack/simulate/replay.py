@@ -1,0 +1,397 @@
+"""Replay the openb trace exactly as ../shared/design/openb-replay.md describes.
+
+Two code paths take the same decisions:
+- :func:`replay` — the fast path: the cluster as numpy arrays, per node cached fragmentation
+  aggregates (per target shape: GPUs that fit it, free milli it cannot use), only the changed node
+  recomputed after a placement, every candidate (node, distinct GPU free value) scored at once.
+- :func:`replay_generic` — the same replay through :func:`gpupack.core.policies.schedule`, the
+  per-node policy code the extender runs. Slow; tests check both agree on a reduced replay.
+
+Both break score ties with the policy's seeded `random.Random` (one draw, only when tied).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpupack.core.fgd import SIGMOID_STEPS, Shape, Workload
+from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
+from gpupack.core.policies import get_policy, schedule
+from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList
+
+INFLATE_TO = 1.30  # arrived GPU request, as a share of capacity
+BINS = 131  # 0..130 % of capacity
+FAST_POLICIES = ("random", "bestfit", "fgd", "gpupack")
+
+
+def arrival_order(pods: PodList, capacity: int, seed: int) -> np.ndarray:
+    """Seeded permutation, then uniform draws with replacement until 130% of capacity would pass."""
+    rng = np.random.default_rng(seed)
+    req = pods.gpu_request
+    limit = INFLATE_TO * capacity
+    order = list(rng.permutation(len(pods)))
+    total = int(req.sum())
+    if total > limit:
+        # Remove random pods until the trace is within the limit.
+        keep = np.ones(len(order), bool)
+        for i in rng.permutation(len(order)):
+            if total <= limit:
+                break
+            if req[order[i]]:
+                keep[i] = False
+                total -= int(req[order[i]])
+        return np.asarray(order, np.int64)[keep]
+    extra = []
+    while True:
+        i = int(rng.integers(len(pods)))
+        if total + req[i] > limit:
+            break
+        total += int(req[i])
+        extra.append(i)
+    return np.asarray(order + extra, np.int64)
+
+
+def trace_workload(pods: PodList, coverage: float = 0.95) -> Workload:
+    """The target workload FGD uses: shapes of the ORIGINAL trace (before inflation)."""
+    return Workload.of(
+        (
+            Shape(int(c), int(n), int(m), 0, s)
+            for c, n, m, s in zip(pods.cpu, pods.num_gpu, pods.gpu_milli, pods.spec, strict=True)
+        ),
+        coverage,
+    )
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    seed: int
+    curve: list[float | None]  # allocation ratio % per arrived-request bin 0..130 (None: no event)
+    arrived: int
+    placed: int
+    failed_gpu_milli: int
+    decisions: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (node, gpus) or (-1, ())
+
+    @property
+    def unallocated_pct_at_100(self) -> float:
+        v = self.curve[100]
+        return float("nan") if v is None else 100.0 - v
+
+
+class _Curve:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.sums = np.zeros(BINS)
+        self.counts = np.zeros(BINS, np.int64)
+
+    def add(self, arrived: int, allocated: int) -> None:
+        b = arrived * 100 // self.capacity
+        if b < BINS:
+            self.sums[b] += allocated * 100 / self.capacity
+            self.counts[b] += 1
+
+    def values(self) -> list[float | None]:
+        return [float(s / c) if c else None for s, c in zip(self.sums, self.counts, strict=True)]
+
+
+class FastCluster:
+    """The openb cluster as arrays, with per-shape fragmentation aggregates cached per node."""
+
+    def __init__(self, nodes: NodeList, workload: Workload) -> None:
+        self.n = len(nodes)
+        self.g = max(1, int(nodes.gpus.max()))
+        self.models = sorted(set(nodes.model))
+        mindex = {m: i for i, m in enumerate(self.models)}
+        self.model = np.array([mindex[m] for m in nodes.model], np.int64)
+        self.ngpu = nodes.gpus.copy()
+        self.cpu_cap = nodes.cpu.copy()
+        self.cpu = nodes.cpu.copy()
+        self.ram = nodes.ram.copy()
+        self.free = np.zeros((self.n, self.g), np.int64)  # missing GPUs look fully used
+        for i, k in enumerate(self.ngpu):
+            self.free[i, :k] = FULL
+        self.gpu_cap = self.ngpu * FULL
+        shapes, weights = workload.typical()
+        self.total_w = workload.total
+        self.s_cpu = np.array([s.cpu_milli for s in shapes], np.int64)
+        self.s_num = np.array([s.gpus for s in shapes], np.int64)
+        # A CPU-only shape never "fits" in the fragmentation sense (all free GPU milli is fragment).
+        self.s_milli = np.array([s.milli if s.gpus else FULL + 1 for s in shapes], np.int64)
+        self.w = np.array(weights, np.int64)
+        self.access = np.array(
+            [[bool(s.gpus) and (s.models is None or m in s.models) for s in shapes] for m in self.models],
+            bool,
+        ).reshape(len(self.models), len(shapes))
+        self.cnt = np.zeros((self.n, len(shapes)), np.int64)
+        self.part = np.zeros((self.n, len(shapes)), np.int64)
+        self.tot = np.zeros(self.n, np.int64)
+        self.frag = np.zeros(self.n, np.int64)
+        self._refresh(np.arange(self.n))
+
+    def _refresh(self, idx: np.ndarray) -> None:
+        f = self.free[idx]  # (k, G)
+        ge = f[:, :, None] >= self.s_milli[None, None, :]  # (k, G, S)
+        self.cnt[idx] = ge.sum(1)
+        self.part[idx] = (f[:, :, None] * ~ge).sum(1)
+        self.tot[idx] = f.sum(1)
+        self.frag[idx] = self._frag(idx, self.cnt[idx], self.part[idx], self.tot[idx], self.cpu[idx])
+
+    def _frag(self, idx, cnt, part, tot, cpu) -> np.ndarray:
+        q3 = self.access[self.model[idx]] & (cnt >= self.s_num) & (cpu[:, None] >= self.s_cpu)
+        return (np.where(q3, part, tot[:, None]) * self.w).sum(1)
+
+    def frag_after(
+        self, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int, cpu: int
+    ) -> np.ndarray:
+        """Fragmentation of nodes `idx` after taking `milli` from a GPU with `f` free, or `whole` idle GPUs."""
+        cnt = self.cnt[idx]
+        part = self.part[idx]
+        tot = self.tot[idx]
+        if f is not None:
+            sm = self.s_milli
+            r = f - milli
+            fc, rc = f[:, None], r[:, None]
+            cnt = cnt - (fc >= sm) + (rc >= sm)
+            part = part - fc * (fc < sm) + rc * (rc < sm)
+            tot = tot - milli
+        elif whole:
+            cnt = cnt - whole * (self.s_milli <= FULL)
+            tot = tot - whole * FULL
+        return self._frag(idx, cnt, part, tot, self.cpu[idx] - cpu)
+
+    def take(self, n: int, gpus: tuple[int, ...], milli: int, cpu: int, ram: int) -> None:
+        for j in gpus:
+            self.free[n, j] -= milli
+        self.cpu[n] -= cpu
+        self.ram[n] -= ram
+        self._refresh(np.array([n]))
+
+
+def _first_per_value(free: np.ndarray) -> np.ndarray:
+    """Mask of GPUs that are the first on their node with their free value (equal GPUs are alike)."""
+    g = free.shape[1]
+    eq = free[:, :, None] == free[:, None, :]
+    earlier = np.tril(np.ones((g, g), bool), -1)  # [j, j'] with j' < j
+    return ~(eq & earlier[None]).any(2)
+
+
+def _group_best(
+    score: np.ndarray, inner: np.ndarray | None, groups: np.ndarray, starts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per group (one node's candidates, consecutive): max score and the first candidate reaching it
+    (among those, the highest `inner` in-node preference first)."""
+    best = np.maximum.reduceat(score, starts)
+    hit = score == best[groups]
+    if inner is not None:
+        masked = np.where(hit, inner, np.iinfo(np.int64).min)
+        hit &= inner == np.maximum.reduceat(masked, starts)[groups]
+    first = np.full(len(starts), -1)
+    hit_idx = np.nonzero(hit)[0]
+    g_of = groups[hit_idx]
+    uniq, pos = np.unique(g_of, return_index=True)
+    first[uniq] = hit_idx[pos]
+    return best, first
+
+
+# Scorers: given the cluster, the feasible candidates and the pod, return one score per candidate
+# (higher first), optionally with a second array: the in-node GPU preference among equal scores.
+Scorer = Callable[..., "np.ndarray | tuple[np.ndarray, np.ndarray]"]
+
+
+def _fgd_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray:
+    dec = cl.frag[idx] - cl.frag_after(idx, f, milli, whole, cpu)
+    if cl.total_w <= 0:
+        return np.full(len(idx), 50, np.int64)
+    return np.searchsorted(SIGMOID_STEPS, dec / (cl.total_w * 1000), side="right").astype(np.int64)
+
+
+def _bestfit_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray:
+    req = milli if f is not None else whole * FULL
+    gpu_left = np.maximum(0.0, (cl.tot[idx] - req) / cl.gpu_cap[idx])
+    cpu_left = (cl.cpu[idx] - cpu) / cl.cpu_cap[idx]
+    score = (100 * (1 - (gpu_left + cpu_left) / 2)).astype(np.int64)
+    # Inside a node: the tightest GPU that fits (least free milli), as the generic `tightest` rank.
+    return (score, -f) if f is not None else score
+
+
+def _fast_scorer(name: str, policy) -> Scorer | None:
+    if name == "fgd":
+        return _fgd_scores
+    if name == "bestfit":
+        return _bestfit_scores
+    if name == "gpupack":
+        from gpupack.core.gpupack_policy import fast_scores
+
+        return lambda cl, idx, f, milli, whole, cpu: fast_scores(policy, cl, idx, f, milli, whole, cpu)
+    return None
+
+
+def replay(
+    nodes: NodeList,
+    pods: PodList,
+    policy_name: str,
+    seed: int,
+    order: np.ndarray | None = None,
+    workload: Workload | None = None,
+    keep_decisions: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """One fast replay of `pods` on `nodes` with one policy and seed."""
+    capacity = nodes.gpu_capacity
+    if order is None:
+        order = arrival_order(pods, capacity, seed)
+    if workload is None:
+        workload = trace_workload(pods)
+    policy = (
+        get_policy(policy_name, seed=seed, workload=workload)
+        if policy_name in ("fgd", "gpupack")
+        else get_policy(policy_name, seed=seed)
+    )
+    rng: random.Random = policy.rng
+    policy.rank_nodes(nodes.names)
+    tie_key = np.array([policy.tie_key[n] for n in nodes.names])
+    cl = FastCluster(nodes, workload)
+    scorer = _fast_scorer(policy_name, policy)
+    models = cl.models
+    spec_mask: dict[frozenset[str] | None, np.ndarray] = {}
+    curve = _Curve(capacity)
+    arrived = allocated = placed = failed = 0
+    decisions: list[tuple[int, tuple[int, ...]]] = []
+    gidx = np.arange(cl.g)
+    for step, p in enumerate(order):
+        cpu, ram, num, milli, spec = (
+            int(pods.cpu[p]),
+            int(pods.ram[p]),
+            int(pods.num_gpu[p]),
+            int(pods.gpu_milli[p]),
+            pods.spec[p],
+        )
+        req = num * milli
+        arrived += req
+        mm = spec_mask.get(spec)
+        if mm is None:
+            mm = spec_mask[spec] = np.array([spec is None or m in spec for m in models], bool)
+        ok = (cl.cpu >= cpu) & (cl.ram >= ram) & mm[cl.model]
+        sharing = num == 1 and milli < FULL
+        chosen: tuple[int, tuple[int, ...]] = (-1, ())
+        if sharing:
+            fits = (cl.free >= milli) & ok[:, None]
+            cand = fits & _first_per_value(cl.free) if scorer is not None else fits
+            cn, cj = np.nonzero(cand)
+            if len(cn):
+                if scorer is None:  # random: a uniformly random feasible node, then GPU
+                    nodes_ok = np.unique(cn)
+                    n = int(nodes_ok[rng.randrange(len(nodes_ok))])
+                    js = np.nonzero(fits[n])[0]
+                    chosen = (n, (int(js[rng.randrange(len(js))]),))
+                else:
+                    out = scorer(cl, cn, cl.free[cn, cj], milli, 0, cpu)
+                    score, inner = out if isinstance(out, tuple) else (out, None)
+                    starts = np.r_[0, np.nonzero(np.diff(cn))[0] + 1]
+                    groups = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(cn)]))
+                    best, first = _group_best(score, inner, groups, starts)
+                    top = best.max()
+                    ties = np.nonzero(best == top)[0]
+                    c = first[ties[np.argmin(tie_key[cn[first[ties]]])]]
+                    chosen = (int(cn[c]), (int(cj[c]),))
+        else:
+            if num:
+                idle = cl.free == FULL
+                ok &= idle.sum(1) >= num
+            cn = np.nonzero(ok)[0]
+            if len(cn):
+                if scorer is None:
+                    n = int(cn[rng.randrange(len(cn))])
+                else:
+                    out = scorer(cl, cn, None, 0, num, cpu)
+                    score = out[0] if isinstance(out, tuple) else out
+                    ties = cn[score == score.max()]
+                    n = int(ties[np.argmin(tie_key[ties])])
+                if num:
+                    js = gidx[cl.free[n] == FULL]
+                    if scorer is None:
+                        js = np.array(sorted(rng.sample(list(js), num)))
+                    chosen = (n, tuple(int(j) for j in js[:num]))
+                else:
+                    chosen = (n, ())
+        n = chosen[0]
+        if n >= 0:
+            cl.take(n, chosen[1], milli if sharing else FULL, cpu, ram)
+            allocated += req
+            placed += 1
+        else:
+            failed += req
+        if keep_decisions:
+            decisions.append(chosen)
+        curve.add(arrived, allocated)
+        if progress is not None and step % 256 == 0:
+            progress(step)
+    return ReplayResult(policy_name, seed, curve.values(), len(order), placed, failed, decisions)
+
+
+# --- the generic path ------------------------------------------------------------------------
+
+
+def build_state(nodes: NodeList) -> ClusterState:
+    st = ClusterState()
+    for i, name in enumerate(nodes.names):
+        model = nodes.model[i]
+        mem = GPU_MEM_MIB.get(model, DEFAULT_GPU_MEM_MIB)
+        gpus = [GPU(f"{name}-gpu{j}", j, model, mem) for j in range(int(nodes.gpus[i]))]
+        st.add_node(Node(name, gpus, int(nodes.cpu[i]), int(nodes.ram[i])))
+    return st
+
+
+def pod_request(pods: PodList, i: int, key: str) -> PodRequest:
+    num, milli = int(pods.num_gpu[i]), int(pods.gpu_milli[i])
+    if num == 0:
+        cs: tuple[ContainerRequest, ...] = ()
+    elif milli >= FULL:
+        cs = (ContainerRequest("main", num),)
+    else:
+        cs = (ContainerRequest("main", 1, mem_mib=None, milli=milli),)
+    return PodRequest(
+        key, containers=cs, cpu_milli=int(pods.cpu[i]), ram_mib=int(pods.ram[i]), gpu_models=pods.spec[i]
+    )
+
+
+def replay_generic(
+    nodes: NodeList,
+    pods: PodList,
+    policy_name: str,
+    seed: int,
+    order: np.ndarray | None = None,
+    workload: Workload | None = None,
+) -> ReplayResult:
+    capacity = nodes.gpu_capacity
+    if order is None:
+        order = arrival_order(pods, capacity, seed)
+    if workload is None:
+        workload = trace_workload(pods)
+    kwargs = {"workload": workload} if policy_name in ("fgd", "gpupack") else {}
+    policy = get_policy(policy_name, seed=seed, **kwargs)
+    st = build_state(nodes)
+    index = {name: i for i, name in enumerate(nodes.names)}
+    curve = _Curve(capacity)
+    arrived = allocated = placed = failed = 0
+    decisions = []
+    for step, p in enumerate(order):
+        pod = pod_request(pods, int(p), f"default/p{step}")
+        req = int(pods.num_gpu[p] * pods.gpu_milli[p])
+        arrived += req
+        d = schedule(st, pod, policy)
+        if d.placed:
+            assert d.fit is not None and d.node is not None
+            gpus = tuple(sorted(d.fit.charged))
+            decisions.append((index[d.node], gpus))
+            allocated += req
+            placed += 1
+        else:
+            decisions.append((-1, ()))
+            failed += req
+        curve.add(arrived, allocated)
+    return ReplayResult(policy_name, seed, curve.values(), len(order), placed, failed, decisions)
