@@ -1,0 +1,162 @@
+"""Flask apps: the extender verbs (+ health and metrics) and the admission webhook.
+
+Handlers are thin: decode JSON, call the framework or webhook core, encode JSON. Every error a
+client causes is a 4xx with a one-line reason; anything else is logged and answered 500 without
+taking the worker down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, Response, request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from werkzeug.exceptions import HTTPException
+
+from .framework import Extender
+from .metrics import Metrics
+from .view import ClusterView
+from .webhook import WebhookConfig, review
+from .wire import WireError, parse_bind_args, parse_extender_args
+
+log = logging.getLogger("gpupack.extender.http")
+
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+
+
+def _json_response(obj: Any, status: int = 200) -> Response:
+    return Response(json.dumps(obj, separators=(",", ":")), status=status, mimetype="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json_response({"Error": message}, status)
+
+
+def _body() -> Any:
+    data = request.get_data(cache=False)
+    if not data:
+        raise WireError("empty request body; expected JSON")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"request body is not valid JSON: {e}") from e
+
+
+def _common(app: Flask, view: ClusterView, metrics: Metrics, max_body: int) -> None:
+    app.config["MAX_CONTENT_LENGTH"] = max_body
+
+    @app.errorhandler(WireError)
+    def _wire(e: WireError) -> Response:
+        return _error(e.status, str(e))
+
+    @app.errorhandler(HTTPException)
+    def _http(e: HTTPException) -> Response:
+        msg = e.description or e.name
+        if e.code == 413:
+            msg = f"request body larger than {max_body} bytes"
+        return _error(e.code or 400, msg)
+
+    @app.errorhandler(Exception)
+    def _crash(e: Exception) -> Response:
+        log.exception("unhandled error on %s", request.path)
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    @app.get("/healthz")
+    def healthz() -> Response:
+        return Response("ok\n", mimetype="text/plain")
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        if view.synced.is_set():
+            return Response("ok\n", mimetype="text/plain")
+        return Response("waiting for the first full list of nodes and pods\n", status=503, mimetype="text/plain")
+
+    @app.get("/metrics")
+    def metrics_() -> Response:
+        return Response(generate_latest(metrics.registry), mimetype=CONTENT_TYPE_LATEST)
+
+
+def _timed(metrics: Metrics, verb: str, fn: Callable[[], Any]) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return fn()
+    except WireError:
+        metrics.bad_requests.labels(verb).inc()
+        raise
+    finally:
+        metrics.latency.labels(verb).observe(time.perf_counter() - t0)
+
+
+def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flask:
+    app = Flask("gpupack-extender")
+    _common(app, ext.view, ext.metrics, max_body)
+
+    def require_synced() -> None:
+        if not ext.view.synced.is_set():
+            raise WireError("gpupack extender has not finished its first sync with the API server", 503)
+
+    @app.post("/filter")
+    def filter_() -> Response:
+        def run() -> Any:
+            args = parse_extender_args(_body())
+            require_synced()
+            return ext.filter(args)
+
+        return _json_response(_timed(ext.metrics, "filter", run))
+
+    @app.post("/prioritize")
+    def prioritize() -> Response:
+        def run() -> Any:
+            args = parse_extender_args(_body())
+            require_synced()
+            return ext.prioritize(args)
+
+        return _json_response(_timed(ext.metrics, "prioritize", run))
+
+    @app.post("/bind")
+    def bind() -> Response:
+        def run() -> Any:
+            args = parse_bind_args(_body())
+            require_synced()
+            return ext.bind(args)
+
+        return _json_response(_timed(ext.metrics, "bind", run))
+
+    return app
+
+
+def create_webhook_app(
+    cfg: WebhookConfig, view: ClusterView, metrics: Metrics, max_body: int = DEFAULT_MAX_BODY
+) -> Flask:
+    app = Flask("gpupack-webhook")
+    _common(app, view, metrics, max_body)
+
+    def handle(kind: str) -> Response:
+        t0 = time.perf_counter()
+        try:
+            out = review(_body(), kind, cfg, view.largest_gpu_mib())
+        except WireError:
+            metrics.bad_requests.labels(kind).inc()
+            raise
+        finally:
+            metrics.latency.labels(kind).observe(time.perf_counter() - t0)
+        resp = out["response"]
+        result = "allowed" if resp.get("allowed") else "denied"
+        if resp.get("patch"):
+            result = "patched"
+        metrics.admission.labels(kind, result).inc()
+        return _json_response(out)
+
+    @app.post("/mutate")
+    def mutate() -> Response:
+        return handle("mutate")
+
+    @app.post("/validate")
+    def validate() -> Response:
+        return handle("validate")
+
+    return app

@@ -1,0 +1,391 @@
+"""The scheduling steps behind the HTTP verbs, in the kube-scheduler framework's shape:
+Filter (fit per node, reasons) -> Score (policy, 0..10) -> Reserve (assume in the view) ->
+Bind (PATCH the assignment, POST the Binding; roll back on failure).
+
+Filter results are cached per pod *shape* and node version (an equivalence cache): pods of one
+Deployment share a shape, and only nodes whose state changed since are fitted again. Bind never
+uses the cache; it fits again under the view's lock, so a cached answer can never over-commit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+
+from gpupack import handoff
+from gpupack.contract import ANN_ASSIGNMENT, LABEL_MANAGED, Assignment, ContractError, GPUShare, Reservation
+from gpupack.core.fit import Fit, FitFailure
+from gpupack.core.model import FULL, Node, PlacementError, PodRequest
+from gpupack.core.policies import Policy
+from gpupack.core.request import RequestError, parse_pod
+
+from . import reservations as resv
+from .kube import Kube
+from .metrics import Metrics
+from .view import ClusterView, _init_names
+from .wire import BindArgs, ExtenderArgs, WireError, bind_result, filter_result, priority_result
+
+log = logging.getLogger("gpupack.extender")
+
+MAX_SCORE = 10
+CACHE_SHAPES = 32
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def api_reason(e: ApiException) -> str:
+    try:
+        msg = json.loads(e.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        msg = None
+    return f"{e.status} {msg or e.reason}"
+
+
+def shape_of(pod: PodRequest) -> tuple:
+    return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models)
+
+
+class FitCache:
+    """shape -> node -> (node version, result); a few recent shapes only."""
+
+    def __init__(self, shapes: int = CACHE_SHAPES) -> None:
+        self.shapes = shapes
+        self.data: OrderedDict[tuple, dict[str, tuple[int, Fit | FitFailure]]] = OrderedDict()
+
+    def table(self, shape: tuple) -> dict[str, tuple[int, Fit | FitFailure]]:
+        t = self.data.get(shape)
+        if t is None:
+            t = self.data[shape] = {}
+            while len(self.data) > self.shapes:
+                self.data.popitem(last=False)
+        else:
+            self.data.move_to_end(shape)
+        return t
+
+
+def assignment_from_fit(
+    node: Node, pod: PodRequest, f: Fit, now: datetime, reservation: str = "", device_index: list[int] | None = None
+) -> Assignment:
+    by_name = {}
+    for cname, shares in f.placement.containers.items():
+        out = []
+        for s in shares:
+            g = node.gpus[s.gpu_index]
+            out.append(
+                GPUShare(
+                    uuid=g.uuid,
+                    index=device_index[s.gpu_index] if device_index else g.index,
+                    mem_mib=g.mem_mib if s.exclusive else s.mem_mib,
+                    sm_pct=100 if s.exclusive else -(-s.milli * 100 // FULL),
+                    exclusive=s.exclusive,
+                )
+            )
+        by_name[cname] = tuple(out)
+    order = [c.name for c in (*pod.init_containers, *pod.containers)]
+    containers = {c: by_name[c] for c in order if c in by_name}
+    return Assignment(
+        pod_uid=pod.uid,
+        node=node.name,
+        pod_class=pod.pod_class,
+        containers=containers,
+        bound_at=handoff.rfc3339(now),
+        reservation=reservation,
+    )
+
+
+class BindError(Exception):
+    """A bind that must fail with this message in the response's Error (the scheduler retries)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Extender:
+    def __init__(
+        self,
+        view: ClusterView,
+        policy: Policy,
+        kube: Kube | None,
+        metrics: Metrics | None = None,
+        bind_wait_s: float = 10.0,
+        stale_handoff_s: float = 120.0,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.view = view
+        self.policy = policy
+        self.kube = kube
+        self.metrics = metrics or Metrics()
+        self.bind_wait_s = bind_wait_s
+        self.stale_handoff_s = stale_handoff_s
+        self.clock = clock
+        self.cache = FitCache()
+        self._node_locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._observed: OrderedDict[str, None] = OrderedDict()
+
+    # --- request parsing ---------------------------------------------------------------------
+    def pod_request(self, pod: dict[str, Any]) -> PodRequest:
+        meta = pod.get("metadata") or {}
+        ns = meta.get("namespace") or "default"
+        ns_labels = self.kube.namespace_labels(ns) if self.kube is not None else {}
+        try:
+            req = parse_pod(pod, ns_labels)
+        except (RequestError, ContractError) as e:
+            raise WireError(str(e)) from e
+        if not req.needs_gpu:
+            raise WireError(
+                f"pod {req.key} requests no gpupack GPU resources; the extender only handles pods "
+                "that set gpupack.io/gpu, gpupack.io/gpu-mem or gpupack.io/gpu-sm"
+            )
+        return req
+
+    def _observe(self, pod: PodRequest) -> None:
+        ident = pod.uid or pod.key
+        if ident in self._observed:
+            return
+        self._observed[ident] = None
+        if len(self._observed) > 10_000:
+            self._observed.popitem(last=False)
+        self.policy.observe(pod)
+
+    # --- filter ----------------------------------------------------------------------------------
+    def node_fit(
+        self, name: str, pod: PodRequest, now: datetime, table: dict | None
+    ) -> tuple[Fit | FitFailure, Reservation | None]:
+        """Fit on one node, honouring defrag reservations. Call with the view's lock held."""
+        info = self.view.nodes.get(name)
+        node = self.view.state.nodes.get(name)
+        if info is None or node is None:
+            return FitFailure(f"node {name} is not in gpupack's view of the cluster (yet)", "unknown-node"), None
+        if info.inventory_error:
+            return FitFailure(
+                f"node {name}: its {('gpupack.io/inventory')} annotation is unreadable ({info.inventory_error})",
+                "corrupt-inventory",
+                True,
+            ), None
+        held = self.view.active_reservations(name, now)
+        if not held:
+            if table is not None:
+                hit = table.get(name)
+                if hit is not None and hit[0] == info.version:
+                    return hit[1], None
+            r = self.policy.fit(node, pod)
+            if table is not None:
+                table[name] = (info.version, r)
+            return r, None
+        last: Fit | FitFailure = FitFailure("no fit", "none")
+        for cand, reservation in resv.candidates(node, held, pod, now, set()):
+            r = self.policy.fit(cand, pod)
+            if r:
+                return r, reservation
+            last = r
+        if isinstance(last, FitFailure) and "reservation" not in last.reason:
+            last = FitFailure(f"{last.reason} (with {len(held)} defrag reservation(s) held)", last.code)
+        return last, None
+
+    def _fit_all(self, args: ExtenderArgs, pod: PodRequest) -> dict[str, tuple[Fit | FitFailure, Reservation | None]]:
+        now = self.clock()
+        with self.view.lock:
+            table = self.cache.table(shape_of(pod))
+            out = {n: self.node_fit(n, pod, now, table) for n in args.node_names}
+        return out
+
+    def filter(self, args: ExtenderArgs) -> dict[str, Any]:
+        pod = self.pod_request(args.pod)
+        with self.view.lock:
+            self._observe(pod)
+        results = self._fit_all(args, pod)
+        unknown = [n for n, (r, _) in results.items() if isinstance(r, FitFailure) and r.code == "unknown-node"]
+        if unknown and len(unknown) == len(results):
+            raise WireError(f"none of the {len(results)} node(s) is known to gpupack: {', '.join(unknown[:5])}")
+        steered = {n: res for n, (r, res) in results.items() if r and res is not None}
+        passed, failed, unresolvable = [], {}, {}
+        for n, (r, _) in results.items():
+            if isinstance(r, FitFailure):
+                (unresolvable if r.unresolvable else failed)[n] = r.reason
+                self.metrics.rejections.labels(r.code).inc()
+            elif steered and n not in steered:
+                target = next(iter(steered.items()))
+                failed[n] = f"pod is steered to node {target[0]} by defrag reservation {target[1].id}"
+                self.metrics.rejections.labels("reservation-steer").inc()
+            else:
+                passed.append(n)
+        return filter_result(args, passed, failed, unresolvable)
+
+    # --- prioritize ------------------------------------------------------------------------------
+    def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
+        pod = self.pod_request(args.pod)
+        results = self._fit_all(args, pod)
+        raw: dict[str, float] = {}
+        steered = set()
+        with self.view.lock:
+            for n, (r, res) in results.items():
+                if isinstance(r, Fit):
+                    if res is not None:
+                        steered.add(n)
+                    raw[n] = self.policy.node_score(self.view.state.nodes[n], pod, r)
+        scores: dict[str, int] = {}
+        lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
+        for n in args.node_names:
+            if n in steered:
+                scores[n] = MAX_SCORE
+            elif n not in raw:
+                scores[n] = 0
+            elif hi - lo < 1e-12:
+                scores[n] = MAX_SCORE
+            else:
+                scores[n] = round(MAX_SCORE * (raw[n] - lo) / (hi - lo))
+        return priority_result(scores)
+
+    # --- bind ------------------------------------------------------------------------------------
+    def _node_lock(self, node: str) -> threading.Lock:
+        with self._locks_guard:
+            lock = self._node_locks.get(node)
+            if lock is None:
+                lock = self._node_locks[node] = threading.Lock()
+            return lock
+
+    def _wait_handoff(self, node: str, uid: str, deadline: float) -> None:
+        with self.view.changed:
+            while True:
+                blocker = self.view.blocking_handoff(node, uid)
+                if blocker is None:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.view.changed.wait(min(left, 0.5))
+        age = handoff.handoff_age_s(blocker, self.clock())
+        if age is not None and age > self.stale_handoff_s:
+            log.warning(
+                "node %s: handoff of pod %s pending for %.0f s; is the device plugin running there?",
+                node, blocker.key, age,
+            )
+            self.metrics.problems.labels("stale-handoff").inc()
+        raise BindError(handoff.blocking_message(node, blocker), "handoff-wait")
+
+    def _get_pod(self, args: BindArgs) -> dict[str, Any]:
+        assert self.kube is not None
+        try:
+            pod = self.kube.get_pod(args.pod_namespace, args.pod_name)
+        except ApiException as e:
+            if e.status == 404:
+                raise WireError(f"pod {args.key} not found", 404) from e
+            raise BindError(f"could not read pod {args.key}: {api_reason(e)}", "api") from e
+        uid = (pod.get("metadata") or {}).get("uid", "")
+        if args.pod_uid and uid != args.pod_uid:
+            raise BindError(f"pod {args.key} was recreated (UID {uid}; bind was for {args.pod_uid})", "pod-gone")
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            raise BindError(f"pod {args.key} is being deleted", "pod-gone")
+        return pod
+
+    def bind(self, args: BindArgs) -> dict[str, str]:
+        try:
+            self._bind(args)
+        except BindError as e:
+            self.metrics.bind_failures.labels(e.reason).inc()
+            log.info("bind %s -> %s failed: %s", args.key, args.node, e)
+            return bind_result(str(e))
+        self.metrics.binds.inc()
+        return bind_result("")
+
+    def _bind(self, args: BindArgs) -> None:
+        if self.kube is None:
+            raise BindError("the extender runs without API access", "api")
+        with self.view.lock:
+            if args.node not in self.view.nodes:
+                raise WireError(f"node {args.node} is not known to gpupack", 404)
+        deadline = time.monotonic() + self.bind_wait_s
+        lock = self._node_lock(args.node)
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise BindError(f"node {args.node}: too many binds queued; try again", "node-busy")
+        try:
+            self._wait_handoff(args.node, args.pod_uid, deadline)
+            pod = self._get_pod(args)
+            bound = (pod.get("spec") or {}).get("nodeName")
+            if bound:
+                self._already_bound(args, pod, bound)
+                return
+            req = self.pod_request(pod)
+            a = self._reserve_and_record(args, pod, req)
+            self._post_binding(args, req, a)
+        finally:
+            lock.release()
+
+    def _already_bound(self, args: BindArgs, pod: dict[str, Any], bound: str) -> None:
+        """A retried bind whose first attempt went through is a success; anything else is not."""
+        raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_ASSIGNMENT)
+        if bound == args.node and raw:
+            return
+        raise BindError(f"pod {args.key} is already bound to node {bound}", "already-bound")
+
+    def _reserve_and_record(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> Assignment:
+        assert self.kube is not None
+        key = req.key
+        uid = req.uid
+        for _attempt in range(5):
+            with self.view.lock:
+                now = self.clock()
+                f, reservation = self.node_fit(args.node, req, now, None)
+                if isinstance(f, FitFailure):
+                    raise BindError(f"node {args.node}: {f.reason}", f"fit-{f.code}")
+                node = self.view.state.nodes[args.node]
+                a = assignment_from_fit(
+                    node, req, f, now, reservation.id if reservation else "", self.view.nodes[args.node].gpu_indexes
+                )
+                try:
+                    self.view.assume(key, uid, a, _init_names(pod))
+                except PlacementError as e:
+                    raise BindError(f"node {args.node}: {e}", "conflict") from e
+            rv = (pod.get("metadata") or {}).get("resourceVersion")
+            try:
+                self.kube.patch_pod_metadata(
+                    args.pod_namespace, args.pod_name, handoff.handoff_annotations_for_bind(a),
+                    {LABEL_MANAGED: "true"}, rv,
+                )
+                return a
+            except ApiException as e:
+                self.view.unassume(key, uid, a)
+                if e.status != 409:
+                    raise BindError(f"could not record the GPU assignment on pod {key}: {api_reason(e)}", "patch") from e
+            pod = self._get_pod(args)  # 409: somebody changed the pod; read it again and retry
+            if (pod.get("spec") or {}).get("nodeName"):
+                raise BindError(f"pod {key} was bound by someone else meanwhile", "already-bound")
+        raise BindError(f"pod {key} kept changing while recording its GPU assignment (409 x5)", "conflict")
+
+    def _post_binding(self, args: BindArgs, req: PodRequest, a: Assignment) -> None:
+        assert self.kube is not None
+        try:
+            self.kube.bind(args.pod_namespace, args.pod_name, req.uid, args.node)
+            self.view.mark_bound(req.key, args.node)
+            return
+        except ApiException as e:
+            err = e
+        if err.status == 409:
+            try:
+                pod = self.kube.get_pod(args.pod_namespace, args.pod_name)
+                ann = (pod.get("metadata") or {}).get("annotations") or {}
+                if (pod.get("spec") or {}).get("nodeName") == args.node and ann.get(ANN_ASSIGNMENT) == a.to_json():
+                    self.view.mark_bound(req.key, args.node)
+                    return  # our own earlier attempt went through
+            except ApiException:
+                pass
+        try:
+            self.kube.patch_pod_metadata(
+                args.pod_namespace, args.pod_name, handoff.rollback_annotations(), {LABEL_MANAGED: None}, None
+            )
+        except ApiException as e2:
+            log.warning("rollback of pod %s annotations failed: %s", req.key, api_reason(e2))
+        self.view.unassume(req.key, req.uid, a)
+        raise BindError(f"Binding pod {req.key} to node {args.node} failed: {api_reason(err)}", "binding")

@@ -1,0 +1,127 @@
+"""The few Kubernetes API calls the extender makes, over the official client, as raw JSON.
+
+Raw JSON (`_preload_content=False`) because the client's model deserialisation costs more than
+the scheduling decision itself, and the view works on API-shaped dicts anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from gpupack.contract import LABEL_MANAGED
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig (or $KUBECONFIG)."""
+    if kubeconfig:
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        return client.ApiClient(cfg)
+    try:
+        config.load_incluster_config()
+        return client.ApiClient()
+    except config.ConfigException:
+        cfg = client.Configuration()
+        config.load_kube_config(client_configuration=cfg)
+        return client.ApiClient(cfg)
+
+
+def _json(resp: Any) -> Any:
+    data = resp.data
+    return json.loads(data) if data else None
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient, ns_ttl_s: float = 60.0) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self._ns_cache: dict[str, tuple[float, dict[str, str]]] = {}
+        self._ns_lock = threading.Lock()
+        self.ns_ttl_s = ns_ttl_s
+
+    # --- reads ----------------------------------------------------------------------------------
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return _json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
+
+    def list_pods(self, resource_version: str | None = None) -> dict[str, Any]:
+        kw: dict[str, Any] = {"label_selector": LABEL_MANAGED, "_preload_content": False}
+        if resource_version:
+            kw["resource_version"] = resource_version
+        return _json(self.core.list_pod_for_all_namespaces(**kw))
+
+    def list_nodes(self) -> dict[str, Any]:
+        return _json(self.core.list_node(_preload_content=False))
+
+    def watch_pods(self, resource_version: str, timeout_s: int) -> Any:
+        return self.core.list_pod_for_all_namespaces(
+            label_selector=LABEL_MANAGED,
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=resource_version,
+            timeout_seconds=timeout_s,
+            _preload_content=False,
+            _request_timeout=(10, timeout_s + 30),
+        )
+
+    def watch_nodes(self, resource_version: str, timeout_s: int) -> Any:
+        return self.core.list_node(
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=resource_version,
+            timeout_seconds=timeout_s,
+            _preload_content=False,
+            _request_timeout=(10, timeout_s + 30),
+        )
+
+    def namespace_labels(self, namespace: str) -> dict[str, str]:
+        """Labels of a namespace (cached briefly); {} when it cannot be read."""
+        now = time.monotonic()
+        with self._ns_lock:
+            hit = self._ns_cache.get(namespace)
+            if hit is not None and now - hit[0] < self.ns_ttl_s:
+                return hit[1]
+        try:
+            ns = _json(self.core.read_namespace(namespace, _preload_content=False)) or {}
+            labels = dict((ns.get("metadata") or {}).get("labels") or {})
+        except ApiException:
+            labels = {}
+        with self._ns_lock:
+            if len(self._ns_cache) > 10_000:
+                self._ns_cache.clear()
+            self._ns_cache[namespace] = (now, labels)
+        return labels
+
+    # --- writes ---------------------------------------------------------------------------------
+    def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        annotations: dict[str, str | None],
+        labels: dict[str, str | None],
+        resource_version: str | None,
+    ) -> dict[str, Any]:
+        """JSON merge patch of annotations/labels; with resource_version, 409 if the pod changed."""
+        meta: dict[str, Any] = {"annotations": annotations, "labels": labels}
+        if resource_version:
+            meta["resourceVersion"] = resource_version
+        return _json(
+            self.core.patch_namespaced_pod(
+                name, namespace, {"metadata": meta}, _content_type=MERGE_PATCH, _preload_content=False
+            )
+        )
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        body = client.V1Binding(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid or None),
+            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
+        )
+        # The response is a Status the client's model cannot always deserialise; do not try.
+        self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False)

@@ -1,0 +1,177 @@
+"""`gpupack extender`: the scheduler extender (HTTP) and the admission webhook (HTTPS).
+
+Both are served by gunicorn, embedded. The extender runs ONE worker process with threads: the
+reservation state (assumed pods, per-node bind locks) must live in a single process. The webhook
+needs TLS on its own port, so it runs as a second gunicorn in a child process with its own small
+node watch (for the largest GPU in the cluster); it holds no reservation state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from gpupack.contract import SCHEDULER_NAME
+from gpupack.core.policies import DEFAULT_POLICY, UnknownPolicy, get_policy
+
+from .app import DEFAULT_MAX_BODY
+
+log = logging.getLogger("gpupack.extender")
+
+
+class _Gunicorn(BaseApplication):
+    def __init__(self, factory: Callable[[], Any], options: dict[str, Any]) -> None:
+        self.factory = factory
+        self.options = options
+        super().__init__()
+
+    def load_config(self) -> None:
+        for k, v in self.options.items():
+            self.cfg.set(k, v)
+
+    def load(self) -> Any:
+        # Runs in the worker after fork: watch threads must start there, not in the arbiter.
+        return self.factory()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpupack extender", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8888, help="extender HTTP port (default 8888)")
+    p.add_argument("--webhook-port", type=int, default=8443, help="admission webhook HTTPS port; 0 disables")
+    p.add_argument("--tls-cert", help="PEM certificate for the webhook")
+    p.add_argument("--tls-key", help="PEM private key for the webhook")
+    p.add_argument("--policy", default=None, help=f"placement policy (default {DEFAULT_POLICY})")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    p.add_argument("--scheduler-name", default=SCHEDULER_NAME, help=f"scheduler name (default {SCHEDULER_NAME})")
+    p.add_argument(
+        "--set-scheduler-name", action="store_true",
+        help="webhook sets spec.schedulerName of GPU pods that use the default scheduler",
+    )
+    p.add_argument("--threads", type=int, default=32, help="request threads of the extender worker")
+    p.add_argument("--bind-wait-s", type=float, default=10.0, help="how long a bind waits for a pending handoff")
+    p.add_argument(
+        "--stale-handoff-s", type=float, default=120.0, help="pending handoff age reported as stale"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
+    return p
+
+
+def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
+    def make() -> Any:
+        from .app import create_extender_app
+        from .framework import Extender
+        from .kube import Kube, api_client
+        from .metrics import Metrics
+        from .sync import Sync
+        from .view import ClusterView
+
+        metrics = Metrics()
+        view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc())
+        metrics.attach_view(view)
+        kube = Kube(api_client(args.kubeconfig))
+        policy = get_policy(args.policy or DEFAULT_POLICY)
+        ext = Extender(view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s)
+        Sync(view, kube).start()
+        log.info("extender policy=%s; syncing with the API server", policy.name)
+        return create_extender_app(ext, args.max_body_bytes)
+
+    return make
+
+
+def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
+    def make() -> Any:
+        from .app import create_webhook_app
+        from .kube import Kube, api_client
+        from .metrics import Metrics
+        from .sync import Watcher
+        from .view import ClusterView
+        from .webhook import WebhookConfig
+
+        metrics = Metrics()
+        view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc())
+        kube = Kube(api_client(args.kubeconfig))
+        import threading
+
+        stop = threading.Event()
+        w = Watcher(
+            "nodes", kube.list_nodes, kube.watch_nodes, view.replace_nodes, view.apply_node,
+            lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")), stop,
+        )
+        threading.Thread(target=w.run, daemon=True, name="watch-nodes").start()
+        threading.Thread(target=lambda: w.listed.wait() and view.synced.set(), daemon=True).start()
+        cfg = WebhookConfig(args.scheduler_name, args.set_scheduler_name)
+        return create_webhook_app(cfg, view, metrics, args.max_body_bytes)
+
+    return make
+
+
+def _options(args: argparse.Namespace, port: int, threads: int) -> dict[str, Any]:
+    return {
+        "bind": [f"{args.host}:{port}"],
+        "workers": 1,
+        "worker_class": "gthread",
+        "threads": threads,
+        "timeout": 120,
+        "graceful_timeout": 10,
+        "keepalive": 30,
+        "loglevel": args.log_level,
+        "accesslog": None,
+        "errorlog": "-",
+        "proc_name": "gpupack-extender",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        get_policy(args.policy or DEFAULT_POLICY)
+    except UnknownPolicy as e:
+        print(f"gpupack extender: {e}", file=sys.stderr)
+        return 2
+    if args.role in ("all", "webhook") and args.webhook_port:
+        if not args.tls_cert or not args.tls_key:
+            print("gpupack extender: the webhook needs --tls-cert and --tls-key (or --webhook-port 0)", file=sys.stderr)
+            return 2
+        for f in (args.tls_cert, args.tls_key):
+            if not os.path.isfile(f):
+                print(f"gpupack extender: {f}: no such file", file=sys.stderr)
+                return 2
+
+    if args.role == "webhook":
+        opts = _options(args, args.webhook_port, 8)
+        opts.update(certfile=args.tls_cert, keyfile=args.tls_key, proc_name="gpupack-webhook")
+        _Gunicorn(_webhook_factory(args), opts).run()
+        return 0
+
+    child = None
+    if args.role == "all" and args.webhook_port:
+        cmd = [sys.executable, "-m", "extender.main", *(argv if argv is not None else sys.argv[1:]), "--role", "webhook"]
+        child = subprocess.Popen(cmd)
+    try:
+        _Gunicorn(_extender_factory(args), _options(args, args.port, args.threads)).run()
+    finally:
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Prometheus metrics of the extender, in a registry of its own.
+
+Per-GPU gauges are produced at scrape time from the view (a collector), so keeping them costs
+nothing on the scheduling path.
+
+Fragmentation (`gpupack_cluster_fragmentation_ratio`): the share of free GPU memory that sits on
+partly used GPUs, 0 when every free MiB is on an idle GPU, towards 1 when free memory is spread
+in slivers no large model can use. Computed over healthy GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gpupack.core.model import FULL
+
+from .view import ClusterView
+
+BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.latency = Histogram(
+            "gpupack_extender_request_seconds", "Extender request latency by verb", ["verb"],
+            buckets=BUCKETS, registry=r,
+        )
+        self.rejections = Counter(
+            "gpupack_extender_node_rejections_total", "Nodes rejected at filter, by reason", ["reason"], registry=r
+        )
+        self.bind_failures = Counter(
+            "gpupack_extender_bind_failures_total", "Failed binds, by reason", ["reason"], registry=r
+        )
+        self.binds = Counter("gpupack_extender_binds_total", "Successful binds", registry=r)
+        self.bad_requests = Counter(
+            "gpupack_extender_bad_requests_total", "Requests answered with 4xx, by verb", ["verb"], registry=r
+        )
+        self.problems = Counter(
+            "gpupack_extender_annotation_problems_total",
+            "Corrupt or conflicting annotations seen in the cluster, by kind", ["kind"], registry=r,
+        )
+        self.admission = Counter(
+            "gpupack_webhook_admission_total", "Admission reviews, by kind and result", ["kind", "result"],
+            registry=r,
+        )
+
+    def attach_view(self, view: ClusterView) -> None:
+        self.registry.register(ViewCollector(view))
+
+
+def fragmentation(view: ClusterView) -> float:
+    free_total = free_partial = 0
+    for node in view.state.nodes.values():
+        for g in node.gpus:
+            if not g.healthy:
+                continue
+            free_total += g.free_mem
+            if not g.empty:
+                free_partial += g.free_mem
+    return free_partial / free_total if free_total else 0.0
+
+
+class ViewCollector(Collector):
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["node", "gpu", "uuid"]
+        mem = GaugeMetricFamily("gpupack_gpu_reserved_mem_mib", "GPU memory reserved by gpupack pods", labels=labels)
+        total = GaugeMetricFamily("gpupack_gpu_mem_mib", "GPU memory of each GPU", labels=labels)
+        sm = GaugeMetricFamily("gpupack_gpu_reserved_sm_percent", "SM share reserved on each GPU", labels=labels)
+        cls = GaugeMetricFamily(
+            "gpupack_gpu_class", "1 for the class of the pods on a GPU", labels=[*labels, "class"]
+        )
+        with self.view.lock:
+            for node in self.view.state.nodes.values():
+                for g in node.gpus:
+                    lv = [node.name, str(g.index), g.uuid]
+                    mem.add_metric(lv, g.mem_used)
+                    total.add_metric(lv, g.mem_mib)
+                    sm.add_metric(lv, g.milli_used * 100 / FULL)
+                    if g.pod_class:
+                        cls.add_metric([*lv, g.pod_class], 1)
+            frag = fragmentation(self.view)
+            pods = len(self.view.pods)
+            pending = sum(len(s) for s in self.view.pending_by_node.values())
+        yield from (mem, total, sm, cls)
+        yield GaugeMetricFamily(
+            "gpupack_cluster_fragmentation_ratio", "Share of free GPU memory on partly used GPUs", value=frag
+        )
+        yield GaugeMetricFamily("gpupack_extender_pods", "gpupack pods holding GPU reservations", value=pods)
+        yield GaugeMetricFamily("gpupack_extender_pending_handoffs", "Pods bound but not yet allocated", value=pending)
+        yield GaugeMetricFamily("gpupack_extender_synced", "1 after the first full list", value=int(self.view.synced.is_set()))

@@ -1,0 +1,161 @@
+"""List-and-watch loops that keep a :class:`ClusterView` current.
+
+Nodes: all of them (a few thousand objects at most; heartbeats are dropped early by the view).
+Pods: only those labelled `gpupack.io/managed` (set at bind), so memory follows gpupack's pods,
+not the cluster's. Each loop resumes from the last resourceVersion (bookmarks included) and
+relists on 410 Gone; the view stays readable throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+from urllib3.exceptions import HTTPError
+
+from .kube import Kube
+from .view import ClusterView
+
+log = logging.getLogger("gpupack.extender.sync")
+
+
+class Gone(Exception):
+    """The watch's resourceVersion is too old: relist."""
+
+
+class Watcher:
+    def __init__(
+        self,
+        kind: str,
+        list_fn: Callable[[], dict[str, Any]],
+        watch_fn: Callable[[str, int], Any],
+        replace: Callable[[list[dict[str, Any]]], None],
+        apply: Callable[[dict[str, Any]], None],
+        delete: Callable[[dict[str, Any]], None],
+        stop: threading.Event,
+        watch_timeout_s: int = 300,
+        on_event: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.list_fn, self.watch_fn = list_fn, watch_fn
+        self.replace, self.apply, self.delete = replace, apply, delete
+        self.stop = stop
+        self.watch_timeout_s = watch_timeout_s
+        self.listed = threading.Event()
+        self.rv = ""
+        self.relists = 0
+        self.on_event = on_event or (lambda kind, what: None)
+
+    def relist(self) -> None:
+        data = self.list_fn()
+        self.replace(list(data.get("items") or []))
+        self.rv = str((data.get("metadata") or {}).get("resourceVersion") or "")
+        self.relists += 1
+        self.on_event(self.kind, "relist")
+        self.listed.set()
+
+    def watch_once(self) -> None:
+        resp = self.watch_fn(self.rv, self.watch_timeout_s)
+        try:
+            for line in _lines(resp):
+                if self.stop.is_set():
+                    return
+                if not line.strip():
+                    continue
+                ev = json.loads(line)
+                typ, obj = ev.get("type"), ev.get("object") or {}
+                if typ == "ERROR":
+                    if obj.get("code") == 410:
+                        raise Gone(obj.get("message", "410 Gone"))
+                    raise ApiException(status=obj.get("code"), reason=obj.get("message"))
+                rv = (obj.get("metadata") or {}).get("resourceVersion")
+                if typ == "BOOKMARK":
+                    self.rv = str(rv or self.rv)
+                    continue
+                if typ == "DELETED":
+                    self.delete(obj)
+                elif typ in ("ADDED", "MODIFIED"):
+                    self.apply(obj)
+                if rv:
+                    self.rv = str(rv)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def run(self) -> None:
+        backoff = 0.2
+        while not self.stop.is_set():
+            try:
+                if not self.listed.is_set() or not self.rv:
+                    self.relist()
+                self.watch_once()
+                backoff = 0.2
+            except Gone as e:
+                log.info("%s watch: %s; relisting", self.kind, e)
+                self.rv = ""
+            except ApiException as e:
+                if e.status == 410:
+                    self.rv = ""
+                    continue
+                log.warning("%s watch failed: %s %s", self.kind, e.status, e.reason)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except (HTTPError, OSError, ValueError) as e:
+                log.warning("%s watch interrupted: %s", self.kind, e)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+
+def _lines(resp: Any):
+    """Yield complete lines from a streaming urllib3 response."""
+    buf = b""
+    for chunk in resp.stream(65536, decode_content=False):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode("utf-8")
+    if buf.strip():
+        yield buf.decode("utf-8")
+
+
+class Sync:
+    """Runs the node and pod watchers in daemon threads; `ready` once both listed fully."""
+
+    def __init__(self, view: ClusterView, kube: Kube, watch_timeout_s: int = 300) -> None:
+        self.view, self.kube = view, kube
+        self.stop = threading.Event()
+        self.nodes = Watcher(
+            "nodes", kube.list_nodes, kube.watch_nodes, view.replace_nodes, view.apply_node,
+            lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")), self.stop, watch_timeout_s,
+        )
+        self.pods = Watcher(
+            "pods", kube.list_pods, kube.watch_pods, view.replace_pods, view.apply_pod, view.delete_pod,
+            self.stop, watch_timeout_s,
+        )
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for w in (self.nodes, self.pods):
+            t = threading.Thread(target=w.run, name=f"watch-{w.kind}", daemon=True)
+            t.start()
+            self.threads.append(t)
+        threading.Thread(target=self._mark_ready, name="sync-ready", daemon=True).start()
+
+    def _mark_ready(self) -> None:
+        # Nodes first: pods are charged onto nodes, so the first pod list is complete only after.
+        while not self.stop.is_set():
+            if self.nodes.listed.wait(0.5) and self.pods.listed.wait(0.5):
+                self.view.synced.set()
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return self.view.synced.wait(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,443 @@
+"""The extender's picture of the cluster: GPU inventory per node and what gpupack pods hold.
+
+Built only from Kubernetes objects (Node inventory/reservation annotations, Pod assignment
+annotations), so a restarted extender rebuilds exactly what it had. Pure state: the watch loops
+(`extender/sync.py`) and the bind step feed it; nothing here does I/O.
+
+Two kinds of pod records:
+- confirmed: seen in the API with an assignment annotation;
+- assumed: placed by this process's bind before the API has echoed the annotation back. An event
+  without the annotation for an assumed pod is older than our PATCH and is ignored, so a late
+  event can never free a GPU that a bind just took (the kube-scheduler's "assumed pod" idea).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from gpupack import handoff
+from gpupack.contract import (
+    ANN_ASSIGNMENT,
+    ANN_HANDOFF,
+    ANN_INVENTORY,
+    ANN_RESERVATIONS,
+    HANDOFF_PENDING,
+    Assignment,
+    ContractError,
+    NodeInventory,
+    Reservation,
+    decode_assignment,
+    decode_inventory,
+    decode_reservations,
+)
+from gpupack.core.model import FULL, GPU, ClusterState, Node, Placement, PlacementError, PodRequest, Share
+
+from . import reservations as resv
+
+log = logging.getLogger("gpupack.extender.view")
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+@dataclass
+class NodeInfo:
+    name: str
+    inventory_raw: str | None = None
+    inventory_error: str = ""
+    reservations_raw: str | None = None
+    reservations: tuple[Reservation, ...] = ()
+    reservations_error: str = ""
+    unschedulable: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    gpu_indexes: list[int] = field(default_factory=list)  # position in Node.gpus -> NVML index
+    version: int = 0  # bumped on every change that can change a fit on this node
+
+
+@dataclass
+class PodInfo:
+    key: str
+    uid: str
+    node: str  # the assignment's node (spec.nodeName may still be empty right after bind)
+    assignment: Assignment
+    assignment_raw: str
+    init_names: frozenset[str]
+    handoff: str
+    deleting: bool
+    assumed: bool = False
+    bound_node: str = ""  # spec.nodeName
+
+    @property
+    def pending(self) -> bool:
+        return self.handoff == HANDOFF_PENDING and not self.deleting
+
+    def pod_view(self) -> handoff.PodView:
+        ns, name = self.key.split("/", 1)
+        return handoff.PodView(
+            namespace=ns,
+            name=name,
+            uid=self.uid,
+            node_name=self.bound_node or self.node,
+            phase="Pending",
+            deleting=self.deleting,
+            annotations={ANN_ASSIGNMENT: self.assignment_raw, ANN_HANDOFF: self.handoff},
+        )
+
+
+def node_from_inventory(name: str, inv: NodeInventory | None, unschedulable: bool, labels: dict[str, str]) -> Node:
+    """The packing core's Node. Its GPU `index` is the position in the list (the core indexes
+    GPUs by position); the device's own index is kept in NodeInfo.gpu_indexes."""
+    gpus = []
+    if inv is not None:
+        for pos, g in enumerate(sorted(inv.gpus, key=lambda g: g.index)):
+            gpus.append(GPU(g.uuid, pos, g.model, g.mem_mib, g.sm_count, g.healthy))
+    return Node(name, gpus, labels=labels, schedulable=not unschedulable)
+
+
+def charged_from_assignment(
+    node: Node, a: Assignment, init_names: frozenset[str]
+) -> tuple[Placement, dict[int, tuple[int, int, bool]], list[str]]:
+    """Placement and per-GPU charge an assignment stands for, plus problems (unknown GPUs).
+
+    App containers add up per GPU; an init container whose GPUs all carry app containers runs
+    before them and is charged max(init, app) there (see gpupack.core.fit), otherwise it adds up.
+    The bind path uses this too, so a live extender and a restarted one charge the same.
+    """
+    pos = {g.uuid: i for i, g in enumerate(node.gpus)}
+    problems: list[str] = []
+    containers: dict[str, tuple[Share, ...]] = {}
+    for cname, shares in a.containers.items():
+        out = []
+        for s in shares:
+            i = pos.get(s.uuid)
+            if i is None:
+                problems.append(f"GPU {s.uuid} of container {cname} is not in node {node.name}'s inventory")
+                continue
+            g = node.gpus[i]
+            mem, milli = (g.mem_mib, FULL) if s.exclusive else (s.mem_mib, s.sm_pct * 10)
+            out.append(Share(i, mem, milli, s.exclusive))
+        containers[cname] = tuple(out)
+    app: dict[int, tuple[int, int, bool]] = {}
+    inits = []
+    for cname, shares in containers.items():
+        if cname in init_names:
+            inits.append(shares)
+            continue
+        for s in shares:
+            m, k, e = app.get(s.gpu_index, (0, 0, False))
+            app[s.gpu_index] = (m + s.mem_mib, k + s.milli, e or s.exclusive)
+    charged = dict(app)
+    peak: dict[int, tuple[int, int, bool]] = {}
+    for shares in inits:
+        rides = bool(shares) and all(s.gpu_index in app for s in shares)
+        for s in shares:
+            if rides:
+                m, k, e = peak.get(s.gpu_index, (0, 0, False))
+                peak[s.gpu_index] = (max(m, s.mem_mib), max(k, s.milli), e or s.exclusive)
+            else:
+                m, k, e = charged.get(s.gpu_index, (0, 0, False))
+                charged[s.gpu_index] = (m + s.mem_mib, k + s.milli, e or s.exclusive)
+    for i, (pm, pk, pe) in peak.items():
+        m, k, e = charged.get(i, (0, 0, False))
+        charged[i] = (max(m, pm), max(k, pk), e or pe)
+    return Placement(node.name, containers), charged, problems
+
+
+def _init_names(pod: dict[str, Any]) -> frozenset[str]:
+    spec = pod.get("spec") or {}
+    inits = spec.get("initContainers") or [] if isinstance(spec, dict) else []
+    return frozenset(c.get("name", "") for c in inits if isinstance(c, dict))
+
+
+class ClusterView:
+    """Thread-safe cluster state. Every public method takes the lock."""
+
+    def __init__(self, on_problem: Callable[[str, str], None] | None = None) -> None:
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.state = ClusterState()
+        self.nodes: dict[str, NodeInfo] = {}
+        self.pods: dict[str, PodInfo] = {}
+        self.pending_by_node: dict[str, set[str]] = {}
+        self.consumed: dict[str, set[str]] = {}  # node -> reservation ids consumed by live pods
+        self.synced = threading.Event()
+        # (kind, message) for corrupt annotations and conflicts; the metrics layer counts them
+        self.on_problem = on_problem or (lambda kind, msg: None)
+        self.problems: dict[str, str] = {}  # object -> last problem, for status and readiness
+
+    # --- nodes ---------------------------------------------------------------------------------
+    def _problem(self, kind: str, obj: str, msg: str) -> None:
+        if self.problems.get(obj) != msg:
+            log.warning("%s", msg)
+        self.problems[obj] = msg
+        self.on_problem(kind, msg)
+
+    def apply_node(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        name = meta.get("name")
+        if not isinstance(name, str) or not name:
+            return
+        ann = meta.get("annotations") or {}
+        labels = dict(meta.get("labels") or {})
+        unsched = bool((obj.get("spec") or {}).get("unschedulable"))
+        inv_raw = ann.get(ANN_INVENTORY)
+        res_raw = ann.get(ANN_RESERVATIONS)
+        with self.lock:
+            info = self.nodes.get(name)
+            if (
+                info is not None
+                and info.inventory_raw == inv_raw
+                and info.reservations_raw == res_raw
+                and info.unschedulable == unsched
+                and info.labels == labels
+            ):
+                return  # heartbeats and status updates: nothing gpupack reads changed
+            if info is None:
+                info = NodeInfo(name)
+                self.nodes[name] = info
+            rebuild = inv_raw != info.inventory_raw or name not in self.state.nodes
+            info.unschedulable, info.labels = unsched, labels
+            if rebuild:
+                info.inventory_raw = inv_raw
+                inv = None
+                info.inventory_error = ""
+                if inv_raw is not None:
+                    try:
+                        inv = decode_inventory(inv_raw, name)
+                        self.problems.pop(f"node/{name}/inventory", None)
+                    except ContractError as e:
+                        info.inventory_error = str(e)
+                        self._problem("corrupt-inventory", f"node/{name}/inventory", str(e))
+                info.gpu_indexes = [g.index for g in sorted(inv.gpus, key=lambda g: g.index)] if inv else []
+                self._rebuild_node(name, node_from_inventory(name, inv, unsched, labels))
+            else:
+                node = self.state.nodes[name]
+                node.schedulable, node.labels = not unsched, labels
+            if res_raw != info.reservations_raw:
+                info.reservations_raw = res_raw
+                info.reservations, info.reservations_error = (), ""
+                if res_raw:
+                    try:
+                        info.reservations = tuple(decode_reservations(res_raw, name))
+                        self.problems.pop(f"node/{name}/reservations", None)
+                    except ContractError as e:
+                        info.reservations_error = str(e)
+                        self._problem("corrupt-reservations", f"node/{name}/reservations", str(e))
+            info.version += 1
+            self.changed.notify_all()
+
+    def delete_node(self, name: str) -> None:
+        with self.lock:
+            self.nodes.pop(name, None)
+            node = self.state.nodes.pop(name, None)
+            if node is not None:
+                for key in [k for k, (_, p, _) in self.state.pods.items() if p.node == name]:
+                    self.state.pods.pop(key, None)
+            self.changed.notify_all()
+
+    def _rebuild_node(self, name: str, node: Node) -> None:
+        for key in [k for k, (_, p, _) in self.state.pods.items() if p.node == name]:
+            self.state.pods.pop(key, None)
+        self.state.nodes[name] = node
+        for p in self.pods.values():
+            if p.node == name:
+                self._charge(p)
+
+    # --- pods ----------------------------------------------------------------------------------
+    def _charge(self, p: PodInfo) -> None:
+        """Put a pod's assignment on its node; a conflict is reported and charged anyway."""
+        node = self.state.nodes.get(p.node)
+        if node is None:
+            return  # the node is not (yet) known; charged when it appears
+        placement, charged, problems = charged_from_assignment(node, p.assignment, p.init_names)
+        for msg in problems:
+            self._problem("assignment-gpu-missing", f"pod/{p.key}", f"pod {p.key}: {msg}")
+        req = PodRequest(key=p.key, pod_class=p.assignment.pod_class, uid=p.uid)
+        try:
+            self.state.place(req, placement, charged)
+        except PlacementError as e:
+            # Already on the GPU per the API: account for it, so nothing more lands there.
+            self._problem("conflict", f"pod/{p.key}", f"pod {p.key}: assignment conflicts with others: {e}")
+            self._force_place(node, req, placement, charged)
+        if p.assignment.reservation:
+            self.consumed.setdefault(p.node, set()).add(p.assignment.reservation)
+        self._bump(p.node)
+
+    def _force_place(self, node: Node, req: PodRequest, placement: Placement, charged: dict) -> None:
+        for idx, (mem, milli, ex) in charged.items():
+            g = node.gpus[idx]
+            if ex:
+                g.exclusive = True
+                g.mem_used, g.milli_used = g.mem_mib, FULL
+            else:
+                g.mem_used += mem
+                g.milli_used += milli
+            g.pod_class = g.pod_class or req.pod_class
+            g.holders[req.key] = (g.mem_mib if ex else mem, FULL if ex else milli)
+        self.state.pods[req.key] = (req, placement, charged)
+
+    def _bump(self, node: str) -> None:
+        info = self.nodes.get(node)
+        if info is not None:
+            info.version += 1
+
+    def _release(self, key: str) -> None:
+        p = self.pods.pop(key, None)
+        if p is None:
+            return
+        self.state.release(key)
+        if p.assignment.reservation:
+            ids = self.consumed.get(p.node)
+            if ids is not None:
+                ids.discard(p.assignment.reservation)
+        pend = self.pending_by_node.get(p.node)
+        if pend is not None:
+            pend.discard(key)
+        self._bump(p.node)
+
+    def _index_pending(self, p: PodInfo) -> None:
+        pend = self.pending_by_node.setdefault(p.node, set())
+        if p.pending:
+            pend.add(p.key)
+        else:
+            pend.discard(p.key)
+
+    def apply_pod(self, obj: dict[str, Any], deleted: bool = False) -> None:
+        meta = obj.get("metadata") or {}
+        ns, name = meta.get("namespace") or "default", meta.get("name")
+        if not isinstance(name, str) or not name:
+            return
+        key = f"{ns}/{name}"
+        uid = str(meta.get("uid") or "")
+        phase = (obj.get("status") or {}).get("phase", "")
+        ann = meta.get("annotations") or {}
+        raw = ann.get(ANN_ASSIGNMENT)
+        a = None
+        if raw is not None and not deleted and phase not in TERMINAL:
+            try:
+                a = decode_assignment(raw, key)
+                self.problems.pop(f"pod/{key}", None)
+            except ContractError as e:
+                self._problem("corrupt-assignment", f"pod/{key}", str(e))
+        with self.lock:
+            old = self.pods.get(key)
+            if a is None:
+                # An assumed pod's older events lack the annotation our bind is writing.
+                if not (old is not None and old.assumed and old.uid == uid and not deleted and phase not in TERMINAL):
+                    self._release(key)
+                self.changed.notify_all()
+                return
+            assert raw is not None
+            bound = str((obj.get("spec") or {}).get("nodeName") or "")
+            info = PodInfo(
+                key=key,
+                uid=uid,
+                node=a.node,
+                assignment=a,
+                assignment_raw=raw,
+                init_names=_init_names(obj),
+                handoff=str(ann.get(ANN_HANDOFF, "")),
+                deleting=meta.get("deletionTimestamp") is not None,
+                bound_node=bound,
+            )
+            if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw:
+                return  # an event from before our bind's PATCH (an earlier assignment)
+            if old is not None and old.uid == uid and old.assignment_raw == raw and key in self.state.pods:
+                old.handoff, old.deleting, old.assumed = info.handoff, info.deleting, False
+                old.bound_node = bound or old.bound_node
+                self._index_pending(old)
+            else:
+                self._release(key)
+                self.pods[key] = info
+                self._charge(info)
+                self._index_pending(info)
+            self.changed.notify_all()
+
+    def delete_pod(self, obj: dict[str, Any]) -> None:
+        self.apply_pod(obj, deleted=True)
+
+    def replace_pods(self, objs: Iterable[dict[str, Any]]) -> None:
+        """A fresh list: apply it and drop confirmed pods that are gone (assumed ones stay)."""
+        with self.lock:
+            seen = set()
+            for o in objs:
+                m = o.get("metadata") or {}
+                seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
+                self.apply_pod(o)
+            for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
+                self._release(key)
+            self.changed.notify_all()
+
+    def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
+        with self.lock:
+            seen = set()
+            for o in objs:
+                seen.add((o.get("metadata") or {}).get("name"))
+                self.apply_node(o)
+            for name in [n for n in self.nodes if n not in seen]:
+                self.delete_node(name)
+
+    # --- the bind step's reservation -------------------------------------------------------------
+    def assume(self, key: str, uid: str, a: Assignment, init_names: frozenset[str]) -> None:
+        """Hold an assignment this process is about to write; PlacementError if it no longer fits."""
+        with self.lock:
+            node = self.state.nodes.get(a.node)
+            if node is None:
+                raise PlacementError(f"node {a.node} is not known")
+            old = self.pods.get(key)
+            if old is not None:
+                self._release(key)  # a re-bind of the same pod replaces its earlier assignment
+            raw = a.to_json()
+            placement, charged, problems = charged_from_assignment(node, a, init_names)
+            if problems:
+                raise PlacementError("; ".join(problems))
+            self.state.place(PodRequest(key=key, pod_class=a.pod_class, uid=uid), placement, charged)
+            info = PodInfo(key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True)
+            self.pods[key] = info
+            if a.reservation:
+                self.consumed.setdefault(a.node, set()).add(a.reservation)
+            self._index_pending(info)
+            self._bump(a.node)
+            self.changed.notify_all()
+
+    def unassume(self, key: str, uid: str, a: Assignment) -> None:
+        """Undo :meth:`assume` after a failed PATCH/Binding (only if it is still ours)."""
+        with self.lock:
+            p = self.pods.get(key)
+            if p is not None and p.uid == uid and p.assignment_raw == a.to_json():
+                self._release(key)
+            self.changed.notify_all()
+
+    def mark_bound(self, key: str, node: str) -> None:
+        with self.lock:
+            p = self.pods.get(key)
+            if p is not None:
+                p.bound_node = node
+
+    # --- queries -------------------------------------------------------------------------------
+    def version(self, node: str) -> int:
+        info = self.nodes.get(node)
+        return -1 if info is None else info.version
+
+    def active_reservations(self, node: str, now: datetime) -> list[Reservation]:
+        info = self.nodes.get(node)
+        if info is None or not info.reservations:
+            return []
+        return resv.active(info.reservations, now, self.consumed.get(node, set()))
+
+    def blocking_handoff(self, node: str, exclude_uid: str) -> handoff.PodView | None:
+        with self.lock:
+            views = [self.pods[k].pod_view() for k in self.pending_by_node.get(node, ()) if k in self.pods]
+        return handoff.blocking_handoff(views, node, exclude_uid=exclude_uid)
+
+    def largest_gpu_mib(self) -> int:
+        with self.lock:
+            return max((g.mem_mib for n in self.state.nodes.values() for g in n.gpus), default=0)
+
+    def snapshot_pods_on(self, node: str) -> list[PodInfo]:
+        with self.lock:
+            return [replace(p) for p in self.pods.values() if p.node == node]

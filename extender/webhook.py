@@ -1,0 +1,172 @@
+"""Admission webhook core (pure): mutate and validate pods that use gpupack resources.
+
+Mutating: a container that sets gpupack.io/gpu-mem or gpu-sm without gpupack.io/gpu gets
+gpupack.io/gpu: 1 (the kubelet only calls the device plugin for a resource the container names);
+with `set_scheduler_name`, the pod gets gpupack's scheduler name.
+Validating: requests equal limits; gpu-sm in 1..100; gpu-mem positive and no larger than the
+largest GPU in the cluster; a known class label. A denial names the rule and the value.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gpupack.contract import (
+    CLASSES,
+    LABEL_CLASS,
+    MANAGED_RESOURCES,
+    RES_GPU,
+    RES_GPU_MEM,
+    RES_GPU_SM,
+    SCHEDULER_NAME,
+    ContractError,
+    parse_int_quantity,
+    parse_quantity,
+)
+from gpupack.core.request import RequestError, parse_pod
+
+from .wire import WireError
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    scheduler_name: str = SCHEDULER_NAME
+    set_scheduler_name: bool = False
+
+
+def _esc(s: str) -> str:
+    return s.replace("~", "~0").replace("/", "~1")
+
+
+def _containers(spec: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
+    out = []
+    for key in ("initContainers", "containers"):
+        lst = spec.get(key) or []
+        if not isinstance(lst, list):
+            continue
+        for i, c in enumerate(lst):
+            if isinstance(c, dict):
+                out.append((key, i, c))
+    return out
+
+
+def _res(c: dict[str, Any], which: str) -> dict[str, Any]:
+    res = c.get("resources") or {}
+    d = res.get(which) if isinstance(res, dict) else None
+    return d if isinstance(d, dict) else {}
+
+
+def uses_gpupack(pod: dict[str, Any]) -> bool:
+    spec = pod.get("spec") or {}
+    for _, _, c in _containers(spec if isinstance(spec, dict) else {}):
+        keys = set(_res(c, "limits")) | set(_res(c, "requests"))
+        if keys & set(MANAGED_RESOURCES):
+            return True
+    return False
+
+
+def mutate(pod: dict[str, Any], cfg: WebhookConfig) -> list[dict[str, Any]]:
+    """JSON Patch operations for `pod` (empty when nothing changes)."""
+    ops: list[dict[str, Any]] = []
+    spec = pod.get("spec") or {}
+    if not isinstance(spec, dict) or not uses_gpupack(pod):
+        return ops
+    for key, i, c in _containers(spec):
+        limits, requests = _res(c, "limits"), _res(c, "requests")
+        wants = {RES_GPU_MEM, RES_GPU_SM} & (set(limits) | set(requests))
+        if wants and RES_GPU not in limits and RES_GPU not in requests:
+            # limits only: the API server fills requests of extended resources from limits
+            base = f"/spec/{key}/{i}/resources"
+            if not isinstance(c.get("resources"), dict):
+                ops.append({"op": "add", "path": base, "value": {}})
+                c["resources"] = {}
+            if not isinstance(c["resources"].get("limits"), dict):
+                ops.append({"op": "add", "path": f"{base}/limits", "value": {}})
+                c["resources"]["limits"] = {}
+            ops.append({"op": "add", "path": f"{base}/limits/{_esc(RES_GPU)}", "value": "1"})
+    if cfg.set_scheduler_name and spec.get("schedulerName") in (None, "", "default-scheduler"):
+        op = "replace" if "schedulerName" in spec else "add"
+        ops.append({"op": op, "path": "/spec/schedulerName", "value": cfg.scheduler_name})
+    return ops
+
+
+def validate(pod: dict[str, Any], largest_gpu_mib: int) -> list[str]:
+    """Rule violations, each naming the container, the rule and the value; empty when valid."""
+    if not uses_gpupack(pod):
+        return []
+    errors: list[str] = []
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {} if isinstance(meta, dict) else {}
+    cls = labels.get(LABEL_CLASS) if isinstance(labels, dict) else None
+    if cls is not None and cls not in CLASSES:
+        errors.append(f"label {LABEL_CLASS} must be one of {', '.join(CLASSES)}; got {cls!r}")
+    spec = pod.get("spec") or {}
+    for key, _, c in _containers(spec if isinstance(spec, dict) else {}):
+        where = f"{'init container' if key == 'initContainers' else 'container'} {c.get('name', '?')!r}"
+        limits, requests = _res(c, "limits"), _res(c, "requests")
+        for r in MANAGED_RESOURCES:
+            if r in requests and r not in limits:
+                errors.append(f"{where}: {r} must be set in limits (requests must equal limits); requests={requests[r]}")
+            elif r in requests and r in limits:
+                try:
+                    if parse_quantity(requests[r], r) != parse_quantity(limits[r], r):
+                        errors.append(
+                            f"{where}: requests must equal limits for {r}; requests={requests[r]} limits={limits[r]}"
+                        )
+                except ContractError as e:
+                    errors.append(f"{where}: {e}")
+        if RES_GPU_SM in limits:
+            try:
+                sm = parse_int_quantity(limits[RES_GPU_SM], f"{where} {RES_GPU_SM}")
+                if not 1 <= sm <= 100:
+                    errors.append(f"{where}: {RES_GPU_SM} must be a whole percent in 1..100; got {limits[RES_GPU_SM]}")
+            except ContractError as e:
+                errors.append(f"{where}: {RES_GPU_SM} must be a whole percent in 1..100; {e}")
+        if RES_GPU_MEM in limits:
+            try:
+                mem = parse_int_quantity(limits[RES_GPU_MEM], f"{where} {RES_GPU_MEM}")
+                if mem <= 0:
+                    errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; got {limits[RES_GPU_MEM]}")
+                elif largest_gpu_mib and mem > largest_gpu_mib:
+                    errors.append(
+                        f"{where}: {RES_GPU_MEM} must be at most the largest GPU in the cluster "
+                        f"({largest_gpu_mib} MiB); got {limits[RES_GPU_MEM]}"
+                    )
+            except ContractError as e:
+                errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; {e}")
+    if not errors:
+        try:
+            parse_pod(pod)
+        except (RequestError, ContractError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> dict[str, Any]:
+    """Answer an admission.k8s.io/v1 AdmissionReview; WireError on a malformed one."""
+    if not isinstance(body, dict) or not isinstance(body.get("request"), dict):
+        raise WireError("expected an AdmissionReview object with a request")
+    req = body["request"]
+    uid = req.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise WireError("AdmissionReview request.uid must be a non-empty string")
+    resp: dict[str, Any] = {"uid": uid, "allowed": True}
+    out = {"apiVersion": body.get("apiVersion") or "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}
+    obj = req.get("object")
+    kind_ = (req.get("kind") or {}).get("kind") if isinstance(req.get("kind"), dict) else None
+    if req.get("operation") not in ("CREATE", None) or kind_ not in ("Pod", None) or not isinstance(obj, dict):
+        return out
+    if kind == "mutate":
+        ops = mutate(obj, cfg)
+        if ops:
+            resp["patchType"] = "JSONPatch"
+            resp["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+        return out
+    errors = validate(obj, largest_gpu_mib)
+    if errors:
+        resp["allowed"] = False
+        resp["status"] = {"code": 422, "reason": "Invalid", "message": "gpupack: " + "; ".join(errors)}
+    return out

@@ -1,0 +1,220 @@
+"""The view and the Filter/Score steps over plain objects (no HTTP, no API server)."""
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from gpupack.contract import (
+    ANN_ASSIGNMENT,
+    ANN_HANDOFF,
+    Assignment,
+    GPUShare,
+    Reservation,
+)
+from gpupack.core.policies import DEFAULT_POLICY, get_policy
+
+from extender.framework import Extender, assignment_from_fit
+from extender.view import ClusterView
+from extender.wire import ExtenderArgs, WireError
+
+from ext_helpers import H100_MIB, container, node_obj, payloads, pod_obj
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def make(nodes, policy=DEFAULT_POLICY):
+    problems = []
+    view = ClusterView(on_problem=lambda k, m: problems.append(k))
+    view.replace_nodes(nodes)
+    view.replace_pods([])
+    ext = Extender(view, get_policy(policy), None, clock=lambda: NOW)
+    return view, ext, problems
+
+
+def args(pod, names):
+    return ExtenderArgs(pod, names, None)
+
+
+def assigned(pod, node, shares, handoff="done", uid=None, reservation=""):
+    pod = json.loads(json.dumps(pod))
+    uid = uid or f"uid-{pod['metadata']['name']}"
+    pod["metadata"]["uid"] = uid
+    a = Assignment(uid, node, pod["metadata"]["labels"].get("gpupack.io/class", "online"), shares, "", reservation)
+    pod["metadata"].setdefault("annotations", {})[ANN_ASSIGNMENT] = a.to_json()
+    pod["metadata"]["annotations"][ANN_HANDOFF] = handoff
+    pod["spec"]["nodeName"] = node
+    pod["status"]["phase"] = "Running"
+    return pod
+
+
+def usage(view):
+    return {
+        (n.name, g.index): (g.mem_used, g.milli_used, g.pod_class, g.exclusive)
+        for n in view.state.nodes.values()
+        for g in n.gpus
+        if g.holders
+    }
+
+
+@pytest.mark.parametrize("mode", ["nodecache-true", "nodecache-false"])
+def test_recorded_pods_filter_and_prioritize(mode):
+    from extender.wire import parse_extender_args
+
+    view, ext, _ = make([node_obj("gpu-node-a", 2), node_obj("gpu-node-b", 2)])
+    for verb, body in payloads(mode):
+        if verb == "bind":
+            continue
+        a = parse_extender_args(body)
+        if verb == "filter":
+            out = ext.filter(a)
+            assert out["NodeNames"] == ["gpu-node-a", "gpu-node-b"], out
+            if mode == "nodecache-false":
+                assert [n["metadata"]["name"] for n in out["Nodes"]["items"]] == out["NodeNames"]
+        else:
+            scores = ext.prioritize(a)
+            assert {s["Host"] for s in scores} == {"gpu-node-a", "gpu-node-b"}
+            assert all(0 <= s["Score"] <= 10 and isinstance(s["Score"], int) for s in scores)
+
+
+def test_filter_reasons_and_unresolvable():
+    view, ext, _ = make([node_obj("big", 2), node_obj("small", 1, mem=24576, model="L4"), node_obj("full", 1)])
+    view.apply_pod(
+        assigned(pod_obj("hog", [container("c", 1, 70000)]), "full", {"c": (GPUShare("GPU-full-0", 0, 70000, 0),)})
+    )
+    out = ext.filter(args(pod_obj("p", [container("c", 1, 40000, 50)]), ["big", "small", "full"]))
+    assert out["NodeNames"] == ["big"]
+    assert "largest GPU here has 24576 MiB" in out["FailedAndUnresolvableNodes"]["small"]
+    assert out["FailedNodes"]["full"] == (
+        "no GPU with 40000 MiB free for class online; largest free is 11559 MiB on GPU 0"
+    )
+
+
+def test_online_and_offline_never_share_a_gpu():
+    view, ext, _ = make([node_obj("n", 1)])
+    view.apply_pod(
+        assigned(pod_obj("on", [container("c", 1, 1000, 10)]), "n", {"c": (GPUShare("GPU-n-0", 0, 1000, 10),)})
+    )
+    out = ext.filter(args(pod_obj("off", [container("c", 1, 1000, 10)], cls="offline"), ["n"]))
+    assert out["NodeNames"] == [] and "class offline" in out["FailedNodes"]["n"]
+    out = ext.filter(args(pod_obj("on2", [container("c", 1, 1000, 10)]), ["n"]))
+    assert out["NodeNames"] == ["n"]
+
+
+def test_pod_without_gpu_request_and_invalid_requests_are_4xx():
+    _, ext, _ = make([node_obj("n", 1)])
+    with pytest.raises(WireError, match="requests no gpupack GPU resources"):
+        ext.filter(args(pod_obj("p", [{"name": "c", "image": "x"}]), ["n"]))
+    with pytest.raises(WireError, match="gpu-sm must be a percent in 1..100, got 150"):
+        ext.filter(args(pod_obj("p", [container("c", 1, 100, 150)]), ["n"]))
+    with pytest.raises(WireError, match="none of the 1 node"):
+        ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["ghost"]))
+    out = ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["n", "ghost"]))
+    assert out["NodeNames"] == ["n"] and "not in gpupack's view" in out["FailedNodes"]["ghost"]
+
+
+def test_corrupt_inventory_is_reported_not_fatal():
+    view, ext, problems = make([node_obj("ok", 1), node_obj("bad", raw_inventory="{not json")])
+    out = ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["ok", "bad"]))
+    assert out["NodeNames"] == ["ok"]
+    assert "unreadable" in out["FailedAndUnresolvableNodes"]["bad"]
+    assert "corrupt-inventory" in problems
+
+
+def test_prioritize_normalises_policy_scores_to_0_10():
+    view, ext, _ = make([node_obj("used", 2), node_obj("empty", 2)], policy="bestfit")
+    view.apply_pod(
+        assigned(pod_obj("a", [container("c", 1, 20000, 20)]), "used", {"c": (GPUShare("GPU-used-0", 0, 20000, 20),)})
+    )
+    scores = {s["Host"]: s["Score"] for s in ext.prioritize(args(pod_obj("p", [container("c", 1, 20000, 20)]), ["used", "empty"]))}
+    assert scores == {"used": 10, "empty": 0}
+
+
+def test_view_rebuild_is_exact_and_deletion_frees():
+    nodes = [node_obj("n1", 2), node_obj("n2", 2)]
+    pods = [
+        assigned(
+            pod_obj("batch", [container("w", 1, 20000, 50), container("v", 1, 4096)], cls="offline",
+                    init=[container("warm", None, 2048)]),
+            "n1",
+            {
+                "warm": (GPUShare("GPU-n1-0", 0, 2048, 0),),
+                "w": (GPUShare("GPU-n1-0", 0, 20000, 50),),
+                "v": (GPUShare("GPU-n1-0", 0, 4096, 0),),
+            },
+        ),
+        assigned(pod_obj("whole", [container("t", 2)], cls="offline"), "n2",
+                 {"t": (GPUShare("GPU-n2-0", 0, H100_MIB, 100, True), GPUShare("GPU-n2-1", 1, H100_MIB, 100, True))}),
+    ]
+    v1, _, _ = make(nodes)
+    v1.replace_pods(pods)
+    v2 = ClusterView()
+    v2.replace_pods(reversed(pods))  # pods before nodes, other order: same result
+    v2.replace_nodes(nodes)
+    assert usage(v1) == usage(v2)
+    assert usage(v1)[("n1", 0)] == (24096, 500, "offline", False)  # init rides: max(2048, 24096)
+    assert usage(v1)[("n2", 1)] == (H100_MIB, 1000, "offline", True)
+    v1.delete_pod(pods[1])
+    assert ("n2", 0) not in usage(v1)
+    done = json.loads(json.dumps(pods[0]))
+    done["status"]["phase"] = "Succeeded"
+    v1.apply_pod(done)
+    assert usage(v1) == {}
+
+
+def test_assumed_pod_survives_stale_events():
+    view, ext, _ = make([node_obj("n", 1)])
+    pod = pod_obj("p", [container("c", 1, 1000, 10)], uid="u1")
+    from gpupack.core.request import parse_pod
+
+    req = parse_pod(pod)
+    f = ext.policy.fit(view.state.nodes["n"], req)
+    a = assignment_from_fit(view.state.nodes["n"], req, f, NOW)
+    view.assume("default/p", "u1", a, frozenset())
+    assert view.blocking_handoff("n", "other") is not None
+    view.apply_pod(pod)  # an event from before our PATCH: no assignment yet
+    assert usage(view)[("n", 0)][0] == 1000
+    view.unassume("default/p", "u1", a)
+    assert usage(view) == {}
+    assert view.blocking_handoff("n", "other") is None
+
+
+def _resv(node_gpu="GPU-n-0", mem=60000, minutes=5):
+    return Reservation(
+        id="r1", namespace="default", owner_kind="ReplicaSet", owner_name="web", pod_class="online",
+        containers={"c": (GPUShare(node_gpu, 0, mem, 50),)},
+        expires=(NOW + timedelta(minutes=minutes)).isoformat().replace("+00:00", "Z"),
+    )
+
+
+def test_reservation_holds_capacity_and_steers_its_owner():
+    view, ext, _ = make([node_obj("n", 1, reservations=[_resv()]), node_obj("m", 1)])
+    other = pod_obj("x", [container("c", 1, 40000, 10)])
+    out = ext.filter(args(other, ["n", "m"]))
+    assert out["NodeNames"] == ["m"] and "defrag reservation" in out["FailedNodes"]["n"]
+
+    owner = pod_obj("web-abc", [container("c", 1, 60000, 50)], owner=("ReplicaSet", "web"))
+    out = ext.filter(args(owner, ["n", "m"]))
+    assert out["NodeNames"] == ["n"]
+    assert "steered to node n by defrag reservation r1" in out["FailedNodes"]["m"]
+    scores = {s["Host"]: s["Score"] for s in ext.prioritize(args(owner, ["n", "m"]))}
+    assert scores["n"] == 10
+
+    # consumed by a pod whose assignment names it: holds nothing more, steers nobody
+    view.apply_pod(assigned(owner, "n", {"c": (GPUShare("GPU-n-0", 0, 60000, 50),)}, reservation="r1"))
+    out = ext.filter(args(pod_obj("y", [container("c", 1, 10000, 10)]), ["n", "m"]))
+    assert out["NodeNames"] == ["n", "m"]
+
+
+def test_expired_reservation_holds_nothing():
+    view, ext, _ = make([node_obj("n", 1, reservations=[_resv(minutes=-1)])])
+    out = ext.filter(args(pod_obj("x", [container("c", 1, 40000, 10)]), ["n"]))
+    assert out["NodeNames"] == ["n"]
+
+
+def test_filter_cache_sees_changes():
+    view, ext, _ = make([node_obj("n", 1)])
+    p = pod_obj("p", [container("c", 1, 50000)])
+    assert ext.filter(args(p, ["n"]))["NodeNames"] == ["n"]
+    view.apply_pod(assigned(pod_obj("q", [container("c", 1, 50000)]), "n", {"c": (GPUShare("GPU-n-0", 0, 50000, 0),)}))
+    assert ext.filter(args(p, ["n"]))["NodeNames"] == []
