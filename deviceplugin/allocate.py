@@ -129,9 +129,15 @@ class Allocator:
                 want = [s.uuid for s in pod.assignment().containers.get(nxt.name, ())]
         except (HandoffError, handoff.ContractError, ApiException, OSError):
             want = []
-        rank = {u: i for i, u in enumerate(want)}
-        rest = sorted((d for d in available if d not in chosen), key=lambda d: rank.get(d.split("::")[0], len(rank)))
-        return chosen + rest[: max(0, size - len(chosen))]
+        # one slot on each assigned GPU, in assignment order, then anything to make up the count
+        for uuid in want:
+            if len(chosen) >= size:
+                break
+            slot = next((d for d in available if d.split("::")[0] == uuid and d not in chosen), None)
+            if slot is not None:
+                chosen.append(slot)
+        chosen += [d for d in available if d not in chosen][: max(0, size - len(chosen))]
+        return chosen
 
 
 def _reason(msg: str) -> str:

@@ -11,6 +11,8 @@ import re
 import threading
 from datetime import UTC, datetime
 
+from kubernetes.client.rest import ApiException
+
 from deviceplugin.health import DeviceState
 from deviceplugin.kube import Kube
 from gpupack import contract
@@ -88,6 +90,8 @@ class Publisher:
                 try:
                     self.publish_once()
                 except Exception as e:  # keep trying: the extender needs the inventory
-                    log.warning("cannot publish inventory of node %s: %s; retrying", self.node, e)
+                    why = f"{e.status} {e.reason}" if isinstance(e, ApiException) else str(e)
+                    log.warning("cannot publish inventory of node %s: %s; retrying in %.0fs", self.node, why,
+                                self.retry_s)
                     if self._stop.wait(self.retry_s):
                         return

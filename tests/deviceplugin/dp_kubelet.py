@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from kubernetes import watch
 
 from deviceplugin.api import API_VERSION, HEALTHY, api_pb2, api_pb2_grpc
 from gpupack import handoff
@@ -211,42 +212,39 @@ class TestKubelet:
         t2.start()
 
     def _watch_pods(self, core: Any, node: str) -> None:
+        """List, then watch from that resourceVersion (relist on 410), like an informer."""
         seen: set[str] = set()
-        rv = ""
         while not self._stop.is_set():
             try:
-                if not rv:
-                    resp = core.list_pod_for_all_namespaces(
-                        field_selector=f"spec.nodeName={node}", _preload_content=False
-                    )
-                    body = json.loads(resp.data)
-                    rv = body["metadata"].get("resourceVersion", "")
-                    events = [{"type": "ADDED", "object": p} for p in body.get("items", [])]
-                else:
-                    resp = core.list_pod_for_all_namespaces(
-                        field_selector=f"spec.nodeName={node}", watch=True, resource_version=rv,
-                        timeout_seconds=1, allow_watch_bookmarks=True, _preload_content=False,
-                        _request_timeout=5,
-                    )
-                    events = [json.loads(line) for line in resp.read().decode().splitlines() if line.strip()]
-                for ev in events:
-                    obj = ev.get("object", {})
-                    if ev.get("type") == "ERROR":
-                        rv = ""  # 410 Gone: relist
-                        break
-                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
-                    uid = obj.get("metadata", {}).get("uid", "")
-                    if ev["type"] == "DELETED":
-                        self.release(uid)
-                    elif ev["type"] in ("ADDED", "MODIFIED") and uid not in seen:
-                        view = handoff.pod_view(obj)
-                        if view.live and view.phase in ("", "Pending"):
-                            seen.add(uid)
-                            self._admit_q.put(obj)
+                resp = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}", _preload_content=False)
+                body = json.loads(resp.data)
+                for p in body.get("items", []):
+                    self._offer(p, seen)
+                rv = body["metadata"].get("resourceVersion", "")
+                while not self._stop.is_set():
+                    w = watch.Watch()
+                    for ev in w.stream(core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}",
+                                       resource_version=rv, timeout_seconds=2, allow_watch_bookmarks=True):
+                        obj = ev["raw_object"]
+                        if ev["type"] == "ERROR":
+                            raise RuntimeError("watch expired")
+                        rv = obj.get("metadata", {}).get("resourceVersion", rv)
+                        if ev["type"] == "DELETED":
+                            self.release(obj["metadata"].get("uid", ""))
+                        elif ev["type"] in ("ADDED", "MODIFIED"):
+                            self._offer(obj, seen)
+                        if self._stop.is_set():
+                            w.stop()
             except Exception:
                 if self._stop.wait(0.2):
                     return
-                rv = ""
+
+    def _offer(self, obj: dict, seen: set[str]) -> None:
+        uid = obj.get("metadata", {}).get("uid", "")
+        view = handoff.pod_view(obj)
+        if uid not in seen and view.live and view.phase in ("", "Pending"):
+            seen.add(uid)
+            self._admit_q.put(obj)
 
     def _admit_loop(self, core: Any) -> None:
         while not self._stop.is_set():
