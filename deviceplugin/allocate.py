@@ -78,7 +78,13 @@ class Allocator:
                 log.info("Allocate retry for %s/%s: same answer", retry.pod_key, retry.container)
                 return retry.env
             pod = handoff.select_pending_pod(pods, self.node)
-            plan = handoff.plan_allocate(pod, self.node, len(device_ids), self.state.health_map(), self.enforcement)
+            try:
+                plan = handoff.plan_allocate(
+                    pod, self.node, len(device_ids), self.state.health_map(), self.enforcement
+                )
+            except HandoffError:
+                self._mark_failed(pod)
+                raise
             try:
                 self.kube.patch_pod_annotations(
                     plan.pod.namespace, plan.pod.name, plan.patch, resource_version=plan.pod.resource_version
@@ -99,6 +105,18 @@ class Allocator:
             )
             return plan.env
         raise HandoffError(f"node {self.node}: the pending pod kept changing during Allocate; try again")
+
+    def _mark_failed(self, pod: handoff.PodView) -> None:
+        """The kubelet rejects a pod whose Allocate fails (phase Failed); say so on the pod at once,
+        so its assignment stops blocking binds to this node. Best effort: the Failed phase that
+        follows unblocks the node too."""
+        try:
+            self.kube.patch_pod_annotations(
+                pod.namespace, pod.name, handoff.failed_annotations(),
+                resource_version=pod.resource_version,
+            )
+        except (ApiException, OSError) as e:
+            log.warning("cannot mark the handoff of pod %s failed: %s", pod.key, e)
 
     def _retried(self, pods: list[dict], ids: frozenset[str]) -> Served | None:
         """A kubelet retry: same device IDs as a container already served for a live pod."""

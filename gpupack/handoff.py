@@ -26,6 +26,7 @@ from gpupack.contract import (
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
     HANDOFF_DONE,
+    HANDOFF_FAILED,
     HANDOFF_PENDING,
     RES_GPU,
     RES_GPU_MEM,
@@ -213,6 +214,12 @@ def rfc3339(t: datetime) -> str:
 def handoff_annotations_for_bind(assignment: Assignment) -> dict[str, str | None]:
     """metadata.annotations patch the extender writes before posting the Binding."""
     return {ANN_ASSIGNMENT: assignment.to_json(), ANN_HANDOFF: HANDOFF_PENDING, ANN_ALLOCATED: None}
+
+
+def failed_annotations() -> dict[str, str]:
+    """Patch the device plugin writes when Allocate cannot serve the pending pod: the kubelet
+    rejects that pod, so its assignment must stop blocking binds to the node."""
+    return {ANN_HANDOFF: HANDOFF_FAILED}
 
 
 def rollback_annotations() -> dict[str, str | None]:

@@ -252,3 +252,22 @@ def test_process_registers_and_sigterm_removes_its_socket(kubelet, core, api, pl
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_unhealthy_assigned_gpu_fails_allocate_and_releases_the_node(kubelet, start_plugin, core):
+    plugin, nvml = start_plugin()
+    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
+    assert until(lambda: node_inventory(core)[0] is not None, 5)
+    binder = TestBinder(core, wait_s=2)
+    make_pod(core, "victim")
+    a = binder.bind("default", "victim", NODE)
+    bad = a.containers["main"][0]
+    nvml.inject_xid(bad.index, 79)
+    assert kubelet.wait_for(lambda: kubelet.devices.get(f"{bad.uuid}::0") == UNHEALTHY, 5)
+    res = kubelet.admit(read_pod(core, "victim"))
+    assert not res.ok and f"assigned GPU {bad.uuid} is unhealthy" in res.error
+    assert read_pod(core, "victim")["metadata"]["annotations"][ANN_HANDOFF] == "failed"
+    make_pod(core, "after")
+    a2 = binder.bind("default", "after", NODE)  # not blocked by the rejected pod
+    assert a2.containers["main"][0].uuid != bad.uuid
+    assert kubelet.admit(read_pod(core, "after")).ok
