@@ -148,6 +148,7 @@ class ReplicaSetController(_Loop):
         self.replicas = replicas
         self.template = template
         self.created: list[str] = []  # names of every pod this controller created, in order
+        self._status: dict[str, int] = {}
         apps = client.AppsV1Api(self.api)
         body = {
             "apiVersion": "apps/v1",
@@ -190,7 +191,27 @@ class ReplicaSetController(_Loop):
         for extra in alive[self.replicas :]:
             with contextlib.suppress(ApiException):
                 self.core.delete_namespaced_pod(extra.metadata.name, self.namespace)
+        self._publish_status(alive)
         return listing.metadata.resource_version
+
+    def _publish_status(self, alive: list[Any]) -> None:
+        ready = sum(
+            1
+            for p in alive
+            if p.status.phase == "Running"
+            and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+        )
+        status = {
+            "replicas": min(len(alive), self.replicas),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+        }
+        if status != self._status:
+            with contextlib.suppress(ApiException):
+                client.AppsV1Api(self.api).patch_namespaced_replica_set_status(
+                    self.name, self.namespace, {"status": status}
+                )
+                self._status = status
 
     def pod_names(self) -> list[str]:
         return sorted(p.metadata.name for p in self.owned(self._list().items))

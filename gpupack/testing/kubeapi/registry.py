@@ -81,18 +81,20 @@ class Registry:
         index_hint: tuple[str, str] | None = None,
         limit: int = 0,
         continue_token: str | None = None,
-    ) -> tuple[list[Obj], int, str | None, int | None]:
+    ) -> tuple[list[Obj], list[bytes], int, str | None, int | None]:
+        """Matching objects, sorted as etcd returns them, with their JSON; plus the list metadata."""
         with self.store.cond:
             items = None
             if index_hint is not None:
                 items = self.store.items_by_field(res, index_hint[0], index_hint[1], ns)
             if items is None:
                 items = self.store.items(res, ns)
+            if matches is not None:
+                items = [o for o in items if matches(o)]
+            # etcd returns keys in order: namespace, then name.
+            items.sort(key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+            raws = self.store.raw_items(res, items)
             rv = self.store.rv
-        if matches is not None:
-            items = [o for o in items if matches(o)]
-        # etcd returns keys in order: namespace, then name.
-        items.sort(key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
         token = None
         remaining = None
         if continue_token:
@@ -100,15 +102,21 @@ class Registry:
                 start = tuple(json.loads(base64.urlsafe_b64decode(continue_token.encode()))["start"])
             except (ValueError, KeyError, TypeError):
                 raise errors.bad_request("continue key is not valid: illegal base64 data") from None
-            items = [o for o in items if (o["metadata"].get("namespace", ""), o["metadata"]["name"]) > start]
+            keep = [
+                i
+                for i, o in enumerate(items)
+                if (o["metadata"].get("namespace", ""), o["metadata"]["name"]) > start
+            ]
+            items = [items[i] for i in keep]
+            raws = [raws[i] for i in keep]
         if limit and len(items) > limit:
             last = items[limit - 1]["metadata"]
             remaining = len(items) - limit
-            items = items[:limit]
+            items, raws = items[:limit], raws[:limit]
             token = base64.urlsafe_b64encode(
                 json.dumps({"rv": rv, "start": [last.get("namespace", ""), last["name"]]}).encode()
             ).decode()
-        return items, rv, token, remaining
+        return items, raws, rv, token, remaining
 
     # --- create -------------------------------------------------------------------------------
 

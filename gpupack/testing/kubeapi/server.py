@@ -173,7 +173,9 @@ class _Handler(BaseHTTPRequestHandler):
     # --- plumbing -----------------------------------------------------------------------------
 
     def _send_json(self, code: int, body: Any, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body, separators=(",", ":")).encode()
+        self._send_raw(code, json.dumps(body, separators=(",", ":")).encode(), headers)
+
+    def _send_raw(self, code: int, data: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -315,21 +317,27 @@ class _Handler(BaseHTTPRequestHandler):
             limit = int(query.get("limit") or 0)
         except ValueError:
             raise errors.bad_request(f"invalid limit {query.get('limit')!r}") from None
-        items, rv, token, remaining = self.server.api.registry.list(
+        _, raws, rv, token, remaining = self.server.api.registry.list(
             res, ns, make_filter(labels, fields), hint, limit, query.get("continue")
         )
         meta: dict[str, Any] = {"resourceVersion": str(rv)}
         if token:
             meta["continue"] = token
             meta["remainingItemCount"] = remaining
-        self._send_json(
-            200, {"kind": res.list_kind, "apiVersion": res.api_version, "metadata": meta, "items": items}
+        head = json.dumps(
+            {"kind": res.list_kind, "apiVersion": res.api_version, "metadata": meta}, separators=(",", ":")
         )
+        self._send_raw(200, b"".join((head[:-1].encode(), b',"items":[', b",".join(raws), b"]}")))
 
     # --- watch --------------------------------------------------------------------------------
 
     def _chunk(self, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload, separators=(",", ":")).encode() + b"\n"
+        self._write_chunk(json.dumps(payload, separators=(",", ":")).encode() + b"\n")
+
+    def _event(self, kind: str, raw: bytes) -> None:
+        self._write_chunk(b'{"type":"%s","object":%s}\n' % (kind.encode(), raw))
+
+    def _write_chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     def _watch(self, res: Resource, ns: str | None, query: dict[str, str]) -> None:
@@ -357,11 +365,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         deadline = time.monotonic() + timeout
-        initial: list[Obj] = []
+        initial: list[bytes] = []
         with store.cond:
             try:
                 if since == 0:  # "" and "0": synthetic ADDED for current state, then changes
-                    initial = [o for o in store.items(res, ns) if wanted(o)]
+                    initial = store.raw_items(res, [o for o in store.items(res, ns) if wanted(o)])
                     position = store.start_position(res, store.rv)
                 else:
                     position = store.start_position(res, since)
@@ -370,8 +378,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             last_rv = store.rv
         try:
-            for obj in initial:
-                self._chunk({"type": "ADDED", "object": obj})
+            for raw in initial:
+                self._event("ADDED", raw)
             last_bookmark = time.monotonic()
             while True:
                 with store.cond:
@@ -402,9 +410,9 @@ class _Handler(BaseHTTPRequestHandler):
                     new_ok, old_ok = wanted(ev.obj), wanted(ev.old)
                     if ev.type == "MODIFIED" and new_ok != old_ok:
                         # The object moved into or out of the selector: the real cache says so this way.
-                        self._chunk({"type": "ADDED" if new_ok else "DELETED", "object": ev.obj})
+                        self._event("ADDED" if new_ok else "DELETED", ev.raw)
                     elif new_ok or (ev.type == "DELETED" and old_ok):
-                        self._chunk({"type": ev.type, "object": ev.obj})
+                        self._event(ev.type, ev.raw)
                 if api._stopping.is_set() or time.monotonic() >= deadline:
                     break
                 if bookmarks and time.monotonic() - last_bookmark >= api.bookmark_interval:
@@ -437,6 +445,11 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 128
     api: KubeAPIServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients dropping keep-alive connections is normal; anything else is a bug worth printing.
+        if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            super().handle_error(request, client_address)
+
 
 class KubeAPIServer:
     """An in-process Kubernetes API server on 127.0.0.1 for tests; see the package docstring."""
@@ -452,6 +465,7 @@ class KubeAPIServer:
         max_body_bytes: int | None = 3 * 1024 * 1024,
         watch_timeout: float = 1800.0,
         bookmark_interval: float = 1.0,
+        record_requests: bool = True,
     ) -> None:
         self.host, self.port = host, port
         self.store = Store(history_limit)
@@ -459,6 +473,7 @@ class KubeAPIServer:
         self.max_body_bytes = max_body_bytes
         self.watch_timeout = watch_timeout
         self.bookmark_interval = bookmark_interval
+        self.record_requests = record_requests
         self._lock = threading.Lock()
         self._requests: list[RequestRecord] = []
         self._faults: list[_Fault] = []
@@ -476,6 +491,8 @@ class KubeAPIServer:
         if self._httpd is not None:
             return self
         self._stopping.clear()
+        # After stop(), start() comes back on the same port with the same objects, like an
+        # apiserver restart: clients reconnect, watches must be re-established.
         self._httpd = _HTTPServer((self.host, self.port), _Handler)
         self._httpd.api = self
         self.port = self._httpd.server_address[1]
@@ -537,6 +554,8 @@ class KubeAPIServer:
     # --- observation and fault injection ------------------------------------------------------
 
     def _record(self, rec: RequestRecord) -> None:
+        if not self.record_requests:
+            return
         with self._lock:
             self._requests.append(rec)
 
@@ -636,6 +655,7 @@ class KubeAPIServer:
         return clone(items)
 
     def create(self, resource: str, obj: Obj, namespace: str | None = None) -> Obj:
+        """Create as a POST would (defaults, validation, watch event); returns a copy."""
         res = lookup(resource)
         body = clone(obj)
         ns = (
@@ -643,7 +663,25 @@ class KubeAPIServer:
             or (body.get("metadata") or {}).get("namespace")
             or ("default" if res.namespaced else "")
         )
-        return clone(self.registry.create(res, ns, body))
+        created = self.registry.create(res, ns, body)
+        with self.store.cond:
+            raw = self.store.raw_get(res, ns, created["metadata"]["name"])
+        return json.loads(raw) if raw is not None else clone(created)
+
+    def create_many(self, resource: str, objs: Any, namespace: str | None = None) -> int:
+        """Create many objects quickly (seeding benchmarks); returns how many were created."""
+        res = lookup(resource)
+        count = 0
+        for obj in objs:
+            body = clone(obj)
+            ns = (
+                namespace
+                or (body.get("metadata") or {}).get("namespace")
+                or ("default" if res.namespaced else "")
+            )
+            self.registry.create(res, ns, body)
+            count += 1
+        return count
 
     def patch(self, resource: str, name: str, patch: Any, namespace: str = "", *, status: bool = False,
               content_type: str = MERGE_PATCH) -> Obj:  # fmt: skip

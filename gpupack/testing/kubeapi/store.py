@@ -7,6 +7,7 @@ watches, history) can hold references without copying and serialise outside the 
 from __future__ import annotations
 
 import bisect
+import json
 import threading
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -26,12 +27,20 @@ class WatchEvent(NamedTuple):
     type: str  # ADDED | MODIFIED | DELETED
     obj: Obj
     old: Obj | None  # previous version, so selector watches can turn MODIFIED into ADDED/DELETED
+    raw: bytes  # obj as JSON
+
+
+def encode(obj: Obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 class ResourceStore:
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
         self.objects: dict[str, dict[str, Obj]] = {}  # namespace ("" if cluster-scoped) -> name -> obj
+        # JSON of every current object, encoded once per write: lists and watches of tens of
+        # thousands of objects then cost a join, not a json.dumps of the whole store.
+        self.raw: dict[tuple[str, str], bytes] = {}
         self.history: list[WatchEvent] = []
         self.base = 0  # absolute position of history[0]
         self.compacted_rv = 0  # events at or below this resourceVersion are gone
@@ -81,6 +90,13 @@ class Store:
             out.extend(bucket.values())
         return out
 
+    def raw_items(self, resource: Resource, objs: list[Obj]) -> list[bytes]:
+        raw = self.rs(resource).raw
+        return [raw[(o["metadata"].get("namespace", ""), o["metadata"]["name"])] for o in objs]
+
+    def raw_get(self, resource: Resource, namespace: str, name: str) -> bytes | None:
+        return self.rs(resource).raw.get((namespace if resource.namespaced else "", name))
+
     def items_by_field(
         self, resource: Resource, field: str, value: str, namespace: str | None
     ) -> list[Obj] | None:
@@ -111,7 +127,8 @@ class Store:
             rs._index_remove(old)
         rs.objects.setdefault(ns, {})[meta["name"]] = obj
         rs._index_add(obj)
-        self._record(rs, WatchEvent(self.rv, "MODIFIED" if old is not None else "ADDED", obj, old))
+        raw = rs.raw[(ns, meta["name"])] = encode(obj)
+        self._record(rs, WatchEvent(self.rv, "MODIFIED" if old is not None else "ADDED", obj, old, raw))
         return obj
 
     def remove(self, resource: Resource, obj: Obj) -> Obj:
@@ -121,13 +138,14 @@ class Store:
         ns = meta.get("namespace", "") if resource.namespaced else ""
         bucket = rs.objects.get(ns, {})
         bucket.pop(meta["name"], None)
+        rs.raw.pop((ns, meta["name"]), None)
         if not bucket:
             rs.objects.pop(ns, None)
         rs._index_remove(obj)
         self.rv += 1
         gone = dict(obj)
         gone["metadata"] = dict(meta, resourceVersion=str(self.rv))
-        self._record(rs, WatchEvent(self.rv, "DELETED", gone, obj))
+        self._record(rs, WatchEvent(self.rv, "DELETED", gone, obj, encode(gone)))
         return gone
 
     def _record(self, rs: ResourceStore, event: WatchEvent) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -28,6 +29,11 @@ def parse_quantity(value: Any) -> Decimal | None:
         return Decimal(str(value))
     if not isinstance(value, str):
         return None
+    return _parse_quantity_text(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_quantity_text(value: str) -> Decimal | None:
     m = _QUANTITY.match(value.strip())
     if not m:
         return None
@@ -134,6 +140,11 @@ def default_and_validate_pod_spec(spec: dict[str, Any]) -> list[tuple[str, str]]
             elif not isinstance(res, dict):
                 errors.append((f"spec.{field}[{i}].resources", "Invalid value: must be an object"))
                 continue
+            for kind in ("limits", "requests"):
+                if isinstance(res.get(kind), dict):
+                    # Quantities are strings on the wire, whatever number the client sent.
+                    res[kind] = {k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+                                 for k, v in res[kind].items()}  # fmt: skip
             limits = res.get("limits") or {}
             requests = res.get("requests") or {}
             if limits:
