@@ -1,0 +1,598 @@
+#!/usr/bin/env python3
+"""Render gpupack's kustomizations and validate every object offline.
+
+    python deploy/validate.py [--renderer auto|kubectl|python] [--k8s 1.30,1.32,1.35] [DIR ...]
+
+DIR defaults to deploy/ and deploy/examples/. Exit 0 when everything validates, 1 with one line
+per problem otherwise, 2 on bad usage.
+
+1. Render: `kubectl kustomize DIR` when kubectl is on PATH (renderer "auto"), else a minimal
+   kustomize written here for the features these manifests use (resources, labels, images,
+   namespace). Unsupported kustomization fields are an error, never silently ignored.
+2. Schemas: each object against the Kubernetes OpenAPI-derived JSON schemas of every listed
+   version, strict (unknown fields are errors), from the kubernetes-validate package.
+3. What a schema cannot see, checked against this repository's code:
+   - every `gpupack ...` / `python -m gpupack.certs` container's args parse with that command's
+     real argparse parser; `--*port` values are declared container ports; absolute paths in
+     args lie under a volumeMount;
+   - the KubeSchedulerConfiguration in the ConfigMap: known fields only, the scheduler name,
+     managed resources and extender port/verbs that gpupack's code uses, httpTimeout > bind wait;
+   - webhook paths are routes the extender serves; Services, probes, selectors, ServiceAccounts,
+     RBAC role references, volumes, HPA/PDB targets all point at something that exists;
+   - gpupack resources are spelled as in gpupack.contract, requests == limits, gpu-sm 1..100;
+   - every image is pinned to a tag (not `latest`) or digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from gpupack import contract  # noqa: E402
+
+DEFAULT_DIRS = ("deploy", "deploy/examples")
+# Oldest supported (ValidatingAdmissionPolicy-era matchConditions are GA from 1.30), the
+# kube-scheduler image's minor, and the newest the installed schemas cover well.
+DEFAULT_VERSIONS = ("1.30", "1.32", "1.35")
+
+Obj = dict[str, Any]
+
+
+class RenderError(Exception):
+    pass
+
+
+# --- rendering ------------------------------------------------------------------------------------
+def render(path: Path, renderer: str = "auto") -> list[Obj]:
+    if renderer == "kubectl" or (renderer == "auto" and shutil.which("kubectl")):
+        return render_kubectl(path)
+    return render_python(path)
+
+
+def render_kubectl(path: Path) -> list[Obj]:
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        raise RenderError("kubectl not found on PATH")
+    p = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        raise RenderError(f"kubectl kustomize {path}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+    return [d for d in yaml.safe_load_all(p.stdout) if d]
+
+
+_KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+_SUPPORTED = {"apiVersion", "kind", "resources", "labels", "images", "namespace"}
+# Kinds that are cluster-scoped (kustomize's namespace transformer leaves them alone).
+CLUSTER_SCOPED = {
+    "Namespace", "ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
+    "ValidatingWebhookConfiguration", "PriorityClass", "CustomResourceDefinition", "StorageClass",
+    "PersistentVolume", "Node", "APIService", "RuntimeClass", "IngressClass",
+    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+}
+
+
+def _kustomization(path: Path) -> Path:
+    for n in _KUSTOMIZATION_FILES:
+        if (path / n).is_file():
+            return path / n
+    raise RenderError(f"{path}: no kustomization.yaml")
+
+
+def render_python(path: Path) -> list[Obj]:
+    """A minimal kustomize: the subset of kustomize v5 that gpupack's manifests use."""
+    kfile = _kustomization(path)
+    k = yaml.safe_load(kfile.read_text()) or {}
+    unknown = set(k) - _SUPPORTED
+    if unknown:
+        raise RenderError(f"{kfile}: the python renderer does not support {sorted(unknown)}; use kubectl")
+    objs: list[Obj] = []
+    for res in k.get("resources") or []:
+        target = (path / res).resolve()
+        if target.is_dir():
+            objs.extend(render_python(target))
+        elif target.is_file():
+            try:
+                docs = [d for d in yaml.safe_load_all(target.read_text()) if d]
+            except yaml.YAMLError as e:
+                raise RenderError(f"{target}: invalid YAML: {e}") from e
+            for d in docs:
+                if not isinstance(d, dict) or "kind" not in d or "apiVersion" not in d:
+                    raise RenderError(f"{target}: a document without apiVersion/kind")
+                if d.get("kind", "").endswith("List") and "items" in d:
+                    objs.extend(d["items"])
+                else:
+                    objs.append(d)
+        else:
+            raise RenderError(f"{kfile}: resource {res!r} not found")
+    if k.get("namespace"):
+        for o in objs:
+            if o.get("kind") not in CLUSTER_SCOPED:
+                o.setdefault("metadata", {})["namespace"] = k["namespace"]
+    for spec in k.get("labels") or []:
+        if spec.get("includeSelectors") or spec.get("includeTemplates") or set(spec) - {
+            "pairs", "includeSelectors", "includeTemplates"
+        }:
+            raise RenderError(f"{kfile}: labels with selectors/templates are not supported by the python renderer")
+        for o in objs:
+            o.setdefault("metadata", {}).setdefault("labels", {}).update(spec.get("pairs") or {})
+    for img in k.get("images") or []:
+        for o in objs:
+            for c in _all_containers(o):
+                c["image"] = _retag(c.get("image", ""), img)
+    return objs
+
+
+def _split_image(ref: str) -> tuple[str, str, str]:
+    name, digest = (ref.split("@", 1) + [""])[:2]
+    tag = ""
+    last = name.rsplit("/", 1)[-1]
+    if ":" in last:
+        name, tag = name.rsplit(":", 1)
+    return name, tag, digest
+
+
+def _retag(ref: str, img: dict[str, Any]) -> str:
+    name, tag, digest = _split_image(ref)
+    if name != img.get("name"):
+        return ref
+    name = img.get("newName", name)
+    if "digest" in img:
+        return f"{name}@{img['digest']}"
+    tag = str(img.get("newTag", tag))
+    out = f"{name}:{tag}" if tag else name
+    return f"{out}@{digest}" if digest and "newTag" not in img else out
+
+
+# --- object helpers ---------------------------------------------------------------------------------
+def pod_spec(o: Obj) -> Obj | None:
+    kind = o.get("kind")
+    spec = o.get("spec") or {}
+    if kind == "Pod":
+        return spec
+    if kind in ("Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job"):
+        return ((spec.get("template") or {}).get("spec")) or {}
+    if kind == "CronJob":
+        return ((((spec.get("jobTemplate") or {}).get("spec") or {}).get("template") or {}).get("spec")) or {}
+    return None
+
+
+def pod_labels(o: Obj) -> dict[str, str]:
+    spec = o.get("spec") or {}
+    if o.get("kind") == "CronJob":
+        spec = (spec.get("jobTemplate") or {}).get("spec") or {}
+    return ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+
+
+def _all_containers(o: Obj) -> Iterator[Obj]:
+    ps = pod_spec(o)
+    if ps:
+        for key in ("initContainers", "containers"):
+            yield from ps.get(key) or []
+
+
+def ident(o: Obj) -> str:
+    md = o.get("metadata") or {}
+    ns = md.get("namespace")
+    return f"{o.get('kind')}/{ns + '/' if ns else ''}{md.get('name')}"
+
+
+def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
+        if op == "In" and labels.get(key) not in vals:
+            return False
+        if op == "NotIn" and labels.get(key) in vals:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+# --- schema validation ---------------------------------------------------------------------------
+# The JSON schemas (generated from each release's OpenAPI spec) ship in the kubernetes-validate
+# package. Its validate() re-reads the 1.4 MB definitions file on every call; the schemas are
+# loaded once per version here and checked with the same Draft 2020-12 validator it uses.
+_SCHEMA_CACHE: dict[tuple[str, str], Any] = {}
+
+
+def _schema_dir(version: str) -> Path:
+    import kubernetes_validate
+
+    root = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    d = root / f"v{version}.0-local-strict"
+    if not d.is_dir():
+        have = sorted(p.name for p in root.iterdir() if p.name.endswith("-local-strict"))
+        raise RenderError(f"no strict schemas for Kubernetes {version} in kubernetes-validate (have {have})")
+    return d
+
+
+def _validator(version: str, kind: str, api_version: str) -> Any:
+    import json
+
+    import jsonschema
+    from referencing import Registry, Resource
+
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    key = (version, f"{kind.lower()}-{group_version}")
+    if key not in _SCHEMA_CACHE:
+        d = _schema_dir(version)
+        if (version, "_definitions") not in _SCHEMA_CACHE:
+            _SCHEMA_CACHE[(version, "_definitions")] = Resource.from_contents(
+                json.loads((d / "_definitions.json").read_text())
+            )
+        f = d / f"{key[1]}.json"
+        if not f.is_file():
+            _SCHEMA_CACHE[key] = None
+        else:
+            schema = json.loads(f.read_text())
+            registry = Resource.from_contents(schema) @ (_SCHEMA_CACHE[(version, "_definitions")] @ Registry())
+            _SCHEMA_CACHE[key] = jsonschema.Draft202012Validator(schema, registry=registry)
+    return _SCHEMA_CACHE[key]
+
+
+def schema_errors(o: Obj, versions: tuple[str, ...]) -> list[str]:
+    out = []
+    for v in versions:
+        validator = _validator(v, str(o.get("kind", "")), str(o.get("apiVersion", "")))
+        if validator is None:
+            out.append(f"{ident(o)}: Kubernetes {v} has no {o.get('apiVersion')} {o.get('kind')}")
+            continue
+        err = next(iter(sorted(validator.iter_errors(o), key=lambda e: list(map(str, e.absolute_path)))), None)
+        if err is not None:
+            where = "/".join(str(p) for p in err.absolute_path) or "(top)"
+            out.append(f"{ident(o)}: Kubernetes {v} schema: {where}: {err.message}")
+    return out
+
+
+# --- the KubeSchedulerConfiguration (no JSON schema ships for it) -------------------------------
+_KSC_TOP = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection", "percentageOfNodesToScore",
+            "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders", "delayCacheUntilActive"}
+_KSC_PROFILE = {"schedulerName", "percentageOfNodesToScore", "plugins", "pluginConfig"}
+_KSC_LEADER = {"leaderElect", "leaseDuration", "renewDeadline", "retryPeriod", "resourceLock", "resourceName",
+               "resourceNamespace"}
+_KSC_EXTENDER = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb", "enableHTTPS",
+                 "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
+_DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|ms|s|m|h))+$")
+
+
+def _duration_s(v: Any) -> float:
+    if not isinstance(v, str) or not _DURATION.match(v):
+        raise ValueError(f"{v!r} is not a Go duration")
+    unit = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(n) * unit[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)(ns|us|ms|s|m|h)", v))
+
+
+def scheduler_config_errors(cfg: Any, where: str) -> list[str]:
+    errs: list[str] = []
+    if not isinstance(cfg, dict):
+        return [f"{where}: not a YAML mapping"]
+    if cfg.get("apiVersion") != "kubescheduler.config.k8s.io/v1" or cfg.get("kind") != "KubeSchedulerConfiguration":
+        errs.append(f"{where}: expected apiVersion kubescheduler.config.k8s.io/v1, kind KubeSchedulerConfiguration")
+    errs += [f"{where}: unknown field {k!r}" for k in sorted(set(cfg) - _KSC_TOP)]
+    le = cfg.get("leaderElection") or {}
+    errs += [f"{where}: leaderElection: unknown field {k!r}" for k in sorted(set(le) - _KSC_LEADER)]
+    profiles = cfg.get("profiles") or []
+    names = [p.get("schedulerName") for p in profiles if isinstance(p, dict)]
+    for p in profiles:
+        errs += [f"{where}: profiles: unknown field {k!r}" for k in sorted(set(p) - _KSC_PROFILE)]
+    if contract.SCHEDULER_NAME not in names:
+        errs.append(f"{where}: no profile named {contract.SCHEDULER_NAME!r} (gpupack.contract.SCHEDULER_NAME)")
+    exts = cfg.get("extenders") or []
+    if len(exts) != 1:
+        errs.append(f"{where}: expected exactly one extender, found {len(exts)}")
+    for e in exts:
+        errs += [f"{where}: extenders: unknown field {k!r}" for k in sorted(set(e) - _KSC_EXTENDER)]
+        w = e.get("weight")
+        if "prioritizeVerb" in e and not (isinstance(w, int) and w > 0):
+            errs.append(f"{where}: extenders: weight must be a positive integer with prioritizeVerb")
+        try:
+            _duration_s(e.get("httpTimeout", "30s"))
+        except ValueError as x:
+            errs.append(f"{where}: extenders: httpTimeout {x}")
+        managed = {m.get("name"): m.get("ignoredByScheduler") for m in e.get("managedResources") or []}
+        if set(managed) != set(contract.MANAGED_RESOURCES):
+            errs.append(f"{where}: managedResources {sorted(managed)} != gpupack.contract.MANAGED_RESOURCES "
+                        f"{sorted(contract.MANAGED_RESOURCES)}")
+        errs += [f"{where}: managedResources {n}: ignoredByScheduler must be true (the kubelet-facing count "
+                 "is slots, gpu-mem/gpu-sm are never advertised)" for n, ig in managed.items() if ig is not True]
+        if e.get("ignorable") is True:
+            errs.append(f"{where}: extenders: ignorable must not be true (GPU pods would be placed blind)")
+    return errs
+
+
+def extender_routes() -> set[str]:
+    """Routes the extender's Flask apps serve, read from its source (no app needs building)."""
+    src = (REPO / "extender" / "app.py").read_text()
+    return set(re.findall(r"@app\.(?:post|get)\(\"(/[^\"]*)\"\)", src))
+
+
+# --- container args against the real CLI parsers -----------------------------------------------
+def _component_parser(cmd: list[str]) -> tuple[str, argparse.ArgumentParser | None, list[str]] | None:
+    """(what, parser, args-prefix) for a gpupack container command; None if not gpupack's."""
+    import importlib
+
+    from gpupack.cli import COMMANDS
+
+    if cmd[:1] == ["gpupack"] and len(cmd) >= 2:
+        sub = cmd[1]
+        if sub not in COMMANDS:
+            return (f"gpupack {sub}", None, [])
+        module = importlib.import_module(COMMANDS[sub][0])
+        return (f"gpupack {sub}", getattr(module, "build_parser", lambda: None)(), cmd[2:])
+    if cmd[:3] in (["python", "-m", "gpupack.certs"], ["python3", "-m", "gpupack.certs"]):
+        from gpupack import certs
+
+        return ("gpupack.certs", certs.build_parser(), cmd[3:])
+    return None
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), "x"), arg)
+
+
+def container_errors(o: Obj, c: Obj, ps: Obj) -> list[str]:
+    errs: list[str] = []
+    where = f"{ident(o)} container {c.get('name')!r}"
+    cmd = [str(x) for x in (c.get("command") or []) + (c.get("args") or [])]
+    env = {e["name"]: "x" for e in c.get("env") or [] if "name" in e}
+    ports = {p.get("containerPort") for p in c.get("ports") or []}
+    names = {p.get("name"): p.get("containerPort") for p in c.get("ports") or [] if p.get("name")}
+    mounts = [m.get("mountPath", "") for m in c.get("volumeMounts") or []]
+    volumes = {v.get("name"): v for v in ps.get("volumes") or []}
+    for m in c.get("volumeMounts") or []:
+        if m.get("name") not in volumes:
+            errs.append(f"{where}: volumeMount {m.get('name')!r} has no volume")
+    found = _component_parser(cmd) if cmd else None
+    if found is not None:
+        what, parser, args = found
+        if parser is None:
+            errs.append(f"{where}: {what}: unknown command or it has no build_parser() to check flags against")
+        else:
+            buf = io.StringIO()
+            with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    parser.parse_args([_expand(a, env) for a in args])
+                except SystemExit:
+                    msg = buf.getvalue().strip().splitlines()
+                    errs.append(f"{where}: {what} rejects its args: {msg[-1] if msg else 'exit'}")
+        for a in args:
+            flag, _, val = a.partition("=")
+            if flag.endswith("port") and val.isdigit() and int(val) != 0 and int(val) not in ports:
+                errs.append(f"{where}: {flag}={val} is not a declared containerPort {sorted(p for p in ports if p)}")
+            if val.startswith("/") and not any(val == m or val.startswith(m.rstrip("/") + "/") for m in mounts):
+                errs.append(f"{where}: {flag}={val} is not under any volumeMount {mounts}")
+    for probe_name in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = c.get(probe_name)
+        if not probe:
+            continue
+        action = probe.get("httpGet") or probe.get("tcpSocket") or probe.get("grpc") or {}
+        port = action.get("port")
+        if isinstance(port, str) and port not in names:
+            errs.append(f"{where}: {probe_name} port {port!r} is not a named container port {sorted(names)}")
+        if isinstance(port, int) and port not in ports:
+            errs.append(f"{where}: {probe_name} port {port} is not a declared containerPort")
+    res = c.get("resources") or {}
+    limits, requests = res.get("limits") or {}, res.get("requests") or {}
+    for key in set(limits) | set(requests):
+        if key.startswith(contract.DOMAIN + "/") and key not in contract.MANAGED_RESOURCES:
+            errs.append(f"{where}: unknown gpupack resource {key!r} (known: {', '.join(contract.MANAGED_RESOURCES)})")
+    for key in contract.MANAGED_RESOURCES:
+        if key in requests and (key not in limits or contract.parse_quantity(requests[key]) != contract.parse_quantity(limits[key])):
+            errs.append(f"{where}: {key}: requests must equal limits")
+    if contract.RES_GPU_SM in limits and not 1 <= contract.parse_quantity(limits[contract.RES_GPU_SM]) <= 100:
+        errs.append(f"{where}: {contract.RES_GPU_SM} must be 1..100")
+    image = c.get("image", "")
+    _, tag, digest = _split_image(image)
+    if not digest and (not tag or tag == "latest"):
+        errs.append(f"{where}: image {image!r} is not pinned to a tag or digest")
+    return errs
+
+
+# --- cross-object checks ------------------------------------------------------------------------
+BUILTIN_ROLES = {"system:kube-scheduler", "system:volume-scheduler", "system:auth-delegator",
+                 "extension-apiserver-authentication-reader", "view", "edit", "admin", "cluster-admin"}
+
+
+def semantic_errors(objs: list[Obj]) -> list[str]:
+    errs: list[str] = []
+    seen: dict[str, int] = {}
+    for o in objs:
+        seen[ident(o)] = seen.get(ident(o), 0) + 1
+    errs += [f"{i}: defined {n} times" for i, n in seen.items() if n > 1]
+    by_kind: dict[str, list[Obj]] = {}
+    for o in objs:
+        by_kind.setdefault(o.get("kind", ""), []).append(o)
+
+    def ns(o: Obj) -> str:
+        return (o.get("metadata") or {}).get("namespace", "")
+
+    def name(o: Obj) -> str:
+        return (o.get("metadata") or {}).get("name", "")
+
+    def exists(kind: str, nm: str, namespace: str = "") -> bool:
+        return any(name(x) == nm and ns(x) == namespace for x in by_kind.get(kind, []))
+
+    namespaces = {name(x) for x in by_kind.get("Namespace", [])}
+    workloads = [o for o in objs if pod_spec(o) is not None]
+    for o in objs:
+        if o.get("kind") not in CLUSTER_SCOPED:
+            if not ns(o):
+                errs.append(f"{ident(o)}: namespaced object without metadata.namespace")
+            elif namespaces and ns(o) not in namespaces and ns(o) != "kube-system":
+                errs.append(f"{ident(o)}: namespace {ns(o)!r} is not created by this kustomization")
+    routes = extender_routes()
+    ext_args: dict[str, str] = {}
+    for o in workloads:
+        ps = pod_spec(o) or {}
+        sel = (o.get("spec") or {}).get("selector")
+        if sel and o.get("kind") in ("Deployment", "DaemonSet", "StatefulSet", "ReplicaSet") and not selector_matches(sel, pod_labels(o)):
+            errs.append(f"{ident(o)}: spec.selector does not match the pod template's labels")
+        sa = ps.get("serviceAccountName")
+        if sa and sa != "default" and not exists("ServiceAccount", sa, ns(o)):
+            errs.append(f"{ident(o)}: serviceAccountName {sa!r} has no ServiceAccount")
+        for v in ps.get("volumes") or []:
+            cm = (v.get("configMap") or {}).get("name")
+            if cm and not exists("ConfigMap", cm, ns(o)) and not (v["configMap"].get("optional")):
+                errs.append(f"{ident(o)}: volume {v.get('name')!r}: ConfigMap {cm!r} not found")
+        for c in list(ps.get("initContainers") or []) + list(ps.get("containers") or []):
+            errs += container_errors(o, c, ps)
+            cmd = [str(x) for x in (c.get("command") or []) + (c.get("args") or [])]
+            if cmd[:2] == ["gpupack", "extender"]:
+                ext_args = dict(a.partition("=")[::2] for a in cmd[2:])
+            if cmd[:1] == ["kube-scheduler"]:
+                errs += _kube_scheduler_errors(o, c, ps, by_kind)
+    for cm in by_kind.get("ConfigMap", []):
+        for key, text in (cm.get("data") or {}).items():
+            if "KubeSchedulerConfiguration" not in text:
+                continue
+            where = f"{ident(cm)} data[{key}]"
+            try:
+                cfg = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                errs.append(f"{where}: invalid YAML: {e}")
+                continue
+            errs += scheduler_config_errors(cfg, where)
+            for e in (cfg or {}).get("extenders") or []:
+                url = str(e.get("urlPrefix", ""))
+                m = re.match(r"^https?://(127\.0\.0\.1|localhost|\[::1\]):(\d+)/?$", url)
+                if not m:
+                    errs.append(f"{where}: urlPrefix {url!r}: expected the sidecar on loopback, http://127.0.0.1:PORT")
+                elif ext_args and ext_args.get("--port", "8888") != m.group(2):
+                    errs.append(f"{where}: urlPrefix port {m.group(2)} != extender --port {ext_args.get('--port')}")
+                for verb in ("filterVerb", "prioritizeVerb", "bindVerb", "preemptVerb"):
+                    if verb in e and "/" + str(e[verb]) not in routes:
+                        errs.append(f"{where}: {verb} {e[verb]!r}: the extender serves no /{e[verb]} "
+                                    f"(routes: {sorted(routes)})")
+                try:
+                    wait = float(ext_args.get("--bind-wait-s", "10"))
+                    if _duration_s(e.get("httpTimeout", "30s")) <= wait:
+                        errs.append(f"{where}: httpTimeout {e.get('httpTimeout')} must exceed the extender's "
+                                    f"--bind-wait-s {wait}")
+                except ValueError:
+                    pass
+    for svc in by_kind.get("Service", []):
+        sel = (svc.get("spec") or {}).get("selector") or {}
+        pods = [w for w in workloads if ns(w) == ns(svc) and selector_matches({"matchLabels": sel}, pod_labels(w))]
+        if sel and not pods:
+            errs.append(f"{ident(svc)}: selector {sel} matches no pod template")
+        for p in (svc.get("spec") or {}).get("ports") or []:
+            tp = p.get("targetPort", p.get("port"))
+            for w in pods:
+                cs = list((pod_spec(w) or {}).get("containers") or [])
+                named = {q.get("name") for c in cs for q in c.get("ports") or []}
+                nums = {q.get("containerPort") for c in cs for q in c.get("ports") or []}
+                if (isinstance(tp, str) and tp not in named) or (isinstance(tp, int) and tp not in nums):
+                    errs.append(f"{ident(svc)}: targetPort {tp!r} is not a port of {ident(w)}")
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for wc in by_kind.get(kind, []):
+            for hook in wc.get("webhooks") or []:
+                s = (hook.get("clientConfig") or {}).get("service")
+                if not s:
+                    continue
+                svc = [x for x in by_kind.get("Service", []) if name(x) == s.get("name") and ns(x) == s.get("namespace")]
+                if not svc:
+                    errs.append(f"{ident(wc)} {hook.get('name')}: Service {s.get('namespace')}/{s.get('name')} not found")
+                elif s.get("port", 443) not in {p.get("port") for p in svc[0]["spec"].get("ports") or []}:
+                    errs.append(f"{ident(wc)} {hook.get('name')}: Service has no port {s.get('port', 443)}")
+                if s.get("path") not in routes:
+                    errs.append(f"{ident(wc)} {hook.get('name')}: path {s.get('path')!r} is not served by the "
+                                f"extender (routes: {sorted(routes)})")
+    for kind in ("RoleBinding", "ClusterRoleBinding"):
+        for b in by_kind.get(kind, []):
+            ref = b.get("roleRef") or {}
+            rk, rn = ref.get("kind"), ref.get("name")
+            if rn not in BUILTIN_ROLES and not exists(rk, rn, ns(b) if rk == "Role" else ""):
+                errs.append(f"{ident(b)}: roleRef {rk}/{rn} not found")
+            for s in b.get("subjects") or []:
+                if s.get("kind") == "ServiceAccount" and not exists("ServiceAccount", s.get("name"), s.get("namespace", ns(b))):
+                    errs.append(f"{ident(b)}: subject ServiceAccount {s.get('namespace')}/{s.get('name')} not found")
+    for hpa in by_kind.get("HorizontalPodAutoscaler", []):
+        ref = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
+        if not exists(ref.get("kind"), ref.get("name"), ns(hpa)):
+            errs.append(f"{ident(hpa)}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} not found")
+    for pdb in by_kind.get("PodDisruptionBudget", []):
+        sel = (pdb.get("spec") or {}).get("selector") or {}
+        if not any(ns(w) == ns(pdb) and selector_matches(sel, pod_labels(w)) for w in workloads):
+            errs.append(f"{ident(pdb)}: selector matches no pod template")
+    return errs
+
+
+def _kube_scheduler_errors(o: Obj, c: Obj, ps: Obj, by_kind: dict[str, list[Obj]]) -> list[str]:
+    """--config must name a key of the ConfigMap mounted at its directory."""
+    where = f"{ident(o)} container {c.get('name')!r}"
+    cfg = next((a.split("=", 1)[1] for a in c.get("command", []) + c.get("args", []) if a.startswith("--config=")), None)
+    if not cfg:
+        return [f"{where}: kube-scheduler without --config"]
+    mount = next((m for m in c.get("volumeMounts") or [] if cfg.startswith(m["mountPath"].rstrip("/") + "/")), None)
+    if not mount:
+        return [f"{where}: --config={cfg} is not under any volumeMount"]
+    vol = next((v for v in ps.get("volumes") or [] if v.get("name") == mount["name"]), {})
+    cm_name = (vol.get("configMap") or {}).get("name")
+    key = cfg[len(mount["mountPath"].rstrip("/")) + 1:]
+    cms = [x for x in by_kind.get("ConfigMap", []) if x["metadata"]["name"] == cm_name]
+    if not cms or key not in (cms[0].get("data") or {}):
+        return [f"{where}: --config={cfg}: ConfigMap {cm_name!r} has no key {key!r}"]
+    return []
+
+
+# --- driver --------------------------------------------------------------------------------------
+def validate_dir(path: Path, renderer: str, versions: tuple[str, ...]) -> tuple[int, list[str]]:
+    try:
+        objs = render(path, renderer)
+    except RenderError as e:
+        return 0, [str(e)]
+    errs: list[str] = []
+    for o in objs:
+        errs += schema_errors(copy.deepcopy(o), versions)
+    errs += semantic_errors(objs)
+    return len(objs), errs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deploy/validate.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("dirs", nargs="*", help="kustomization directories (default: deploy, deploy/examples)")
+    p.add_argument("--renderer", choices=["auto", "kubectl", "python"], default="auto")
+    p.add_argument("--k8s", default=",".join(DEFAULT_VERSIONS), help="Kubernetes versions to validate against")
+    args = p.parse_args(argv)
+    versions = tuple(v.strip() for v in args.k8s.split(",") if v.strip())
+    dirs = [Path(d) for d in args.dirs] or [REPO / d for d in DEFAULT_DIRS]
+    try:
+        for v in versions:
+            _schema_dir(v)
+    except ModuleNotFoundError:
+        print("deploy/validate.py: needs the kubernetes-validate package (pip install -e '.[test]')", file=sys.stderr)
+        return 2
+    except RenderError as e:
+        print(f"deploy/validate.py: {e}", file=sys.stderr)
+        return 2
+    failed = False
+    for d in dirs:
+        n, errs = validate_dir(d, args.renderer, versions)
+        for e in errs:
+            print(f"{d}: {e}")
+        failed |= bool(errs)
+        print(f"{d}: {n} objects, {len(errs)} problems (Kubernetes {', '.join(versions)}, renderer {args.renderer})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""deploy/: renders, validates against Kubernetes schemas and this repo's code, and breaks loudly."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+VERSIONS = ("1.30", "1.32", "1.35")
+
+pytest.importorskip("kubernetes_validate", reason="needs the test extra: pip install -e '.[test]'")
+
+
+def _load_validator():
+    spec = importlib.util.spec_from_file_location("gpupack_deploy_validate", DEPLOY / "validate.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+V = _load_validator()
+RENDERERS = ["python"] + (["kubectl"] if shutil.which("kubectl") else [])
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict]:
+    return V.render(DEPLOY, "auto")
+
+
+@pytest.fixture(scope="module")
+def examples() -> list[dict]:
+    return V.render(DEPLOY / "examples", "auto")
+
+
+def find(objs: list[dict], kind: str, name: str) -> dict:
+    hits = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
+    return hits[0]
+
+
+@pytest.mark.parametrize("renderer", RENDERERS)
+@pytest.mark.parametrize("where", ["", "examples"])
+def test_renders_and_validates(renderer, where):
+    n, errs = V.validate_dir(DEPLOY / where, renderer, VERSIONS)
+    assert errs == []
+    assert n >= 7
+
+
+def test_cli_exit_codes(tmp_path):
+    bad = subprocess.run([sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.2"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "no strict schemas for Kubernetes 1.2" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    (tmp_path / "kustomization.yaml").write_text("resources: [cm.yaml]\n")
+    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, namespace: n}\nbogus: 1\n")
+    broken = subprocess.run([sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.32", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "'bogus' was unexpected" in broken.stdout and "Traceback" not in broken.stderr
+
+
+@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl (with built-in kustomize) not on PATH")
+@pytest.mark.parametrize("where", ["", "examples"])
+def test_python_renderer_agrees_with_kubectl_kustomize(where):
+    def key(o: dict) -> tuple:
+        return (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
+
+    ours = sorted(V.render_python(DEPLOY / where), key=key)
+    theirs = sorted(V.render_kubectl(DEPLOY / where), key=key)
+    assert [key(o) for o in ours] == [key(o) for o in theirs]
+    assert ours == theirs
+
+
+# --- what the issue asks of the manifests ------------------------------------------------------
+def test_device_plugin_daemonset(base):
+    ds = find(base, "DaemonSet", "gpupack-device-plugin")
+    spec = ds["spec"]["template"]["spec"]
+    host = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"}
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["tolerations"] and spec["affinity"]["nodeAffinity"]
+    c = spec["containers"][0]
+    assert c["command"] == ["gpupack", "device-plugin"]
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert c["livenessProbe"] and c["readinessProbe"]
+
+
+def test_scheduler_config_names_the_extender(base):
+    cm = find(base, "ConfigMap", "gpupack-scheduler-config")
+    cfg = yaml.safe_load(cm["data"]["config.yaml"])
+    (ext,) = cfg["extenders"]
+    assert {m["name"] for m in ext["managedResources"]} == {"gpupack.io/gpu", "gpupack.io/gpu-mem", "gpupack.io/gpu-sm"}
+    assert all(m["ignoredByScheduler"] for m in ext["managedResources"])
+    assert ext["nodeCacheCapable"] is True and ext["weight"] > 0 and ext["httpTimeout"]
+    assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == ("filter", "prioritize", "bind")
+    dep = find(base, "Deployment", "gpupack-scheduler")
+    names = [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]]
+    assert names == ["kube-scheduler", "extender"]  # the sidecar design
+
+
+def test_webhooks_get_their_ca_without_an_operator(base):
+    dep = find(base, "Deployment", "gpupack-scheduler")
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"] == ["python", "-m", "gpupack.certs"]
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        wc = find(base, kind, "gpupack")
+        assert f"--{kind.removesuffix('WebhookConfiguration').lower()}-webhook-configuration=gpupack" in init["args"]
+        assert all(h["matchConditions"] and h["failurePolicy"] == "Fail" for h in wc["webhooks"])
+
+
+def test_examples_cover_inference_hpa_batch_and_pdb(examples):
+    dep = find(examples, "Deployment", "llm-7b")
+    pod = dep["spec"]["template"]["spec"]
+    limits = pod["containers"][0]["resources"]["limits"]
+    assert {"gpupack.io/gpu-mem", "gpupack.io/gpu-sm"} <= set(limits)
+    assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
+    assert any(m["mountPath"] == "/dev/shm" for m in pod["containers"][0]["volumeMounts"])
+    assert pod["containers"][0]["startupProbe"]["failureThreshold"] * pod["containers"][0]["startupProbe"]["periodSeconds"] >= 300
+    hpa = find(examples, "HorizontalPodAutoscaler", "llm-7b")
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
+    assert find(examples, "PodDisruptionBudget", "llm-7b")
+    job = find(examples, "Job", "eval-batch")
+    assert job["spec"]["template"]["metadata"]["labels"]["gpupack.io/class"] == "offline"
+
+
+# --- negative: a broken manifest must fail ----------------------------------------------------------
+BREAKAGES = [
+    # (file, old, new, expected problem)
+    ("deviceplugin/daemonset.yaml", "      priorityClassName: system-node-critical\n",
+     "      priorityClassName: system-node-critical\n      hostNetwork: yes-please\n", "schema: spec/template/spec/hostNetwork"),
+    ("deviceplugin/daemonset.yaml", "      priorityClassName: system-node-critical\n",
+     "      priorityClassName: system-node-critical\n      nodeSelectr: {}\n", "'nodeSelectr' was unexpected"),
+    ("scheduler/deployment.yaml", "--tls-cert=/tls/tls.crt", "--tls-cert-file=/tls/tls.crt",
+     "gpupack extender rejects its args"),
+    ("scheduler/deployment.yaml", "--tls-key=/tls/tls.key", "--tls-key=/etc/tls/tls.key", "is not under any volumeMount"),
+    ("scheduler/deployment.yaml", "--webhook-port=8443", "--webhook-port=9443", "is not a declared containerPort"),
+    ("deviceplugin/daemonset.yaml", "port: metrics\n", "port: metric\n", "is not a named container port"),
+    ("scheduler/config.yaml", "- name: gpupack.io/gpu-sm", "- name: gpupack.io/gpu-smx", "MANAGED_RESOURCES"),
+    ("scheduler/config.yaml", "httpTimeout: 15s", "httpTimeout: 5s", "must exceed the extender's --bind-wait-s"),
+    ("scheduler/config.yaml", "urlPrefix: http://127.0.0.1:8888", "urlPrefix: http://127.0.0.1:8080", "urlPrefix port"),
+    ("scheduler/config.yaml", "bindVerb: bind", "bindVerb: bnd", "serves no /bnd"),
+    ("scheduler/config.yaml", "nodeCacheCapable: true", "nodeCacheCapable: true\n        nodeCache: true",
+     "unknown field 'nodeCache'"),
+    ("scheduler/deployment.yaml", "--config=/etc/gpupack-scheduler/config.yaml",
+     "--config=/etc/gpupack-scheduler/cfg.yaml", "has no key 'cfg.yaml'"),
+    ("webhook/webhooks.yaml", "path: /mutate", "path: /mutating", "is not served by the extender"),
+    ("webhook/webhooks.yaml", "        name: gpupack-webhook\n        namespace: gpupack-system\n        path: /mutate",
+     "        name: gpupack-hook\n        namespace: gpupack-system\n        path: /mutate", "Service gpupack-system/gpupack-hook not found"),
+    ("scheduler/service.yaml", "targetPort: webhook", "targetPort: webhooks", "targetPort 'webhooks'"),
+    ("scheduler/rbac.yaml", "  name: gpupack-extender\nrules:", "  name: gpupack-extendr\nrules:", "roleRef ClusterRole/gpupack-extender not found"),
+    ("deviceplugin/daemonset.yaml", "serviceAccountName: gpupack-device-plugin", "serviceAccountName: gpupack-dp",
+     "has no ServiceAccount"),
+    ("kustomization.yaml", "newTag: v1.32.4", "newTag: latest", "is not pinned"),
+    ("kustomization.yaml", "  - deviceplugin/service.yaml\n", "  - deviceplugin/service.yaml\n  - deviceplugin/missing.yaml\n",
+     "missing.yaml"),
+    ("namespace.yaml", "  name: gpupack-system\n", "  name: gpupack-system\n   labels: [\n", "YAML"),
+    ("examples/online-inference.yaml", 'gpupack.io/gpu-sm: "40"', 'gpupack.io/gpu-sms: "40"', "unknown gpupack resource"),
+    ("examples/online-inference.yaml", 'gpupack.io/gpu-sm: "40"', 'gpupack.io/gpu-sm: "140"', "must be 1..100"),
+    ("examples/online-inference-hpa.yaml", "    name: llm-7b\n  minReplicas", "    name: llm-8b\n  minReplicas",
+     "scaleTargetRef Deployment/llm-8b not found"),
+    ("examples/online-inference-pdb.yaml", "app.kubernetes.io/name: llm-7b", "app.kubernetes.io/name: llm", "matches no pod"),
+]
+
+
+# The python renderer is checked against kubectl above, so every breakage runs through it; the
+# ones that break rendering itself run through kubectl too.
+CASES = [(b, "python") for b in BREAKAGES] + [
+    (b, "kubectl") for b in BREAKAGES if "kubectl" in RENDERERS and b[3] in ("missing.yaml", "YAML")
+]
+
+
+@pytest.mark.parametrize("breakage,renderer", CASES, ids=[f"{r}-{b[3][:40]}" for b, r in CASES])
+def test_a_broken_manifest_fails(tmp_path, breakage, renderer):
+    path, old, new, expect = breakage
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    f = copy / path
+    text = f.read_text()
+    assert old in text, f"{path} no longer contains {old!r}: update this test"
+    f.write_text(text.replace(old, new, 1))
+    where = copy / "examples" if path.startswith("examples/") else copy
+    _, errs = V.validate_dir(where, renderer, ("1.32",))
+    assert any(expect in e for e in errs), errs
