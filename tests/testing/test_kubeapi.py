@@ -398,19 +398,37 @@ def test_watch_compacted_resource_version_is_410(server: KubeAPIServer, core: cl
     assert resp.data == b""
 
 
-def test_watch_bookmarks(core: client.CoreV1Api) -> None:
-    server_rv = core.list_namespaced_pod("default").metadata.resource_version
-    resp = core.list_namespaced_pod(
-        "default",
-        watch=True,
-        allow_watch_bookmarks=True,
-        resource_version=server_rv,
-        timeout_seconds=2,
-        _preload_content=False,
-    )
-    events = [json.loads(line) for line in resp.data.decode().splitlines() if line]
-    assert events and all(e["type"] == "BOOKMARK" for e in events)
-    assert events[-1]["object"]["metadata"]["resourceVersion"] == server_rv
+def test_watch_bookmarks() -> None:
+    with KubeAPIServer(bookmark_interval=0.2) as server:
+        core = client.CoreV1Api(server.api_client())
+        server_rv = core.list_namespaced_pod("default").metadata.resource_version
+        resp = core.list_namespaced_pod(
+            "default",
+            watch=True,
+            allow_watch_bookmarks=True,
+            resource_version=server_rv,
+            timeout_seconds=1,
+            _preload_content=False,
+        )
+        events = [json.loads(line) for line in resp.data.decode().splitlines() if line]
+        assert len(events) >= 2 and all(e["type"] == "BOOKMARK" for e in events)
+        assert events[-1]["object"]["metadata"]["resourceVersion"] == server_rv
+        # Without allowWatchBookmarks there are none.
+        resp = core.list_namespaced_pod(
+            "default", watch=True, resource_version=server_rv, timeout_seconds=1, _preload_content=False
+        )
+        assert resp.data == b""
+
+
+def test_watch_ends_when_client_disconnects(server: KubeAPIServer, core: client.CoreV1Api) -> None:
+    w = watch.Watch()
+    stream = w.stream(core.list_namespaced_pod, "default")  # no timeout: only the disconnect ends it
+    core.create_namespaced_pod("default", pod_body("p"))
+    assert next(stream)["type"] == "ADDED"
+    assert server.active_watches == 1
+    w.stop()
+    stream.close()
+    wait_until(lambda: server.active_watches == 0, timeout=3)
 
 
 def test_watch_ends_when_server_stops() -> None:
@@ -749,3 +767,206 @@ def test_replicaset_controller_replaces_evicted_pods(server: KubeAPIServer, core
         )
         assert names[1] in replaced
         assert rs.errors == []
+
+
+# --- hardening -----------------------------------------------------------------------------------
+
+
+def test_restart_keeps_objects_and_cuts_watches(server: KubeAPIServer, core: client.CoreV1Api) -> None:
+    core.create_namespaced_pod("default", pod_body("p"))
+    url = server.url
+    ended = threading.Event()
+
+    def run() -> None:
+        for _ in watch.Watch().stream(core.list_namespaced_pod, "default", timeout_seconds=30):
+            pass
+        ended.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    time.sleep(0.2)
+    server.stop()
+    assert ended.wait(3)
+    server.start()
+    assert server.url == url
+    assert core.read_namespaced_pod("p", "default").metadata.name == "p"
+
+
+def test_history_limit_expires_slow_watchers() -> None:
+    with KubeAPIServer(history_limit=5) as server:
+        core = client.CoreV1Api(server.api_client())
+        first = core.create_namespaced_pod("default", pod_body("p0")).metadata.resource_version
+        for i in range(1, 20):
+            core.create_namespaced_pod("default", pod_body(f"p{i}"))
+        with pytest.raises(ApiException) as err:
+            for _ in watch.Watch().stream(
+                core.list_namespaced_pod, "default", resource_version=first, timeout_seconds=1
+            ):
+                pass
+        assert err.value.status == 410
+
+
+def test_concurrent_evictions_never_overrun_the_budget(
+    server: KubeAPIServer, api: client.ApiClient, core: client.CoreV1Api
+) -> None:
+    names = running_pods(core, 6, {"app": "web"})
+    client.PolicyV1Api(api).create_namespaced_pod_disruption_budget(
+        "default",
+        {
+            "metadata": {"name": "web"},
+            "spec": {"minAvailable": 4, "selector": {"matchLabels": {"app": "web"}}},
+        },
+    )
+    results: list[int] = []
+
+    def evict(name: str) -> None:
+        c = client.CoreV1Api(server.api_client())
+        try:
+            c.create_namespaced_pod_eviction(name, "default", eviction(name))
+            results.append(201)
+        except ApiException as exc:
+            results.append(exc.status)
+
+    threads = [threading.Thread(target=evict, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [201, 201, 429, 429, 429, 429]
+    assert len(core.list_namespaced_pod("default").items) == 4
+
+
+def test_more_than_one_pdb_is_an_error(api: client.ApiClient, core: client.CoreV1Api) -> None:
+    running_pods(core, 2, {"app": "x"})
+    policy = client.PolicyV1Api(api)
+    for name in ("a", "b"):
+        policy.create_namespaced_pod_disruption_budget(
+            "default",
+            {
+                "metadata": {"name": name},
+                "spec": {"minAvailable": 0, "selector": {"matchLabels": {"app": "x"}}},
+            },
+        )
+    with pytest.raises(ApiException) as err:
+        core.create_namespaced_pod_eviction("w0", "default", eviction("w0"))
+    assert err.value.status == 500 and "more than one PodDisruptionBudget" in status_of(err.value)["message"]
+
+
+def test_dry_run_delete_collection_and_namespace_cascade(core: client.CoreV1Api) -> None:
+    core.create_namespaced_pod("default", pod_body("dry"), dry_run="All")
+    assert core.list_namespaced_pod("default").items == []
+    for name, app in (("a", "x"), ("b", "x"), ("c", "y")):
+        core.create_namespaced_pod("default", pod_body(name, labels={"app": app}))
+    core.delete_collection_namespaced_pod("default", label_selector="app=x")
+    assert [p.metadata.name for p in core.list_namespaced_pod("default").items] == ["c"]
+    core.create_namespace({"metadata": {"name": "tmp"}})
+    core.create_namespaced_pod("tmp", pod_body("p"))
+    core.delete_namespace("tmp")
+    assert core.list_pod_for_all_namespaces(field_selector="metadata.namespace=tmp").items == []
+    with pytest.raises(ApiException) as err:
+        core.create_namespaced_pod("tmp", pod_body("q"))
+    assert err.value.status == 404
+
+
+def test_replicaset_deletion_collects_its_pods(
+    server: KubeAPIServer, api: client.ApiClient, core: client.CoreV1Api
+) -> None:
+    apps = client.AppsV1Api(api)
+    rs = apps.create_namespaced_replica_set(
+        "default",
+        {
+            "metadata": {"name": "rs"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": "rs"}},
+                "template": {
+                    "metadata": {"labels": {"app": "rs"}},
+                    "spec": {"containers": [{"name": "c", "image": "i"}]},
+                },
+            },
+        },
+    )
+    assert rs.status.replicas == 0
+    running_pods(core, 1, {"app": "rs"}, owner=rs)
+    core.create_namespaced_pod("default", pod_body("unowned", labels={"app": "rs"}))
+    apps.delete_namespaced_replica_set("rs", "default")
+    assert [p.metadata.name for p in core.list_namespaced_pod("default").items] == ["unowned"]
+
+
+def test_bad_requests_get_clear_statuses(
+    server: KubeAPIServer, api: client.ApiClient, core: client.CoreV1Api
+) -> None:
+    core.create_namespaced_pod("default", pod_body("p"))
+    with pytest.raises(ApiException) as err:
+        core.patch_namespaced_pod(
+            "p", "default", {"metadata": {}}, _content_type="application/apply-patch+yaml"
+        )
+    assert err.value.status == 415
+    import urllib3
+
+    http = urllib3.PoolManager()
+    r = http.request(
+        "POST",
+        server.url + "/api/v1/namespaces/default/pods",
+        body=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status == 400 and json.loads(r.data)["reason"] == "BadRequest"
+    r = http.request("PUT", server.url + "/api/v1/namespaces/default/pods")
+    assert r.status == 405 and json.loads(r.data)["kind"] == "Status"
+    r = http.request("GET", server.url + "/api/v1/widgets")
+    assert r.status == 404 and json.loads(r.data)["reason"] == "NotFound"
+    r = http.request("GET", server.url + "/api/v1/namespaces/default/pods/p/bogus")
+    assert r.status == 404
+    body = {"metadata": {"name": "other"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    with pytest.raises(ApiException) as err:
+        core.replace_namespaced_pod("p", "default", body)
+    assert err.value.status == 400
+    assert client.VersionApi(api).get_code().major == "1"
+
+
+def test_numeric_quantities_round_trip(server: KubeAPIServer, core: client.CoreV1Api) -> None:
+    body = pod_body("p")
+    body["spec"]["containers"][0]["resources"] = {"limits": {"cpu": 1, "gpupack.io/gpu": 2}}
+    server.create("pods", body)  # raw JSON numbers, as kubectl or a dict-based client may send
+    pod = core.read_namespaced_pod("p", "default")
+    assert pod.spec.containers[0].resources.limits == {"cpu": "1", "gpupack.io/gpu": "2"}
+    pod.metadata.labels = {"changed": "yes"}
+    assert core.replace_namespaced_pod("p", "default", pod).metadata.labels == {"changed": "yes"}
+
+
+def test_binding_copies_annotations(core: client.CoreV1Api) -> None:
+    core.create_namespaced_pod("default", pod_body("p"))
+    body = {
+        "metadata": {"name": "p", "annotations": {"gpupack.io/assignment": "{}"}},
+        "target": {"name": "n1"},
+    }
+    core.create_namespaced_pod_binding("p", "default", body, _preload_content=False)
+    pod = core.read_namespaced_pod("p", "default")
+    assert pod.spec.node_name == "n1" and pod.metadata.annotations == {"gpupack.io/assignment": "{}"}
+
+
+def test_direct_helpers_emit_watch_events(server: KubeAPIServer, core: client.CoreV1Api) -> None:
+    rv = core.list_node().metadata.resource_version
+    server.create("nodes", {"metadata": {"name": "n1"}})
+    server.set_status("nodes", "n1", {"allocatable": {"gpupack.io/gpu": "8"}})
+    server.patch("nodes", "n1", {"metadata": {"labels": {"a": "b"}}})
+    assert server.get("nodes", "n1")["metadata"]["labels"] == {"a": "b"}
+    server.delete("nodes", "n1")
+    events: list[tuple[str, str]] = []
+    collect(watch.Watch().stream(core.list_node, resource_version=rv, timeout_seconds=1), events, 4)
+    assert [e[0] for e in events] == ["ADDED", "MODIFIED", "MODIFIED", "DELETED"]
+    server.create("pods", pod_body("p"))
+    server.set_status("pods", "p", {"phase": "Running"}, namespace="default")
+    assert core.read_namespaced_pod("p", "default").status.phase == "Running"
+
+
+def test_pod_runner_marks_only_its_nodes(server: KubeAPIServer, core: client.CoreV1Api) -> None:
+    for name in ("a", "b"):
+        core.create_namespaced_pod("default", pod_body(name))
+    with PodRunner(server, nodes=["n1"]) as runner:
+        bind(core, "a", "n1")
+        bind(core, "b", "n2")
+        wait_until(lambda: core.read_namespaced_pod("a", "default").status.phase == "Running")
+        time.sleep(0.2)
+        assert core.read_namespaced_pod("b", "default").status.phase == "Pending"
+        assert runner.errors == []

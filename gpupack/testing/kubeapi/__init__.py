@@ -3,6 +3,22 @@
     with KubeAPIServer() as server:
         core = kubernetes.client.CoreV1Api(server.api_client())
 
+Test hooks on `KubeAPIServer`:
+- `start()/stop()` (or `with`), `url`, `api_client()`; `stop()` then `start()` is an apiserver
+  restart on the same port with the same objects (watches are cut, clients must re-watch).
+- `fail_next(method, path_regex, status, times=1, reason=, message=, retry_after=)` answers
+  matching requests with that Status instead of serving them; `delay(path_regex, seconds,
+  method=, times=)` slows them; `clear_faults()`.
+- `requests` (snapshot of (method, path, query-dict) records), `count_requests()`,
+  `clear_requests()`, `active_watches`; `record_requests=False` for benchmarks.
+- `compact()` drops watch history (older resourceVersions then get 410); `history_limit`
+  bounds it per resource; `resource_version` is the current global counter.
+- Direct access with the same semantics and watch events as HTTP: `get`, `list`, `create`,
+  `create_many` (benchmark seeding), `patch`, `set_status` (a kubelet/controller status write),
+  `delete`, `sync_pdb_status`. Resources are named "pods", "nodes", "leases", "events" (core),
+  "events.events.k8s.io", "poddisruptionbudgets", "replicasets", ...
+- `python -m gpupack.testing.kubeapi.bench [--json]` measures it at benchmark scale.
+
 Faithful to kube-apiserver (tests rely on these; a component that ignores them fails):
 - URLs, verbs and JSON of core/v1 pods, nodes, namespaces, events, configmaps; events.k8s.io/v1
   events; coordination.k8s.io/v1 leases; policy/v1 poddisruptionbudgets; apps/v1 replicasets and

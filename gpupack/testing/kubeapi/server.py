@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import select
 import socket
 import sys
 import threading
@@ -61,7 +62,17 @@ class _Route(NamedTuple):
 
 def _discovery(path: str) -> dict[str, Any] | None:
     if path in ("/version", "/version/"):
-        return {"major": "1", "minor": "31", "gitVersion": "v1.31.0-gpupack-test", "platform": "linux/amd64"}
+        return {
+            "major": "1",
+            "minor": "31",
+            "gitVersion": "v1.31.0-gpupack-test",
+            "gitCommit": "0000000000000000000000000000000000000000",
+            "gitTreeState": "clean",
+            "buildDate": "2024-08-13T00:00:00Z",
+            "goVersion": "go1.22.5",
+            "compiler": "gc",
+            "platform": "linux/amd64",
+        }
     if path == "/api":
         return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
     if path == "/apis":
@@ -340,7 +351,25 @@ class _Handler(BaseHTTPRequestHandler):
     def _write_chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
+    def _client_gone(self) -> bool:
+        """True once the client closed the connection (a readable socket with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _watch(self, res: Resource, ns: str | None, query: dict[str, str]) -> None:
+        api = self.server.api
+        with api._lock:
+            api._active_watches += 1
+        try:
+            self._watch_stream(res, ns, query)
+        finally:
+            with api._lock:
+                api._active_watches -= 1
+
+    def _watch_stream(self, res: Resource, ns: str | None, query: dict[str, str]) -> None:
         api = self.server.api
         store = api.store
         labels, fields = self._selectors(res, query)
@@ -400,7 +429,9 @@ class _Handler(BaseHTTPRequestHandler):
                         if bookmarks and time.monotonic() - last_bookmark >= api.bookmark_interval:
                             break
                         wait = min(left, api.bookmark_interval) if bookmarks else left
-                        store.cond.wait(min(wait, 1.0))
+                        store.cond.wait(min(wait, 0.5))
+                        if self._client_gone():
+                            raise ConnectionResetError("watch client went away")
                     current_rv = store.rv
                 if events is None:
                     self._end_watch(expired_err)
@@ -479,6 +510,7 @@ class KubeAPIServer:
         self._faults: list[_Fault] = []
         self._delays: list[_Delay] = []
         self._connections: set[socket.socket] = set()
+        self._active_watches = 0
         self._stopping = threading.Event()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -564,6 +596,12 @@ class KubeAPIServer:
         """Every request so far as (method, path, query-dict), oldest first (a snapshot)."""
         with self._lock:
             return list(self._requests)
+
+    @property
+    def active_watches(self) -> int:
+        """Watch streams currently open (they end on timeout, client disconnect, or stop())."""
+        with self._lock:
+            return self._active_watches
 
     def clear_requests(self) -> None:
         with self._lock:
