@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from dp_kubelet import TestKubelet
+from dp_util import NODE
 from kubernetes import client
 
 from deviceplugin.discovery import discover, init_nvml
@@ -16,18 +16,6 @@ from deviceplugin.fake_nvml import FakeNvml
 from deviceplugin.plugin import DevicePlugin, PluginConfig
 
 kubeapi = pytest.importorskip("gpupack.testing.kubeapi", reason="gpupack.testing.kubeapi not available")
-
-NODE = "node-a"
-
-
-def until(pred: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(interval)
-    return bool(pred())
-
 
 @pytest.fixture
 def api() -> Iterator[object]:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import NODE, until
 from dp_binder import TestBinder
+from dp_util import NODE, until
 
 from deviceplugin.api import HEALTHY, UNHEALTHY
 from gpupack import contract, handoff

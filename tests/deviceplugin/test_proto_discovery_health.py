@@ -197,3 +197,28 @@ def test_inventory_labels_and_annotation_round_trip():
     inv = contract.decode_inventory(ann[contract.ANN_INVENTORY], "n")
     assert [g.mem_mib for g in inv.gpus] == [143771, 143771] and inv.skipped == ("GPU-x: MIG",)
     assert model_label("  weird/model name!! ") == "weird-model-name"
+
+
+def test_example_fake_config_loads_and_describes_an_8_x_h200_node():
+    nvml = FakeNvml.from_file(REPO / "deviceplugin" / "fake-node.example.yaml")
+    init_nvml(nvml)
+    d = discover(nvml)
+    assert len(d.gpus) == 8 and {g.mem_mib for g in d.gpus} == {143771}
+
+
+def test_reservations_count_init_containers_as_running_alone():
+    from deviceplugin.metrics import reserved_by_gpu
+    from gpupack.contract import ANN_ASSIGNMENT, Assignment, GPUShare
+
+    def pod(uid, phase="Running", node="n"):
+        a = Assignment(uid, node, "online", {
+            "init": (GPUShare("G0", 0, 9000, 50),),
+            "a": (GPUShare("G0", 0, 3000, 20),),
+            "b": (GPUShare("G0", 0, 4000, 20), GPUShare("G1", 1, 4000, 20)),
+        })
+        return {"metadata": {"uid": uid, "name": uid, "namespace": "d", "annotations": {ANN_ASSIGNMENT: a.to_json()}},
+                "spec": {"nodeName": node, "initContainers": [{"name": "init"}], "containers": [{"name": "a"}, {"name": "b"}]},
+                "status": {"phase": phase}}
+
+    got = reserved_by_gpu([pod("1"), pod("2", phase="Succeeded"), pod("3", node="other")], "n")
+    assert got == {"G0": (9000, 50), "G1": (4000, 20)}
