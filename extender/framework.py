@@ -307,12 +307,14 @@ class Extender:
             if args.node not in self.view.nodes:
                 raise WireError(f"node {args.node} is not known to gpupack", 404)
         deadline = time.monotonic() + self.bind_wait_s
+        # Read the pod before queueing: a missing pod is answered at once, not after the wait.
+        # If it changes while we wait, the PATCH's resourceVersion precondition catches it.
+        pod = self._get_pod(args)
         lock = self._node_lock(args.node)
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise BindError(f"node {args.node}: too many binds queued; try again", "node-busy")
         try:
             self._wait_handoff(args.node, args.pod_uid, deadline)
-            pod = self._get_pod(args)
             bound = (pod.get("spec") or {}).get("nodeName")
             if bound:
                 self._already_bound(args, pod, bound)

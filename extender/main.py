@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
+from gunicorn.config import KNOWN_SETTINGS
 
 from gpupack.contract import SCHEDULER_NAME
 from gpupack.core.policies import DEFAULT_POLICY, UnknownPolicy, get_policy
@@ -25,6 +26,7 @@ from gpupack.core.policies import DEFAULT_POLICY, UnknownPolicy, get_policy
 from .app import DEFAULT_MAX_BODY
 
 log = logging.getLogger("gpupack.extender")
+_GUNICORN_SETTINGS = {s.name for s in KNOWN_SETTINGS}
 
 
 class _Gunicorn(BaseApplication):
@@ -117,19 +119,23 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
 
 def _options(args: argparse.Namespace, port: int, threads: int) -> dict[str, Any]:
-    return {
+    opts = {
         "bind": [f"{args.host}:{port}"],
         "workers": 1,
         "worker_class": "gthread",
         "threads": threads,
         "timeout": 120,
-        "graceful_timeout": 10,
+        "graceful_timeout": 3,  # binds wait at most --bind-wait-s; the scheduler retries the rest
         "keepalive": 30,
         "loglevel": args.log_level,
         "accesslog": None,
         "errorlog": "-",
         "proc_name": "gpupack-extender",
     }
+    if "control_socket_disable" in _GUNICORN_SETTINGS:
+        # gunicorn >= 24 opens a control socket under $HOME; a second instance would collide
+        opts["control_socket_disable"] = True
+    return opts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.isfile(f):
                 print(f"gpupack extender: {f}: no such file", file=sys.stderr)
                 return 2
+
+    # Import in the arbiter: the forked worker then starts in milliseconds, not seconds.
+    from . import app, framework, kube, sync, webhook  # noqa: F401
 
     if args.role == "webhook":
         opts = _options(args, args.webhook_port, 8)

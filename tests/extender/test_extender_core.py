@@ -4,7 +4,11 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from ext_helpers import H100_MIB, container, node_obj, payloads, pod_obj
 
+from extender.framework import Extender, assignment_from_fit
+from extender.view import ClusterView
+from extender.wire import ExtenderArgs, WireError
 from gpupack.contract import (
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
@@ -13,12 +17,6 @@ from gpupack.contract import (
     Reservation,
 )
 from gpupack.core.policies import DEFAULT_POLICY, get_policy
-
-from extender.framework import Extender, assignment_from_fit
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs, WireError
-
-from ext_helpers import H100_MIB, container, node_obj, payloads, pod_obj
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 

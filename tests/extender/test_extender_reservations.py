@@ -1,10 +1,9 @@
 from datetime import UTC, datetime, timedelta
 
+from extender import reservations as resv
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.fit import fit
 from gpupack.core.model import GPU, ContainerRequest, Node, PodRequest
-
-from extender import reservations as resv
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 

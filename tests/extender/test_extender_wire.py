@@ -1,8 +1,7 @@
 import pytest
+from ext_helpers import payloads
 
 from extender.wire import WireError, filter_result, parse_bind_args, parse_extender_args
-
-from ext_helpers import payloads
 
 
 @pytest.mark.parametrize("mode", ["nodecache-true", "nodecache-false"])
