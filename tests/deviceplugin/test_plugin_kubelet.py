@@ -271,3 +271,28 @@ def test_unhealthy_assigned_gpu_fails_allocate_and_releases_the_node(kubelet, st
     a2 = binder.bind("default", "after", NODE)  # not blocked by the rejected pod
     assert a2.containers["main"][0].uuid != bad.uuid
     assert kubelet.admit(read_pod(core, "after")).ok
+
+
+def test_pod_changed_during_allocate_is_reread_not_overwritten(kubelet, start_plugin, core, api):
+    start_plugin()
+    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
+    assert until(lambda: node_inventory(core)[0] is not None, 5)
+    make_pod(core, "busy")
+    a = TestBinder(core).bind("default", "busy", NODE)
+    # Hold the plugin's PATCH while someone else writes the pod: its resourceVersion goes stale.
+    api.delay(r"/pods/busy$", 0.5, method="PATCH", times=1)
+    api.clear_requests()
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", kubelet.admit(read_pod(core, "busy"))))
+    t.start()
+    assert until(lambda: api.count_requests("PATCH", r"/pods/busy$") >= 1, 5)
+    core.patch_namespaced_pod("busy", "default", {"metadata": {"labels": {"touched": "yes"}}},
+                              _content_type="application/merge-patch+json", _preload_content=False)
+    t.join(15)
+    res = out["res"]
+    assert res.ok, res.error
+    assert res.envs["main"]["NVIDIA_VISIBLE_DEVICES"] == a.containers["main"][0].uuid
+    pod = read_pod(core, "busy")
+    assert pod["metadata"]["labels"]["touched"] == "yes"  # the other writer's change survived
+    assert pod["metadata"]["annotations"][ANN_HANDOFF] == "done"
+    assert api.count_requests("PATCH", r"/pods/busy$") >= 3  # ours (409), theirs, ours again
