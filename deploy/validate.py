@@ -525,6 +525,16 @@ def semantic_errors(objs: list[Obj]) -> list[str]:
             for s in b.get("subjects") or []:
                 if s.get("kind") == "ServiceAccount" and not exists("ServiceAccount", s.get("name"), s.get("namespace", ns(b))):
                     errs.append(f"{ident(b)}: subject ServiceAccount {s.get('namespace')}/{s.get('name')} not found")
+    for np_ in by_kind.get("NetworkPolicy", []):
+        sel = (np_.get("spec") or {}).get("podSelector") or {}
+        pods = [w for w in workloads if ns(w) == ns(np_) and selector_matches(sel, pod_labels(w))]
+        if not pods:
+            errs.append(f"{ident(np_)}: podSelector matches no pod template")
+        named = {q.get("name") for w in pods for c in (pod_spec(w) or {}).get("containers") or [] for q in c.get("ports") or []}
+        for rule in (np_.get("spec") or {}).get("ingress") or []:
+            for p in rule.get("ports") or []:
+                if isinstance(p.get("port"), str) and p["port"] not in named:
+                    errs.append(f"{ident(np_)}: port {p['port']!r} is not a named port of the selected pods")
     for hpa in by_kind.get("HorizontalPodAutoscaler", []):
         ref = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
         if not exists(ref.get("kind"), ref.get("name"), ns(hpa)):

@@ -156,6 +156,7 @@ BREAKAGES = [
     ("webhook/webhooks.yaml", "        name: gpupack-webhook\n        namespace: gpupack-system\n        path: /mutate",
      "        name: gpupack-hook\n        namespace: gpupack-system\n        path: /mutate", "Service gpupack-system/gpupack-hook not found"),
     ("scheduler/service.yaml", "targetPort: webhook", "targetPort: webhooks", "targetPort 'webhooks'"),
+    ("scheduler/networkpolicy.yaml", "port: sched-metrics", "port: scheduler-metrics", "is not a named port"),
     ("scheduler/rbac.yaml", "  name: gpupack-extender\nrules:", "  name: gpupack-extendr\nrules:", "roleRef ClusterRole/gpupack-extender not found"),
     ("deviceplugin/daemonset.yaml", "serviceAccountName: gpupack-device-plugin", "serviceAccountName: gpupack-dp",
      "has no ServiceAccount"),
