@@ -116,10 +116,17 @@ class PynvmlFacade:
 
     def watch_xids(self, indices: list[int]) -> None:
         self._events = pynvml.nvmlEventSetCreate()
+        registered = 0
         for i in indices:
             h = self._h(i)
-            pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._events)
+            try:
+                pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, self._events)
+            except pynvml.NVMLError_NotSupported:
+                continue  # this GPU cannot deliver events; probes still watch it
             self._uuid_by_handle[_handle_key(h)] = self.uuid(i)
+            registered += 1
+        if indices and not registered:
+            raise pynvml.NVMLError_NotSupported()
 
     def wait_xid(self, timeout_s: float) -> XidEvent | None:
         if self._events is None:

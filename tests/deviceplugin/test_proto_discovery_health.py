@@ -222,3 +222,24 @@ def test_reservations_count_init_containers_as_running_alone():
 
     got = reserved_by_gpu([pod("1"), pod("2", phase="Succeeded"), pod("3", node="other")], "n")
     assert got == {"G0": (9000, 50), "G1": (4000, 20)}
+
+
+def test_real_nvml_discovery_or_one_clear_error_without_a_driver():
+    from deviceplugin.nvml_facade import PynvmlFacade
+
+    nvml = PynvmlFacade()
+    try:
+        nvml.init()
+    except Exception:
+        with pytest.raises(NvmlUnavailable, match="NVML is not available: NVMLError_"):
+            init_nvml(PynvmlFacade())
+        return
+    # A real driver: discovery must describe every GPU it offers completely.
+    try:
+        d = discover(nvml)
+        for g in d.gpus:
+            assert g.uuid.startswith(("GPU-", "MIG-")) and g.mem_mib > 0 and g.sm_count > 0 and g.model
+            assert g.pci_bus_id
+        assert len(d.gpus) + len(d.skipped) == nvml.device_count()
+    finally:
+        nvml.shutdown()
