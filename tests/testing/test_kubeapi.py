@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,6 +14,27 @@ from kubernetes.client.rest import ApiException
 
 from gpupack.testing.controllers import PodRunner, ReplicaSetController, mark_pod_running_ready
 from gpupack.testing.kubeapi import KubeAPIServer
+
+# Fixtures live here rather than in a conftest.py: other test folders import helpers from
+# their own `conftest`, and a second module of that name would shadow theirs.
+
+
+@pytest.fixture
+def server() -> Iterator[KubeAPIServer]:
+    with KubeAPIServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def api(server: KubeAPIServer) -> Iterator[client.ApiClient]:
+    api_client = server.api_client()
+    yield api_client
+    api_client.close()
+
+
+@pytest.fixture
+def core(api: client.ApiClient) -> client.CoreV1Api:
+    return client.CoreV1Api(api)
 
 
 def pod_body(name: str | None = None, labels: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
