@@ -333,7 +333,7 @@ class _Planner:
         ranked.sort()
         best_key: tuple[float, str] | None = None
         best_fit: Fit | None = None
-        for bound, name in ranked:
+        for _bound, name in ranked:
             if simple and best_fit is not None:
                 break  # exact ranking: the first node that fits is the tightest
             node = self.w.nodes[name]
