@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
 from gpupack import contract  # noqa: E402
 
 DEFAULT_DIRS = ("deploy", "deploy/examples")
-# Oldest supported (ValidatingAdmissionPolicy-era matchConditions are GA from 1.30), the
+# Oldest supported (webhook matchConditions are GA from 1.30), the
 # kube-scheduler image's minor, and the newest the installed schemas cover well.
 DEFAULT_VERSIONS = ("1.30", "1.32", "1.35")
 
@@ -265,7 +265,8 @@ def schema_errors(o: Obj, versions: tuple[str, ...]) -> list[str]:
 
 # --- the KubeSchedulerConfiguration (no JSON schema ships for it) -------------------------------
 _KSC_TOP = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection", "percentageOfNodesToScore",
-            "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders", "delayCacheUntilActive"}
+            "podInitialBackoffSeconds", "podMaxBackoffSeconds", "profiles", "extenders", "delayCacheUntilActive",
+            "enableProfiling", "enableContentionProfiling"}
 _KSC_PROFILE = {"schedulerName", "percentageOfNodesToScore", "plugins", "pluginConfig"}
 _KSC_LEADER = {"leaderElect", "leaseDuration", "renewDeadline", "retryPeriod", "resourceLock", "resourceName",
                "resourceNamespace"}
