@@ -191,3 +191,12 @@ def test_a_broken_manifest_fails(tmp_path, breakage, renderer):
     where = copy / "examples" if path.startswith("examples/") else copy
     _, errs = V.validate_dir(where, renderer, ("1.32",))
     assert any(expect in e for e in errs), errs
+
+
+def test_every_component_folder_is_in_the_base():
+    """A component's manifests in a sub-kustomization (e.g. deploy/defrag/) must be installed too."""
+    k = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    included = {str(r).split("/")[0] for r in k["resources"]}
+    for sub in DEPLOY.iterdir():
+        if sub.is_dir() and sub.name != "examples" and any(sub.glob("*.yaml")):
+            assert sub.name in included, f"deploy/{sub.name}/ is not in deploy/kustomization.yaml"
