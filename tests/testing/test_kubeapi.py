@@ -107,6 +107,11 @@ def test_errors_are_status_objects(core: client.CoreV1Api) -> None:
     with pytest.raises(ApiException) as err:
         core.create_namespaced_pod("default", pod_body("badlabel", labels={"a": "not valid!"}))
     assert err.value.status == 422
+    huge = pod_body("huge")
+    huge["metadata"]["annotations"] = {"gpupack.io/inventory": "x" * (300 * 1024)}
+    with pytest.raises(ApiException) as err:
+        core.create_namespaced_pod("default", huge)
+    assert err.value.status == 422 and "Too long: must have at most 262144 bytes" in status_of(err.value)["message"]
 
 
 def test_extended_resources_follow_apiserver_rules(core: client.CoreV1Api) -> None:
@@ -992,3 +997,64 @@ def test_pod_runner_marks_only_its_nodes(server: KubeAPIServer, core: client.Cor
         time.sleep(0.2)
         assert core.read_namespaced_pod("b", "default").status.phase == "Pending"
         assert runner.errors == []
+
+
+def test_node_scoped_watch_sees_pods_as_they_are_bound(core: client.CoreV1Api) -> None:
+    # What a kubelet (or device plugin) watching spec.nodeName=<node> relies on.
+    rv = core.list_pod_for_all_namespaces().metadata.resource_version
+    core.create_namespaced_pod("default", pod_body("p"))
+    events: list[tuple[str, str]] = []
+    w = watch.Watch()
+    stream = w.stream(
+        core.list_pod_for_all_namespaces,
+        field_selector="spec.nodeName=n1",
+        resource_version=rv,
+        timeout_seconds=5,
+    )
+    t = threading.Thread(target=collect, args=(stream, events, 2))
+    t.start()
+    bind(core, "p", "n1")
+    core.delete_namespaced_pod("p", "default")
+    t.join(timeout=5)
+    assert events == [("ADDED", "p"), ("DELETED", "p")]
+
+
+def test_strategic_merge_on_template_containers(api: client.ApiClient) -> None:
+    apps = client.AppsV1Api(api)
+    containers = [
+        {"name": "a", "image": "a:1", "resources": {"limits": {"gpupack.io/gpu": "1"}}},
+        {"name": "b", "image": "b:1"},
+    ]
+    apps.create_namespaced_deployment(
+        "default",
+        {
+            "metadata": {"name": "d"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "d"}},
+                "template": {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": containers}},
+            },
+        },
+    )
+    dep = apps.patch_namespaced_deployment(
+        "d", "default", {"spec": {"template": {"spec": {"containers": [{"name": "a", "image": "a:2"}]}}}}
+    )
+    got = {
+        c.name: (c.image, c.resources.limits if c.resources else None)
+        for c in dep.spec.template.spec.containers
+    }
+    assert got == {"a": ("a:2", {"gpupack.io/gpu": "1"}), "b": ("b:1", None)}
+    dep = apps.patch_namespaced_deployment(
+        "d", "default", {"spec": {"template": {"spec": {"containers": [{"name": "b", "$patch": "delete"}]}}}}
+    )
+    assert [c.name for c in dep.spec.template.spec.containers] == ["a"]
+
+
+def test_oversized_body_is_413_and_connection_survives() -> None:
+    with KubeAPIServer(max_body_bytes=64 * 1024) as server:
+        core = client.CoreV1Api(server.api_client())
+        big = pod_body("big")
+        big["metadata"]["annotations"] = {"x": "y" * (1024 * 1024)}
+        with pytest.raises(ApiException) as err:
+            core.create_namespaced_pod("default", big)
+        assert err.value.status == 413 and status_of(err.value)["reason"] == "RequestEntityTooLarge"
+        assert core.create_namespaced_pod("default", pod_body("small")).metadata.name == "small"

@@ -203,7 +203,14 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         limit = self.server.api.max_body_bytes
         if limit is not None and length > limit:
-            self.close_connection = True
+            # Drain what the client is sending so it reads our 413 rather than a reset connection.
+            left = length
+            while 0 < left <= 256 * 1024 * 1024:
+                chunk = self.rfile.read(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+            self.close_connection = left != 0
             raise ApiError(413, f"Request entity too large: limit is {limit}", "RequestEntityTooLarge")
         return self.rfile.read(length) if length else b""
 
