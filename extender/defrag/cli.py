@@ -1,0 +1,308 @@
+"""`gpupack defrag`: print the plan (default, changes nothing) or run it with --apply.
+
+Exit status: 0 done (a PDB refusal is a normal skip), 1 the run stopped early (timeout, lost
+lease, API error), 2 bad arguments, 3 refused to start (outside the window, another run holds
+the lease).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from collections import Counter
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+
+from gpupack.core.defrag import Limits, Plan, plan_defrag
+
+from ..kube import Kube, api_client
+from .eligibility import Eligibility, why_not
+from .events import EventRecorder
+from .executor import ExecOptions, Executor, RunResult
+from .lease import LeaseHeld, RunLease
+from .metrics import RunMetrics
+from .snapshot import Snapshot, build_snapshot
+from .window import WindowError, parse_window
+
+log = logging.getLogger("gpupack.defrag")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpupack defrag",
+        description="Plan evict-and-repack moves that free whole GPUs; --apply runs them.",
+    )
+    p.add_argument(
+        "--apply", action="store_true", help="execute the plan (default: dry run, changes nothing)"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan (and results) as JSON")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    g = p.add_argument_group("safety")
+    g.add_argument("--max-evictions", type=int, default=10, help="evictions per run (default 10)")
+    g.add_argument(
+        "--max-per-node", type=int, default=4, help="evictions per source node (default 4; 0 = no cap)"
+    )
+    g.add_argument(
+        "--max-per-namespace", type=int, default=5, help="evictions per namespace (default 5; 0 = no cap)"
+    )
+    g.add_argument(
+        "--max-workload-share",
+        type=float,
+        default=0.25,
+        help="share of a workload's replicas one run may move (default 0.25; at least one)",
+    )
+    g.add_argument("--allow-online", action="store_true", help="also move online (latency-sensitive) pods")
+    g.add_argument("--allow-jobs", action="store_true", help="also move Job pods (they restart from scratch)")
+    g.add_argument(
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        help="only move pods of this namespace (repeatable)",
+    )
+    g.add_argument(
+        "--window", help="allowed time window HH:MM-HH:MM, e.g. 01:00-05:00; outside it --apply refuses"
+    )
+    g.add_argument("--timezone", default="UTC", help="time zone of --window (IANA name, default UTC)")
+    g.add_argument("--force", action="store_true", help="run outside --window")
+    g.add_argument(
+        "--move-timeout", type=float, default=600.0, help="seconds for a replacement to run (default 600)"
+    )
+    g.add_argument(
+        "--poll-interval", type=float, default=2.0, help="seconds between replacement checks (default 2)"
+    )
+    g.add_argument(
+        "--reservation-ttl",
+        type=float,
+        default=0.0,
+        help="reservation lifetime in s (default move timeout + 120)",
+    )
+    g.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "gpupack-system"))
+    g.add_argument("--lease-name", default="gpupack-defrag")
+    g.add_argument("--lease-duration", type=int, default=0, help="lease seconds (default move timeout + 300)")
+    o = p.add_argument_group("observability")
+    o.add_argument("--metrics-file", help="write the run's metrics here (Prometheus textfile format)")
+    o.add_argument("--pushgateway", help="push the run's metrics to this Pushgateway address")
+    o.add_argument("--no-events", action="store_true", help="do not record Kubernetes Events")
+    o.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def _table(plan: Plan) -> str:
+    rows = [("STEP", "POD", "OWNER", "FROM", "TO", "FREES")]
+    frees = {
+        g.id: f"{g.node}: {len(g.gpus_freed)} GPU" + ("s" if len(g.gpus_freed) > 1 else "")
+        for g in plan.groups
+    }
+    last_group = -1
+    for m in plan.moves:
+        rows.append(
+            (
+                str(m.step),
+                m.pod,
+                f"{m.owner_kind}/{m.owner_name}",
+                f"{m.from_node}[{','.join(u[-8:] for u in m.from_gpus)}]",
+                f"{m.to_node}[{','.join(u[-8:] for u in m.to_gpus)}]",
+                frees[m.group] if m.group != last_group else "",
+            )
+        )
+        last_group = m.group
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    nodes = ", ".join(plan.nodes_freed) if plan.nodes_freed else "none"
+    lines.append("")
+    lines.append(
+        f"{plan.evictions} eviction(s) free {plan.gpus_freed} whole GPU(s) "
+        f"({plan.gpus_per_eviction:.2f} per eviction) and {len(plan.nodes_freed)} whole node(s): {nodes}"
+    )
+    lines.append(f"used GPUs {plan.used_gpus_before} -> {plan.used_gpus_after}")
+    if plan.moves:
+        lines.append("pods to evict: " + " ".join(m.pod for m in plan.moves))
+    return "\n".join(lines)
+
+
+def _snapshot(kube: Kube) -> Snapshot:
+    return build_snapshot(kube.list_nodes()["items"], kube.list_pods()["items"], datetime.now(UTC))
+
+
+def run(args: argparse.Namespace, api: Any) -> int:
+    now = datetime.now(UTC)
+    window = parse_window(args.window, args.timezone) if args.window else None
+    metrics = RunMetrics()
+    outside = window is not None and not window.contains(now)
+    if outside and args.apply and not args.force:
+        print(
+            f"gpupack defrag: outside the allowed window {args.window} ({args.timezone}); "
+            "not running (use --force to override)",
+            file=sys.stderr,
+        )
+        metrics.result.labels("refused-window").set(1)
+        metrics.export(args.metrics_file, args.pushgateway)
+        return 3
+    if outside:
+        print(
+            f"gpupack defrag: note: outside the allowed window {args.window}; dry run only", file=sys.stderr
+        )
+
+    run_id = f"defrag-{now.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    holder = f"{socket.gethostname()}/{os.getpid()}/{run_id}"
+    lease = None
+    if args.apply:
+        lease = RunLease(
+            api,
+            args.lease_namespace,
+            args.lease_name,
+            holder,
+            args.lease_duration or int(args.move_timeout + 300),
+        )
+        try:
+            lease.acquire()
+        except LeaseHeld as e:
+            print(f"gpupack defrag: {e}; not running", file=sys.stderr)
+            metrics.result.labels("refused-lease").set(1)
+            metrics.export(args.metrics_file, args.pushgateway)
+            return 3
+    try:
+        return _plan_and_apply(args, api, run_id, metrics, lease, window)
+    finally:
+        if lease is not None:
+            lease.release()
+        metrics.export(args.metrics_file, args.pushgateway)
+
+
+def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> int:
+    kube = Kube(api)
+    snap = _snapshot(kube)
+    for msg in snap.problems:
+        log.warning("%s", msg)
+    rules = Eligibility(
+        allow_online=args.allow_online,
+        allow_jobs=args.allow_jobs,
+        namespaces=frozenset(args.namespaces) if args.namespaces else None,
+    )
+    movable, excluded = set(), Counter()
+    for key, (req, _, _) in snap.state.pods.items():
+        obj = snap.pods.get(key)
+        why = "no-pod-object" if obj is None else why_not(obj, req, rules)
+        if why is None:
+            movable.add(key)
+        else:
+            excluded[why] += 1
+    limits = Limits(
+        max_evictions=args.max_evictions,
+        max_per_node=args.max_per_node,
+        max_per_namespace=args.max_per_namespace,
+        max_workload_share=args.max_workload_share,
+    )
+    t0 = time.perf_counter()
+    plan = plan_defrag(snap.state, movable, limits)
+    metrics.plan_seconds.set(time.perf_counter() - t0)
+    metrics.planned_evictions.set(plan.evictions)
+    metrics.planned_gpus.set(plan.gpus_freed)
+    log.info(
+        "plan %s: %d eviction(s) free %d GPU(s), %d node(s); %d movable pod(s), excluded %s",
+        run_id,
+        plan.evictions,
+        plan.gpus_freed,
+        len(plan.nodes_freed),
+        len(movable),
+        dict(excluded),
+    )
+    out: dict[str, Any] = {
+        "run": run_id,
+        "dry_run": not args.apply,
+        "plan": plan.to_dict(),
+        "movable": len(movable),
+        "excluded": dict(sorted(excluded.items())),
+    }
+    if not args.json:
+        print(_table(plan))
+        print(
+            f"movable pods: {len(movable)}; not movable: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(excluded.items())) or "none")
+        )
+    if not args.apply:
+        metrics.result.labels("dry-run").set(1)
+        if args.json:
+            print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+
+    events = EventRecorder(None if args.no_events else api, run_id)
+    opts = ExecOptions(
+        move_timeout_s=args.move_timeout,
+        poll_s=args.poll_interval,
+        reservation_ttl_s=args.reservation_ttl,
+        window=window,
+        force=args.force,
+    )
+    ex = Executor(api, lambda: _snapshot(kube), opts, run_id, events, metrics, lease)
+    result: RunResult = ex.run(plan)
+    out["result"] = result.to_dict()
+    metrics.result.labels("aborted" if result.aborted else "ok").set(1)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        for r in result.moves:
+            print(
+                f"move {r.step} {r.pod}: {r.outcome}"
+                + (f" ({r.detail})" if r.detail else "")
+                + (f" -> {r.replacement}" if r.replacement else "")
+            )
+        print(
+            f"evicted {result.evictions}; freed {len(result.gpus_freed)} GPU(s), "
+            f"{len(result.nodes_freed)} node(s)" + (f"; stopped: {result.aborted}" if result.aborted else "")
+        )
+    return 1 if result.aborted else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for name, v in (
+        ("--max-evictions", args.max_evictions),
+        ("--max-per-node", args.max_per_node),
+        ("--max-per-namespace", args.max_per_namespace),
+    ):
+        if v < 0:
+            print(f"gpupack defrag: {name} must be >= 0", file=sys.stderr)
+            return 2
+    if not 0 <= args.max_workload_share <= 1 or args.move_timeout <= 0 or args.poll_interval <= 0:
+        print(
+            "gpupack defrag: --max-workload-share must be in 0..1, --move-timeout and --poll-interval > 0",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if args.window:
+            parse_window(args.window, args.timezone)
+        api = api_client(args.kubeconfig)
+    except WindowError as e:
+        print(f"gpupack defrag: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # kubeconfig missing or unreadable: one line, no traceback
+        print(f"gpupack defrag: cannot load Kubernetes configuration: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(args, api)
+    except ApiException as e:
+        try:
+            detail = json.loads(e.body or "{}").get("message") or e.reason
+        except (ValueError, AttributeError):
+            detail = e.reason
+        print(f"gpupack defrag: Kubernetes API error {e.status}: {detail}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"gpupack defrag: cannot reach the Kubernetes API: {e}", file=sys.stderr)
+        return 1

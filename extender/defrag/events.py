@@ -1,0 +1,67 @@
+"""Kubernetes Events a defrag run leaves on the pods it moves and the nodes it frees.
+
+Best effort by design: an Event that cannot be written is logged, never a reason to stop a move.
+Node events go to the `default` namespace, as the kubelet's do.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+log = logging.getLogger("gpupack.defrag.events")
+
+COMPONENT = "gpupack-defrag"
+
+
+class EventRecorder:
+    def __init__(self, api: client.ApiClient | None, instance: str) -> None:
+        self.core = client.CoreV1Api(api) if api is not None else None
+        self.instance = instance
+        self.written = 0
+
+    def _emit(
+        self, namespace: str, kind: str, name: str, uid: str, reason: str, message: str, warning: bool
+    ) -> None:
+        if self.core is None:
+            return
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": kind,
+                "name": name,
+                "namespace": namespace if kind == "Pod" else "",
+                "uid": uid,
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self.instance,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        if kind != "Pod":
+            del body["involvedObject"]["namespace"]
+        try:
+            self.core.create_namespaced_event(namespace, body)
+            self.written += 1
+        except ApiException as e:
+            log.warning("could not record event %s on %s %s: %s %s", reason, kind, name, e.status, e.reason)
+
+    def pod(
+        self, namespace: str, name: str, uid: str, reason: str, message: str, warning: bool = False
+    ) -> None:
+        self._emit(namespace, "Pod", name, uid, reason, message, warning)
+
+    def node(self, name: str, uid: str, reason: str, message: str, warning: bool = False) -> None:
+        self._emit("default", "Node", name, uid, reason, message, warning)
