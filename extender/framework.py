@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -23,7 +23,7 @@ from kubernetes.client.rest import ApiException
 from gpupack import handoff
 from gpupack.contract import ANN_ASSIGNMENT, LABEL_MANAGED, Assignment, ContractError, GPUShare, Reservation
 from gpupack.core.fit import Fit, FitFailure
-from gpupack.core.model import FULL, Node, PlacementError, PodRequest
+from gpupack.core.model import FULL, Node, Placement, PlacementError, PodRequest
 from gpupack.core.policies import Policy
 from gpupack.core.request import RequestError, parse_pod
 
@@ -31,12 +31,14 @@ from . import reservations as resv
 from .kube import Kube
 from .metrics import Metrics
 from .view import ClusterView, _init_names
-from .wire import BindArgs, ExtenderArgs, WireError, bind_result, filter_result, priority_result
+from .wire import BindArgs, ExtenderArgs, WireError, bind_result, filter_result
 
 log = logging.getLogger("gpupack.extender")
 
 MAX_SCORE = 10
 CACHE_SHAPES = 32
+OBSERVE_BATCH_MAX = 256  # pods shown to a learning policy at once, at most
+OBSERVE_FLUSH_S = 30.0  # ... or after this long
 
 
 def utcnow() -> datetime:
@@ -71,6 +73,27 @@ class FitCache:
         else:
             self.data.move_to_end(shape)
         return t
+
+
+def _signature(node: Node) -> tuple:
+    """What a fit or a score may depend on: every GPU's state, the node's CPU/RAM and
+    schedulability, not its name."""
+    return (
+        tuple(
+            (g.model, g.mem_mib, g.mem_used, g.milli_used, g.pod_class, g.exclusive, g.healthy, bool(g.holders))
+            for g in node.gpus
+        ),
+        node.cpu_milli, node.cpu_used, node.ram_mib, node.ram_used, node.schedulable,
+    )
+
+
+class _MemoFailure:
+    """A FitFailure remembered with the node it came from (its reason may name that node)."""
+
+    __slots__ = ("failure", "node", "reason")
+
+    def __init__(self, failure: FitFailure, node: str) -> None:
+        self.failure, self.node, self.reason = failure, node, failure.reason
 
 
 def assignment_from_fit(
@@ -133,6 +156,12 @@ class Extender:
         self._node_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._observed: OrderedDict[str, None] = OrderedDict()
+        self._unobserved: list[PodRequest] = []
+        self._observed_total = 0
+        self._last_flush = time.monotonic()
+        self.epoch = 0  # bumped whenever the policy was shown new pods
+        self.scores: FitCache = FitCache()  # (shape, epoch) -> node -> (version, raw score | None)
+        self._sigs: dict[str, tuple[int, tuple]] = {}
 
     # --- request parsing ---------------------------------------------------------------------
     def pod_request(self, pod: dict[str, Any]) -> PodRequest:
@@ -151,17 +180,30 @@ class Extender:
         return req
 
     def _observe(self, pod: PodRequest) -> None:
+        """Show the policy each new pod once, in batches. A learning policy's scores change with
+        every pod it is shown; batching keeps them stable between flushes, so scores of nodes
+        that did not change can be reused (see `_score`). Early on, while the learned workload
+        is small, batches are small too. Call with the view's lock held."""
         ident = pod.uid or pod.key
         if ident in self._observed:
             return
         self._observed[ident] = None
         if len(self._observed) > 10_000:
             self._observed.popitem(last=False)
-        self.policy.observe(pod)
+        self._unobserved.append(pod)
+        now = time.monotonic()
+        batch = 1 if self._observed_total < 16 else OBSERVE_BATCH_MAX
+        if len(self._unobserved) >= batch or now - self._last_flush > OBSERVE_FLUSH_S:
+            for p in self._unobserved:
+                self.policy.observe(p)
+            self._observed_total += len(self._unobserved)
+            self._unobserved.clear()
+            self._last_flush = now
+            self.epoch += 1
 
     # --- filter ----------------------------------------------------------------------------------
     def node_fit(
-        self, name: str, pod: PodRequest, now: datetime, table: dict | None
+        self, name: str, pod: PodRequest, now: datetime, table: dict | None, memo: dict | None = None
     ) -> tuple[Fit | FitFailure, Reservation | None]:
         """Fit on one node, honouring defrag reservations. Call with the view's lock held."""
         info = self.view.nodes.get(name)
@@ -180,7 +222,19 @@ class Extender:
                 hit = table.get(name)
                 if hit is not None and hit[0] == info.version:
                     return hit[1], None
-            r = self.policy.fit(node, pod)
+            r = None
+            if memo is not None:
+                # Nodes in the same state give the same answer (a fresh or evenly filled cluster).
+                sig = self._signature(name, node, info.version)
+                hit_r = memo.get(sig)
+                if isinstance(hit_r, Fit):
+                    r = Fit(Placement(name, hit_r.placement.containers), hit_r.charged)
+                elif hit_r is not None and hit_r.reason.find(hit_r.node) < 0:
+                    r = hit_r.failure
+            if r is None:
+                r = self.policy.fit(node, pod)
+                if memo is not None:
+                    memo[sig] = r if isinstance(r, Fit) else _MemoFailure(r, name)
             if table is not None:
                 table[name] = (info.version, r)
             return r, None
@@ -195,58 +249,119 @@ class Extender:
         return last, None
 
     def _fit_all(self, args: ExtenderArgs, pod: PodRequest) -> dict[str, tuple[Fit | FitFailure, Reservation | None]]:
+        """Fit on every named node; the view's lock must be held."""
         now = self.clock()
-        with self.view.lock:
-            table = self.cache.table(shape_of(pod))
-            out = {n: self.node_fit(n, pod, now, table) for n in args.node_names}
+        out: dict[str, tuple[Fit | FitFailure, Reservation | None]] = {}
+        table = self.cache.table(shape_of(pod))
+        nodes = self.view.nodes
+        memo: dict = {}
+        for n in args.node_names:
+            # inline fast path: a cached answer for an unchanged node without reservations
+            info = nodes.get(n)
+            if info is not None and not info.reservations:
+                hit = table.get(n)
+                if hit is not None and hit[0] == info.version:
+                    out[n] = (hit[1], None)
+                    continue
+            out[n] = self.node_fit(n, pod, now, table, memo)
         return out
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         pod = self.pod_request(args.pod)
+        passed: list[str] = []
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        codes: Counter[str] = Counter()
+        steered: dict[str, Reservation] = {}
         with self.view.lock:
             self._observe(pod)
-        results = self._fit_all(args, pod)
-        unknown = [n for n, (r, _) in results.items() if isinstance(r, FitFailure) and r.code == "unknown-node"]
-        if unknown and len(unknown) == len(results):
-            raise WireError(f"none of the {len(results)} node(s) is known to gpupack: {', '.join(unknown[:5])}")
-        steered = {n: res for n, (r, res) in results.items() if r and res is not None}
-        passed, failed, unresolvable = [], {}, {}
-        for n, (r, _) in results.items():
-            if isinstance(r, FitFailure):
-                (unresolvable if r.unresolvable else failed)[n] = r.reason
-                self.metrics.rejections.labels(r.code).inc()
-            elif steered and n not in steered:
-                target = next(iter(steered.items()))
-                failed[n] = f"pod is steered to node {target[0]} by defrag reservation {target[1].id}"
-                self.metrics.rejections.labels("reservation-steer").inc()
-            else:
-                passed.append(n)
+            for n, (r, res) in self._fit_all(args, pod).items():
+                if r:
+                    passed.append(n)
+                    if res is not None:
+                        steered[n] = res
+                else:
+                    assert isinstance(r, FitFailure)
+                    (unresolvable if r.unresolvable else failed)[n] = r.reason
+                    codes[r.code] += 1
+        if codes.get("unknown-node") == len(args.node_names) and args.node_names:
+            names = ", ".join(args.node_names[:5])
+            raise WireError(f"none of the {len(args.node_names)} node(s) is known to gpupack: {names}")
+        if steered:
+            # A pod with its own defrag reservation goes there, not anywhere else.
+            target, r = next(iter(steered.items()))
+            for n in passed:
+                if n not in steered:
+                    failed[n] = f"pod is steered to node {target} by defrag reservation {r.id}"
+                    codes["reservation-steer"] += 1
+            passed = [n for n in passed if n in steered]
+        for code, k in codes.items():
+            self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
 
     # --- prioritize ------------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
         pod = self.pod_request(args.pod)
-        results = self._fit_all(args, pod)
         raw: dict[str, float] = {}
         steered = set()
+        now = self.clock()
         with self.view.lock:
-            for n, (r, res) in results.items():
+            self._observe(pod)
+            fits = self.cache.table(shape_of(pod))
+            # node -> (node version, raw score or None when the pod does not fit there)
+            table = self.scores.table((shape_of(pod), self.epoch))
+            nodes, state = self.view.nodes, self.view.state.nodes
+            memo: dict[tuple, float] = {}
+            fit_memo: dict = {}
+            for n in args.node_names:
+                info = nodes.get(n)
+                if info is None:
+                    continue
+                if not info.reservations:
+                    hit = table.get(n)
+                    if hit is not None and hit[0] == info.version:
+                        if hit[1] is not None:
+                            raw[n] = hit[1]
+                        continue
+                r, res = self.node_fit(n, pod, now, fits, fit_memo)
+                score = None
                 if isinstance(r, Fit):
                     if res is not None:
                         steered.add(n)
-                    raw[n] = self.policy.node_score(self.view.state.nodes[n], pod, r)
-        scores: dict[str, int] = {}
+                        continue
+                    node = state[n]
+                    # Nodes in the same state score the same (empty nodes, common fill patterns).
+                    sig = (self._signature(n, node, info.version), tuple(sorted(r.charged.items())))
+                    score = memo.get(sig)
+                    if score is None:
+                        score = memo[sig] = self.policy.node_score(node, pod, r)
+                    raw[n] = score
+                if not info.reservations:
+                    table[n] = (info.version, score)
         lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
+        span = hi - lo
+        out = []
         for n in args.node_names:
             if n in steered:
-                scores[n] = MAX_SCORE
-            elif n not in raw:
-                scores[n] = 0
-            elif hi - lo < 1e-12:
-                scores[n] = MAX_SCORE
+                sc = MAX_SCORE
             else:
-                scores[n] = round(MAX_SCORE * (raw[n] - lo) / (hi - lo))
-        return priority_result(scores)
+                v = raw.get(n)
+                if v is None:
+                    sc = 0
+                elif span < 1e-12:
+                    sc = MAX_SCORE
+                else:
+                    sc = round(MAX_SCORE * (v - lo) / span)
+            out.append({"Host": n, "Score": sc})
+        return out
+
+    def _signature(self, name: str, node: Node, version: int) -> tuple:
+        hit = self._sigs.get(name)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        sig = _signature(node)
+        self._sigs[name] = (version, sig)
+        return sig
 
     # --- bind ------------------------------------------------------------------------------------
     def _node_lock(self, node: str) -> threading.Lock:

@@ -40,8 +40,9 @@ def _json(resp: Any) -> Any:
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient, ns_ttl_s: float = 60.0) -> None:
+    def __init__(self, api: client.ApiClient, ns_ttl_s: float = 60.0, page: int = 1000) -> None:
         self.api = api
+        self.page = page
         self.core = client.CoreV1Api(api)
         self._ns_cache: dict[str, tuple[float, dict[str, str]]] = {}
         self._ns_lock = threading.Lock()
@@ -51,14 +52,24 @@ class Kube:
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return _json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
 
-    def list_pods(self, resource_version: str | None = None) -> dict[str, Any]:
-        kw: dict[str, Any] = {"label_selector": LABEL_MANAGED, "_preload_content": False}
-        if resource_version:
-            kw["resource_version"] = resource_version
-        return _json(self.core.list_pod_for_all_namespaces(**kw))
+    def _paged(self, fn: Any, **kw: Any) -> dict[str, Any]:
+        """A full list in pages of `page` items (a 50,000-pod list in one response would need
+        the whole JSON in memory twice); the API server keeps pages consistent with the first."""
+        items: list[dict[str, Any]] = []
+        token = None
+        while True:
+            page = _json(fn(limit=self.page, _continue=token, _preload_content=False, **kw)) or {}
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            token = meta.get("continue")
+            if not token:
+                return {"metadata": {"resourceVersion": meta.get("resourceVersion", "")}, "items": items}
+
+    def list_pods(self) -> dict[str, Any]:
+        return self._paged(self.core.list_pod_for_all_namespaces, label_selector=LABEL_MANAGED)
 
     def list_nodes(self) -> dict[str, Any]:
-        return _json(self.core.list_node(_preload_content=False))
+        return self._paged(self.core.list_node)
 
     def watch_pods(self, resource_version: str, timeout_s: int) -> Any:
         return self.core.list_pod_for_all_namespaces(

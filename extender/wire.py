@@ -84,8 +84,15 @@ def parse_extender_args(body: Any) -> ExtenderArgs:
             raise WireError(f"NodeNames must be a list of strings, got {type(names_raw).__name__}")
         if len(names_raw) > MAX_NODES:
             raise WireError(f"NodeNames lists {len(names_raw)} nodes; at most {MAX_NODES} are accepted")
-        names = [_name(n, f"NodeNames[{i}]") for i, n in enumerate(names_raw)]
-        return ExtenderArgs(pod, names, None)
+        # C-speed check for the common all-good case; the slow path names the bad entry
+        if names_raw and (
+            set(map(type, names_raw)) != {str}
+            or min(map(len, names_raw)) == 0
+            or max(map(len, names_raw)) > MAX_NAME
+        ):
+            for i, n in enumerate(names_raw):
+                _name(n, f"NodeNames[{i}]")
+        return ExtenderArgs(pod, names_raw, None)
     if not isinstance(nodes_raw, dict) or not isinstance(nodes_raw.get("items"), list):
         raise WireError("Nodes must be a NodeList object with an items list")
     items = nodes_raw["items"]
