@@ -111,7 +111,10 @@ def test_errors_are_status_objects(core: client.CoreV1Api) -> None:
     huge["metadata"]["annotations"] = {"gpupack.io/inventory": "x" * (300 * 1024)}
     with pytest.raises(ApiException) as err:
         core.create_namespaced_pod("default", huge)
-    assert err.value.status == 422 and "Too long: must have at most 262144 bytes" in status_of(err.value)["message"]
+    assert (
+        err.value.status == 422
+        and "Too long: must have at most 262144 bytes" in status_of(err.value)["message"]
+    )
 
 
 def test_extended_resources_follow_apiserver_rules(core: client.CoreV1Api) -> None:
