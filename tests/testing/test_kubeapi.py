@@ -420,12 +420,15 @@ def test_watch_compacted_resource_version_is_410(server: KubeAPIServer, core: cl
     lines = [json.loads(line) for line in resp.data.decode().splitlines() if line]
     assert len(lines) == 1 and lines[0]["type"] == "ERROR"
     assert lines[0]["object"]["code"] == 410 and lines[0]["object"]["reason"] == "Expired"
-    # Watching from the current resourceVersion still works.
+    # Watching from the compacted (current) resourceVersion still works.
     rv = core.list_namespaced_pod("default").metadata.resource_version
-    resp = core.list_namespaced_pod(
-        "default", watch=True, resource_version=rv, timeout_seconds=1, _preload_content=False
-    )
-    assert resp.data == b""
+    events: list[tuple[str, str]] = []
+    stream = watch.Watch().stream(core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=5)
+    t = threading.Thread(target=collect, args=(stream, events, 1))
+    t.start()
+    core.create_namespaced_pod("default", pod_body("c"))
+    t.join(timeout=5)
+    assert events == [("ADDED", "c")]
 
 
 def test_watch_bookmarks() -> None:
