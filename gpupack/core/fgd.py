@@ -58,9 +58,13 @@ class Workload:
     divides each shape's count by all pods without renormalising the kept ones.
     """
 
-    def __init__(self, counts: Counter[Shape] | None = None, coverage: float = 0.95) -> None:
+    def __init__(
+        self, counts: Counter[Shape] | None = None, coverage: float = 0.95, by_demand: bool = False
+    ) -> None:
         self.counts: Counter[Shape] = Counter(counts or {})
         self.coverage = coverage
+        # by_demand: weigh each shape by count × the GPU milli it asks for, not by count alone.
+        self.by_demand = by_demand
         self._cache: tuple[int, tuple[tuple[Shape, ...], tuple[int, ...]]] | None = None
         self._version = 0
 
@@ -68,9 +72,12 @@ class Workload:
     def of(cls, shapes: Iterable[Shape], coverage: float = 0.95) -> Workload:
         return cls(Counter(shapes), coverage)
 
+    def weight(self, s: Shape, n: int) -> int:
+        return n * s.gpus * max(s.milli, 1) if self.by_demand else n
+
     @property
     def total(self) -> int:
-        return sum(self.counts.values())
+        return sum(self.weight(s, n) for s, n in self.counts.items())
 
     def add(self, shape: Shape) -> None:
         self.counts[shape] += 1
@@ -83,10 +90,16 @@ class Workload:
         shapes: list[Shape] = []
         weights: list[int] = []
         acc = 0
-        for s, n in self.counts.most_common():  # ties keep first-seen order: deterministic
+        ranked = sorted(
+            self.counts.items(), key=lambda kv: -self.weight(*kv)
+        )  # stable: first-seen order on ties
+        for s, n in ranked:
+            w = self.weight(s, n)
+            if w <= 0:
+                break
             shapes.append(s)
-            weights.append(n)
-            acc += n
+            weights.append(w)
+            acc += w
             if acc >= self.coverage * total:
                 break
         out = (tuple(shapes), tuple(weights))

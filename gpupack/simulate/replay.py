@@ -131,6 +131,9 @@ class FastCluster:
         self.tot = np.zeros(self.n, np.int64)
         self.frag = np.zeros(self.n, np.int64)
         self._refresh(np.arange(self.n))
+        # How many GPUs have each free milli value (0..FULL): global gap statistics for packing.
+        self.gaps = np.bincount(self.free[self.free > 0].ravel(), minlength=FULL + 1).astype(np.int64)
+        self.gaps[0] = 0
 
     def _refresh(self, idx: np.ndarray) -> None:
         f = self.free[idx]  # (k, G)
@@ -165,7 +168,10 @@ class FastCluster:
 
     def take(self, n: int, gpus: tuple[int, ...], milli: int, cpu: int, ram: int) -> None:
         for j in gpus:
-            self.free[n, j] -= milli
+            f = self.free[n, j]
+            self.gaps[f] -= 1
+            self.free[n, j] = f - milli
+            self.gaps[f - milli] += 1
         self.cpu[n] -= cpu
         self.ram[n] -= ram
         self._refresh(np.array([n]))
@@ -226,8 +232,66 @@ def _fast_scorer(name: str, policy) -> Scorer | None:
     if name == "gpupack":
         from gpupack.core.gpupack_policy import fast_scores
 
-        return lambda cl, idx, f, milli, whole, cpu: fast_scores(policy, cl, idx, f, milli, whole, cpu)
+        def scorer(cl, idx, f, milli, whole, cpu):
+            return fast_scores(policy, cl, idx, f, milli, whole, cpu)
+
+        scorer.global_sharing = getattr(fast_scores, "global_sharing", False)  # type: ignore[attr-defined]
+        return scorer
     return None
+
+
+NO_FIT = np.iinfo(np.int64).min
+
+
+class _ShapeCache:
+    """Per pod shape: every node's best score and GPU, valid while the node's version is unchanged.
+
+    A node's score depends only on its own state and the pod's shape, and one placement changes
+    one node, so each arrival re-scores just the nodes changed since this shape was last seen.
+    """
+
+    __slots__ = ("score", "gpu", "ver")
+
+    def __init__(self, n: int) -> None:
+        self.score = np.full(n, NO_FIT, np.int64)
+        self.gpu = np.zeros(n, np.int64)
+        self.ver = np.full(n, -1, np.int64)
+
+
+def _evaluate(
+    cl: FastCluster, rows: np.ndarray, scorer: Scorer | None, model_ok: np.ndarray, pod: tuple
+) -> tuple[np.ndarray, np.ndarray]:
+    """Best score (NO_FIT when infeasible) and chosen GPU of nodes `rows` for one pod shape."""
+    cpu, ram, num, milli = pod
+    score = np.full(len(rows), NO_FIT, np.int64)
+    gpu = np.zeros(len(rows), np.int64)
+    ok = (cl.cpu[rows] >= cpu) & (cl.ram[rows] >= ram) & model_ok[cl.model[rows]]
+    if num == 1 and milli < FULL:
+        fr = cl.free[rows]
+        fits = (fr >= milli) & ok[:, None]
+        if scorer is None:
+            score[fits.any(1)] = 0
+            return score, gpu
+        rn, cj = np.nonzero(fits & _first_per_value(fr))
+        if len(rn):
+            out = scorer(cl, rows[rn], fr[rn, cj], milli, 0, cpu)
+            sc, inner = out if isinstance(out, tuple) else (out, None)
+            starts = np.r_[0, np.nonzero(np.diff(rn))[0] + 1]
+            groups = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(rn)]))
+            best, first = _group_best(sc, inner, groups, starts)
+            score[rn[starts]] = best
+            gpu[rn[starts]] = cj[first]
+        return score, gpu
+    if num:
+        ok &= (cl.free[rows] == FULL).sum(1) >= num
+    hit = np.nonzero(ok)[0]
+    if len(hit):
+        if scorer is None:
+            score[hit] = 0
+        else:
+            out = scorer(cl, rows[hit], None, 0, num, cpu)
+            score[hit] = out[0] if isinstance(out, tuple) else out
+    return score, gpu
 
 
 def replay(
@@ -246,87 +310,71 @@ def replay(
         order = arrival_order(pods, capacity, seed)
     if workload is None:
         workload = trace_workload(pods)
-    policy = (
-        get_policy(policy_name, seed=seed, workload=workload)
-        if policy_name in ("fgd", "gpupack")
-        else get_policy(policy_name, seed=seed)
-    )
+    kwargs = {"workload": workload} if policy_name in ("fgd", "gpupack") else {}
+    policy = get_policy(policy_name, seed=seed, **kwargs)
     rng: random.Random = policy.rng
     policy.rank_nodes(nodes.names)
     tie_key = np.array([policy.tie_key[n] for n in nodes.names])
-    cl = FastCluster(nodes, workload)
+    cl = FastCluster(nodes, getattr(policy, "workload", workload))
     scorer = _fast_scorer(policy_name, policy)
-    models = cl.models
     spec_mask: dict[frozenset[str] | None, np.ndarray] = {}
+    caches: dict[tuple, _ShapeCache] = {}
+    ver = np.zeros(cl.n, np.int64)
     curve = _Curve(capacity)
     arrived = allocated = placed = failed = 0
     decisions: list[tuple[int, tuple[int, ...]]] = []
     gidx = np.arange(cl.g)
     for step, p in enumerate(order):
-        cpu, ram, num, milli, spec = (
+        cpu, ram, num, milli = (
             int(pods.cpu[p]),
             int(pods.ram[p]),
             int(pods.num_gpu[p]),
             int(pods.gpu_milli[p]),
-            pods.spec[p],
         )
+        spec = pods.spec[p]
         req = num * milli
         arrived += req
         mm = spec_mask.get(spec)
         if mm is None:
-            mm = spec_mask[spec] = np.array([spec is None or m in spec for m in models], bool)
-        ok = (cl.cpu >= cpu) & (cl.ram >= ram) & mm[cl.model]
+            mm = spec_mask[spec] = np.array([spec is None or m in spec for m in cl.models], bool)
+        key = (cpu, ram, num, milli, spec)
+        cache = caches.get(key)
+        if cache is None:
+            cache = caches[key] = _ShapeCache(cl.n)
+        if scorer is not None and getattr(scorer, "global_sharing", False) and num == 1 and milli < FULL:
+            cache.ver[:] = -1  # the score depends on cluster-wide state: re-score every node
+        dirty = np.nonzero(cache.ver != ver)[0]
+        if len(dirty):
+            cache.score[dirty], cache.gpu[dirty] = _evaluate(cl, dirty, scorer, mm, (cpu, ram, num, milli))
+            cache.ver[dirty] = ver[dirty]
         sharing = num == 1 and milli < FULL
-        chosen: tuple[int, tuple[int, ...]] = (-1, ())
-        if sharing:
-            fits = (cl.free >= milli) & ok[:, None]
-            cand = fits & _first_per_value(cl.free) if scorer is not None else fits
-            cn, cj = np.nonzero(cand)
-            if len(cn):
-                if scorer is None:  # random: a uniformly random feasible node, then GPU
-                    nodes_ok = np.unique(cn)
-                    n = int(nodes_ok[rng.randrange(len(nodes_ok))])
-                    js = np.nonzero(fits[n])[0]
-                    chosen = (n, (int(js[rng.randrange(len(js))]),))
-                else:
-                    out = scorer(cl, cn, cl.free[cn, cj], milli, 0, cpu)
-                    score, inner = out if isinstance(out, tuple) else (out, None)
-                    starts = np.r_[0, np.nonzero(np.diff(cn))[0] + 1]
-                    groups = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(cn)]))
-                    best, first = _group_best(score, inner, groups, starts)
-                    top = best.max()
-                    ties = np.nonzero(best == top)[0]
-                    c = first[ties[np.argmin(tie_key[cn[first[ties]]])]]
-                    chosen = (int(cn[c]), (int(cj[c]),))
-        else:
-            if num:
-                idle = cl.free == FULL
-                ok &= idle.sum(1) >= num
-            cn = np.nonzero(ok)[0]
-            if len(cn):
-                if scorer is None:
-                    n = int(cn[rng.randrange(len(cn))])
-                else:
-                    out = scorer(cl, cn, None, 0, num, cpu)
-                    score = out[0] if isinstance(out, tuple) else out
-                    ties = cn[score == score.max()]
-                    n = int(ties[np.argmin(tie_key[ties])])
-                if num:
-                    js = gidx[cl.free[n] == FULL]
-                    if scorer is None:
-                        js = np.array(sorted(rng.sample(list(js), num)))
-                    chosen = (n, tuple(int(j) for j in js[:num]))
-                else:
-                    chosen = (n, ())
-        n = chosen[0]
+        top = cache.score.max()
+        n = -1
+        gpus: tuple[int, ...] = ()
+        if top != NO_FIT:
+            feasible = np.nonzero(cache.score == top)[0]
+            if scorer is None:  # random: a uniformly random feasible node, then GPU(s)
+                n = int(feasible[rng.randrange(len(feasible))])
+                if sharing:
+                    js = np.nonzero(cl.free[n] >= milli)[0]
+                    gpus = (int(js[rng.randrange(len(js))]),)
+                elif num:
+                    gpus = tuple(sorted(int(j) for j in rng.sample(list(gidx[cl.free[n] == FULL]), num)))
+            else:
+                n = int(feasible[np.argmin(tie_key[feasible])])
+                if sharing:
+                    gpus = (int(cache.gpu[n]),)
+                elif num:
+                    gpus = tuple(int(j) for j in gidx[cl.free[n] == FULL][:num])
         if n >= 0:
-            cl.take(n, chosen[1], milli if sharing else FULL, cpu, ram)
+            cl.take(n, gpus, milli if sharing else FULL, cpu, ram)
+            ver[n] += 1
             allocated += req
             placed += 1
         else:
             failed += req
         if keep_decisions:
-            decisions.append(chosen)
+            decisions.append((n, gpus))
         curve.add(arrived, allocated)
         if progress is not None and step % 256 == 0:
             progress(step)

@@ -1,0 +1,80 @@
+"""PNG charts for `gpupack simulate` (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"random": "#999999", "bestfit": "#1f77b4", "fgd": "#ff7f0e", "gpupack": "#2ca02c"}
+
+
+def replay_chart(curves: dict[str, list[float | None]], path: Path, title: str) -> Path:
+    """Unallocated GPUs (% of capacity) against arrived GPU request (% of capacity), one curve per policy.
+
+    `curves`: policy -> mean unallocated % per bin 0..130.
+    """
+    fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    for name, ys in curves.items():
+        xs = [x for x, y in enumerate(ys) if y is not None]
+        vs = [y for y in ys if y is not None]
+        color = COLORS.get(name)
+        full.plot(xs, vs, label=name, color=color, linewidth=1.6)
+        pts = [(x, y) for x, y in zip(xs, vs, strict=True) if x >= 80]
+        zoom.plot([p[0] for p in pts], [p[1] for p in pts], label=name, color=color, linewidth=1.8)
+        at100 = ys[100] if len(ys) > 100 else None
+        if at100 is not None:
+            zoom.annotate(
+                f"{at100:.2f}%",
+                (100, at100),
+                textcoords="offset points",
+                xytext=(6, 4),
+                color=color,
+                fontsize=9,
+            )
+    for ax in (full, zoom):
+        ax.axvline(100, color="#444444", linestyle=":", linewidth=1)
+        ax.set_xlabel("arrived GPU request (% of cluster GPU capacity)")
+        ax.grid(alpha=0.3)
+    full.set_ylabel("unallocated GPUs (% of capacity)")
+    full.set_title("whole replay")
+    zoom.set_title("near and past full load (lower is better)")
+    zoom.set_ylim(bottom=0)
+    zoom.legend(loc="upper right")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def fleet_chart(rows: dict[str, dict[str, float]], path: Path, title: str) -> Path:
+    """Grouped bars: whole-card allocation vs gpupack for GPUs used, pods placed, memory and SM use."""
+    metrics = [
+        ("gpus_needed", "GPUs needed for every replica"),
+        ("pods_placed_pct", "pods placed (%)"),
+        ("mem_util_pct", "GPU memory used (%)"),
+        ("sm_util_pct", "SM share used (%)"),
+    ]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 4))
+    modes = list(rows)
+    colors = ["#999999", "#2ca02c", "#ff7f0e", "#1f77b4"]
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        vals = [rows[m][key] or 0.0 for m in modes]  # None: not every replica fit
+        bars = ax.bar(range(len(modes)), vals, color=colors[: len(modes)])
+        ax.set_xticks(range(len(modes)), modes, fontsize=9)
+        ax.set_title(label, fontsize=10)
+        for b, v in zip(bars, vals, strict=True):
+            ax.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=9)
+        ax.set_ylim(0, max(vals) * 1.18 if max(vals) else 1)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,270 @@
+"""`gpupack simulate`: compare placements offline.
+
+    gpupack simulate [--out DIR] [--json]
+        The embedded inference-fleet scenario (gpupack.simulate.fleet): whole-card allocation
+        against gpupack's placement. Prints a table, writes DIR/fleet.png.
+
+    gpupack simulate --trace PODS.csv --nodes NODES.csv [--policy NAME ...] [--seeds 42-51]
+                     [--jobs N] [--out DIR] [--json]
+        Replays an openb trace as ../shared/design/openb-replay.md describes, one run per policy
+        and seed. Prints mean unallocated GPUs at 100% arrival per policy; DIR/replay.png charts
+        unallocated GPUs against arrived load. --json prints one object (see docs/simulate.md).
+
+Bad input (a malformed CSV row, an unknown policy) is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, get_policy
+
+DEFAULT_POLICIES = ("random", "bestfit", "fgd", DEFAULT_POLICY)
+
+
+class UsageError(ValueError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump, status 2
+        raise UsageError(message)
+
+
+def parse_seeds(text: str) -> list[int]:
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                a, b = part.split("-", 1) if not part.startswith("-") else (part, "")
+                lo, hi = int(a), int(b)
+                if hi < lo or hi - lo > 10_000:
+                    raise ValueError
+                seeds.extend(range(lo, hi + 1))
+            else:
+                seeds.append(int(part))
+        except ValueError:
+            raise UsageError(f"--seeds: {text!r} is not a seed list like 42-51 or 42,43") from None
+    return seeds
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="gpupack simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--trace", help="openb pod list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec,...])"
+    )
+    p.add_argument("--nodes", help="openb node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help=f"policy to replay (repeatable); default: {' '.join(DEFAULT_POLICIES)}",
+    )
+    p.add_argument("--seeds", default="42-51", help="seeds, e.g. 42-51 or 42,43 (default 42-51)")
+    p.add_argument("--jobs", type=int, default=0, help="parallel replays (default: number of CPUs)")
+    p.add_argument(
+        "--out", default="simulate-out", help="directory for the PNG chart (default ./simulate-out)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    p.add_argument(
+        "--progress", choices=("auto", "always", "never"), default="auto", help="stderr progress bar"
+    )
+    return p
+
+
+# Worker state, inherited through fork so the trace is parsed once.
+_W: dict = {}
+
+
+def _init_worker(counter) -> None:
+    _W["counter"] = counter
+
+
+def _run_one(task: tuple[str, int]) -> dict:
+    from gpupack.simulate.replay import replay
+
+    policy, seed = task
+    counter = _W.get("counter")
+    last = [0]
+
+    def tick(step: int) -> None:
+        if counter is not None:
+            with counter.get_lock():
+                counter.value += step - last[0]
+            last[0] = step
+
+    t0 = time.perf_counter()
+    r = replay(_W["nodes"], _W["pods"], policy, seed, workload=_W["workload"], progress=tick)
+    tick(r.arrived)
+    return {
+        "policy": policy,
+        "seed": seed,
+        "unallocated_pct_at_100": r.unallocated_pct_at_100,
+        "curve": [None if v is None else round(100.0 - v, 4) for v in r.curve],
+        "arrived": r.arrived,
+        "placed": r.placed,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def run_trace(args) -> int:
+    from gpupack.simulate.openb import read_nodes, read_pods
+    from gpupack.simulate.replay import arrival_order, trace_workload
+
+    if not args.nodes or not args.trace:
+        raise UsageError("--trace and --nodes go together: give both CSV files")
+    policies = args.policy or list(DEFAULT_POLICIES)
+    for name in policies:
+        try:
+            get_policy(name)
+        except UnknownPolicy as e:
+            raise UsageError(f"--policy: {e}") from None
+    seeds = parse_seeds(args.seeds)
+    nodes = read_nodes(args.nodes)
+    pods = read_pods(args.trace)
+    _W.update(nodes=nodes, pods=pods, workload=trace_workload(pods))
+    tasks = [(p, s) for p in policies for s in seeds]
+    steps = sum(len(arrival_order(pods, nodes.gpu_capacity, s)) for s in seeds) * len(policies)
+    jobs = args.jobs or min(os.cpu_count() or 1, len(tasks))
+    enabled = {"auto": None, "always": True, "never": False}[args.progress]
+    from gpupack.simulate.progress import Progress
+
+    bar = Progress(steps, f"replaying {len(tasks)} run(s)", enabled=enabled)
+    t0 = time.perf_counter()
+    results: list[dict] = []
+    if jobs <= 1:
+        from multiprocessing import Value
+
+        counter = Value("q", 0)
+        _init_worker(counter)
+        for t in tasks:
+            results.append(_run_one(t))
+            bar.update(counter.value)
+    else:
+        ctx = mp.get_context("fork")
+        counter = ctx.Value("q", 0)
+        with ctx.Pool(jobs, initializer=_init_worker, initargs=(counter,)) as pool:
+            pending = pool.map_async(_run_one, tasks, chunksize=1)
+            while not pending.ready():
+                pending.wait(0.25)
+                bar.update(counter.value)
+            results = pending.get()
+    bar.close()
+    wall = time.perf_counter() - t0
+    out = _summarise(args, policies, seeds, results, wall, steps)
+    if not args.no_chart:
+        from gpupack.simulate.chart import replay_chart
+
+        mean_curves = {p: out["policies"][p]["mean_curve"] for p in policies}
+        png = replay_chart(
+            mean_curves,
+            Path(args.out) / "replay.png",
+            f"{Path(args.trace).name} on {Path(args.nodes).name}: mean of seeds {args.seeds}",
+        )
+        out["chart"] = str(png)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print_table(out)
+    return 0
+
+
+def _summarise(args, policies, seeds, results, wall, steps) -> dict:
+    out: dict = {
+        "trace": str(args.trace),
+        "nodes": str(args.nodes),
+        "seeds": seeds,
+        "wall_seconds": round(wall, 2),
+        "arrivals_per_second": round(steps / wall, 1) if wall > 0 else None,
+        "policies": {},
+    }
+    for p in policies:
+        rs = [r for r in results if r["policy"] == p]
+        vals = [r["unallocated_pct_at_100"] for r in rs]
+        finite = [v for v in vals if not math.isnan(v)]
+        mean = sum(finite) / len(finite) if finite else None
+        bins = len(rs[0]["curve"])
+        mean_curve = []
+        for b in range(bins):
+            col = [r["curve"][b] for r in rs if r["curve"][b] is not None]
+            mean_curve.append(sum(col) / len(col) if col else None)
+        out["policies"][p] = {
+            "unallocated_pct_at_100": None if mean is None else round(mean, 4),
+            "per_seed": {str(r["seed"]): round(r["unallocated_pct_at_100"], 4) for r in rs},
+            "curves": {str(r["seed"]): r["curve"] for r in rs},
+            "mean_curve": [None if v is None else round(v, 4) for v in mean_curve],
+            "placed": {str(r["seed"]): r["placed"] for r in rs},
+            "arrived": {str(r["seed"]): r["arrived"] for r in rs},
+        }
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}%"
+
+
+def _print_table(out: dict) -> None:
+    print(
+        f"trace {out['trace']}  nodes {out['nodes']}  seeds {out['seeds'][0]}..{out['seeds'][-1]} ({len(out['seeds'])})"
+    )
+    print(f"{'policy':<10} {'unallocated GPUs @100%':>24} {'min':>7} {'max':>7}")
+    for p, d in out["policies"].items():
+        vals = list(d["per_seed"].values())
+        mean = d["unallocated_pct_at_100"]
+        print(f"{p:<10} {_pct(mean):>24} {min(vals):>6.2f}% {max(vals):>6.2f}%")
+    print(
+        f"{out['arrivals_per_second']} arrivals/s over {out['wall_seconds']} s"
+        + (f"; chart {out['chart']}" if "chart" in out else "")
+    )
+
+
+def run_fleet(args) -> int:
+    from gpupack.simulate.fleet import run_fleet_scenario
+
+    result = run_fleet_scenario()
+    if not args.no_chart:
+        from gpupack.simulate.chart import fleet_chart
+
+        png = fleet_chart(result["modes"], Path(args.out) / "fleet.png", result["title"])
+        result["chart"] = str(png)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        from gpupack.simulate.fleet import format_table
+
+        print(format_table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gpupack.simulate.openb import TraceError
+
+    try:
+        args = _parser().parse_args(argv)
+        if args.jobs < 0:
+            raise UsageError("--jobs: must be 0 (auto) or more")
+        if args.trace or args.nodes:
+            return run_trace(args)
+        return run_fleet(args)
+    except (UsageError, TraceError) as e:
+        print(f"gpupack simulate: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpupack simulate: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["main", "POLICIES"]
