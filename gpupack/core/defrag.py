@@ -313,6 +313,12 @@ class _Planner:
             f = self._find_one(pod, need_mem, need_milli)
             if f is not None:
                 return f
+        elif simple and need_gpus == 2:
+            groups = [key for key in self.by_room if key[0] == cls]
+            if len(groups) == 1:
+                f = self._find_two(pod, groups[0], need_mem, need_milli)
+                if f is not None:
+                    return f
         per_node: dict[str, list[float]] = {}
         nodes = self.w.nodes
         for name, i in self.open.get(cls, ()):
@@ -371,6 +377,42 @@ class _Planner:
             return None
         f = fit(self.w.nodes[best[1]], pod)
         # A node-level limit (CPU, RAM) can refuse; the caller then falls back to the full scan.
+        return f if isinstance(f, Fit) else None
+
+    def _find_two(self, pod: PodRequest, group: tuple[str, int], need_mem: int, need_milli: int) -> Fit | None:
+        """Two GPUs of one memory size on one node, least total room first, without a full scan.
+
+        Walking GPUs by ascending room, a node's first two qualifying GPUs are its tightest two.
+        The walk stops once no node can beat the best complete pair: an unseen node needs two
+        GPUs with at least the current room, a half-seen one a second GPU with at least it.
+        """
+        models = pod.gpu_models
+        nodes = self.w.nodes
+        first: dict[str, float] = {}
+        firsts: list[tuple[float, str]] = []  # min-heap of half-seen nodes' first room (lazy)
+        best: tuple[float, str] | None = None
+        for room, name, i in self.by_room[group]:
+            if best is not None and 2 * room >= best[0]:
+                while firsts and firsts[0][1] not in first:
+                    heapq.heappop(firsts)
+                if not firsts or firsts[0][0] + room >= best[0]:
+                    break
+            g = nodes[name].gpus[i]
+            if g.mem_mib - g.mem_used < need_mem or FULL - g.milli_used < need_milli:
+                continue
+            if models is not None and g.model not in models:
+                continue
+            r0 = first.pop(name, None)
+            if r0 is None:
+                first[name] = room
+                heapq.heappush(firsts, (room, name))
+                continue
+            cand = (r0 + room, name)
+            if best is None or cand < best:
+                best = cand
+        if best is None:
+            return None
+        f = fit(nodes[best[1]], pod)
         return f if isinstance(f, Fit) else None
 
     def try_group(self, node: Node, pods: list[str], freed: list[int]) -> list[tuple[str, Fit]] | None:
@@ -482,10 +524,14 @@ class _Planner:
                 dead.add((name, i))
                 continue
             self.commit(node, pods, freed, done, originals)
-        final = verify_plan(self.orig, self.plan)
-        self.plan.used_gpus_after = used_gpus(final)
-        before_used = {n for n, nd in self.orig.nodes.items() if any(not g.empty for g in nd.gpus)}
-        self.plan.nodes_freed = sorted(n for n in before_used if all(g.empty for g in final.nodes[n].gpus))
+        final = verify_plan(self.orig, self.plan, touched_only=True)
+        touched_before = sum(1 for n in final.nodes for g in self.orig.nodes[n].gpus if not g.empty)
+        self.plan.used_gpus_after = self.plan.used_gpus_before - touched_before + used_gpus(final)
+        self.plan.nodes_freed = sorted(
+            n
+            for n, node in final.nodes.items()
+            if any(not g.empty for g in self.orig.nodes[n].gpus) and all(g.empty for g in node.gpus)
+        )
         if self.plan.used_gpus_before - self.plan.used_gpus_after != self.plan.gpus_freed:
             raise PlanError(
                 f"plan frees {self.plan.gpus_freed} GPUs by its groups but the replay shows "
@@ -520,13 +566,22 @@ def plan_baseline(state: ClusterState, movable=None, limits: Limits | None = Non
     return plan_defrag(state, movable, limits, order="emptiest")
 
 
-def verify_plan(state: ClusterState, plan: Plan) -> ClusterState:
+def verify_plan(state: ClusterState, plan: Plan, touched_only: bool = False) -> ClusterState:
     """Replay `plan` on a clone of `state`, move by move in execution order; return the result.
 
     Raises :class:`PlanError` when a move does not start where the plan says, would break an
     invariant (over-commit, class mix, exclusivity, GPU model) or a group's GPUs are not idle after.
+    `touched_only`: clone only the nodes the plan moves pods from or to (the result then holds
+    just those nodes and their pods), which is all the replay needs.
     """
-    s = state.clone()
+    if touched_only:
+        touched = {m.from_node for m in plan.moves} | {m.to_node for m in plan.moves}
+        s = ClusterState(
+            {n: state.nodes[n].copy() for n in sorted(touched) if n in state.nodes},
+            {k: v for k, v in state.pods.items() if v[1].node in touched},
+        )
+    else:
+        s = state.clone()
     for m in plan.moves:
         entry = s.pods.get(m.pod)
         if entry is None:
