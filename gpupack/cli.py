@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "device-plugin": ("deviceplugin.main", "run the per-node kubelet device plugin (gRPC)"),
     "status": ("extender.status_cli", "show per-node, per-GPU reservations from the cluster"),
     "defrag": ("extender.defrag.cli", "plan (and with --apply, run) evict-and-repack defragmentation"),
+    "certs": ("gpupack.certs", "create or renew the admission webhook's TLS certificate and caBundle"),
 }
 
 
