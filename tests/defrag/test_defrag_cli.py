@@ -235,3 +235,18 @@ def test_bad_arguments_get_one_line(argv, msg, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+def test_a_corrupt_reservations_annotation_is_reported_never_rewritten(cluster, kubeapi, kubeconfig, capsys):
+    seed(cluster)
+    kubeapi.patch("nodes", "n1", {"metadata": {"annotations": {ANN_RESERVATIONS: "{not json"}}})
+    rc, out, err = run_cli(kubeconfig, capsys=capsys)
+    assert rc == 0 and "2 eviction(s)" in out
+    rc, out, err = run_cli(kubeconfig, "--apply", "--json", "--move-timeout", "1", "--poll-interval", "0.05",
+                           capsys=capsys)
+    assert rc == 0, err
+    moves = json.loads(out)["result"]["moves"]
+    assert [m["outcome"] for m in moves] == ["reserve-failed", "reserve-failed"]
+    assert "not valid JSON" in moves[0]["detail"] and "not rewriting it" in moves[0]["detail"]
+    assert kubeapi.count_requests("POST", r"/eviction$") == 0
+    assert kubeapi.get("nodes", "n1")["metadata"]["annotations"][ANN_RESERVATIONS] == "{not json"
