@@ -171,6 +171,7 @@ class FGDPolicy:
     learn: bool
 
     def _setup(self, workload: Workload | None) -> None:
+        self._memo: dict[tuple, int] = {}
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
 
@@ -178,12 +179,21 @@ class FGDPolicy:
         if self.learn:
             self.workload.add(shape_of(pod))
 
+    def _frag(self, frees: list[int], cpu: int | None, model: str) -> int:
+        # Memoised: many nodes (and the GPU trials inside one node) share a state.
+        key = (tuple(frees), cpu, model, self.workload._version, id(self.workload))
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) > 200_000:
+                self._memo.clear()
+            hit = self._memo[key] = frag(frees, cpu, model, *self.workload.typical())
+        return hit
+
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
-        shapes, weights = self.workload.typical()
         total = self.workload.total
         frees, cpu = node_state(node)
         model = node.model
-        before = frag(frees, cpu, model, shapes, weights)
+        before = self._frag(frees, cpu, model)
         cpu_after = None if cpu is None else cpu - pod.cpu_milli
 
         def rank(n: Node, g: GPU, mem: int, milli: int) -> float:
@@ -191,13 +201,12 @@ class FGDPolicy:
                 return g.index  # whole GPUs: all idle ones leave the same node behind
             trial = list(frees)
             trial[g.index] -= milli
-            return -sigmoid_score(before - frag(trial, cpu_after, model, shapes, weights), total)
+            return -sigmoid_score(before - self._frag(trial, cpu_after, model), total)
 
         return fit(node, pod, rank)
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
-        shapes, weights = self.workload.typical()
         frees, cpu = node_state(node)
-        before = frag(frees, cpu, node.model, shapes, weights)
+        before = self._frag(frees, cpu, node.model)
         a_frees, a_cpu = after(frees, cpu, pod, f.charged)
-        return sigmoid_score(before - frag(a_frees, a_cpu, node.model, shapes, weights), self.workload.total)
+        return sigmoid_score(before - self._frag(a_frees, a_cpu, node.model), self.workload.total)

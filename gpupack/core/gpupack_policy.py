@@ -116,6 +116,7 @@ class GpupackPolicy(Policy):
 
     def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
         super().__init__(seed)
+        self._memo: dict[tuple, int] = {}
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
 
@@ -131,9 +132,18 @@ class GpupackPolicy(Policy):
         return self._ratio
 
     def _potential(self, views: Sequence[GpuView], cpu_left: int | None, model: str) -> int:
+        # Memoised: many nodes (and the GPU trials inside one node) share a state.
+        key = (tuple(views), cpu_left, model, self.workload._version, id(self.workload))
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
         shapes, weights = self.workload.typical()
         f = fragmentation(views, cpu_left, model, shapes, weights)
-        return f + self.workload.total * stranded(sum(_amount(v) for v in views), cpu_left, self.ratio)
+        out = f + self.workload.total * stranded(sum(_amount(v) for v in views), cpu_left, self.ratio)
+        if len(self._memo) > 200_000:
+            self._memo.clear()
+        self._memo[key] = out
+        return out
 
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
         views = gpu_views(node)
