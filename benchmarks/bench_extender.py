@@ -166,12 +166,20 @@ def bench_scheduling(n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[st
             ready_s = ext.wait_ready()
             http = requests.Session()
 
+            server: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
+
+            def server_time(verb: str, r: requests.Response) -> None:
+                st = r.headers.get("Server-Timing", "")
+                if "dur=" in st:
+                    server[verb].append(float(st.split("dur=")[1]) / 1000)
+
             def post(verb: str, body: dict) -> tuple[float, Any]:
                 data = json.dumps(body)
                 t0 = time.perf_counter()
                 r = http.post(f"{ext.url}/{verb}", data=data, headers={"Content-Type": "application/json"})
                 dt = time.perf_counter() - t0
                 r.raise_for_status()
+                server_time(verb, r)
                 return dt, r.json()
 
             # cold: first filter of each shape over every node (the equivalence cache is empty)
@@ -199,6 +207,7 @@ def bench_scheduling(n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[st
                 dt = time.perf_counter() - t0
                 err = r.json().get("Error") if r.status_code == 200 else r.text
                 with lock:
+                    server_time("bind", r)
                     binds.append(dt)
                     if err:
                         bind_err.append(err)
@@ -224,7 +233,13 @@ def bench_scheduling(n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[st
                     pool.submit(bind, p, best)
             wall = time.perf_counter() - t_all
             ms = lambda v: round(v * 1000, 2)  # noqa: E731
+            n_sv = min(len(server["filter"]), len(server["prioritize"]))
+            sv_both = [a + b for a, b in zip(server["filter"][-n_sv:], server["prioritize"][-n_sv:], strict=True)]
             return {
+                "server_ms": {
+                    v: {"p50": ms(pct(server[v], 50)), "p99": ms(pct(server[v], 99))} for v in server
+                } | {"filter_plus_prioritize": {"p50": ms(pct(sv_both, 50)), "p99": ms(pct(sv_both, 99))}},
+                "load_avg_1m": round(os.getloadavg()[0], 2),
                 "nodes": n_nodes,
                 "gpus": n_nodes * 8,
                 "pods": n_pods,
@@ -322,6 +337,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['filter_plus_prioritize_ms']['p99']} ms, bind {r['bind_ms']['p50']}/{r['bind_ms']['p99']} ms,"
                     f" {r['pods_per_s']} pods/s, bound {r['bound']}, unschedulable {r['unschedulable']},"
                     f" RSS {r['extender_rss_mib']} MiB",
+                    flush=True,
+                )
+                sv = r["server_ms"]
+                print(
+                    f"       server side: filter {sv['filter']['p50']}/{sv['filter']['p99']} ms, prioritize "
+                    f"{sv['prioritize']['p50']}/{sv['prioritize']['p99']} ms, filter+prioritize "
+                    f"{sv['filter_plus_prioritize']['p50']}/{sv['filter_plus_prioritize']['p99']} ms, bind "
+                    f"{sv['bind']['p50']}/{sv['bind']['p99']} ms (load average {r['load_avg_1m']} on {os.cpu_count()} CPUs)",
                     flush=True,
                 )
         if args.memory_pods:

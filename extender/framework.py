@@ -37,7 +37,7 @@ log = logging.getLogger("gpupack.extender")
 
 MAX_SCORE = 10
 CACHE_SHAPES = 32
-OBSERVE_BATCH_MAX = 256  # pods shown to a learning policy at once, at most
+OBSERVE_BATCH_MAX = 1024  # pods shown to a learning policy at once, at most
 OBSERVE_FLUSH_S = 30.0  # ... or after this long
 
 
@@ -183,7 +183,8 @@ class Extender:
         """Show the policy each new pod once, in batches. A learning policy's scores change with
         every pod it is shown; batching keeps them stable between flushes, so scores of nodes
         that did not change can be reused (see `_score`). Early on, while the learned workload
-        is small, batches are small too. Call with the view's lock held."""
+        is small, batches are small too (they double up to OBSERVE_BATCH_MAX). Call with the view's
+        lock held."""
         ident = pod.uid or pod.key
         if ident in self._observed:
             return
@@ -192,7 +193,7 @@ class Extender:
             self._observed.popitem(last=False)
         self._unobserved.append(pod)
         now = time.monotonic()
-        batch = 1 if self._observed_total < 16 else OBSERVE_BATCH_MAX
+        batch = min(OBSERVE_BATCH_MAX, max(1, self._observed_total))  # 1, 1, 2, 4, ... 1024
         if len(self._unobserved) >= batch or now - self._last_flush > OBSERVE_FLUSH_S:
             for p in self._unobserved:
                 self.policy.observe(p)

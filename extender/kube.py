@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kubernetes import client, config
@@ -34,6 +35,15 @@ def api_client(kubeconfig: str | None = None) -> client.ApiClient:
         return client.ApiClient(cfg)
 
 
+def _collect(pages: Iterator[tuple[list[dict[str, Any]], str]]) -> dict[str, Any]:
+    items: list[dict[str, Any]] = []
+    last = ""
+    for page, rv in pages:
+        items.extend(page)
+        last = rv
+    return {"metadata": {"resourceVersion": last}, "items": items}
+
+
 def _json(resp: Any) -> Any:
     data = resp.data
     return json.loads(data) if data else None
@@ -52,24 +62,30 @@ class Kube:
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return _json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
 
-    def _paged(self, fn: Any, **kw: Any) -> dict[str, Any]:
-        """A full list in pages of `page` items (a 50,000-pod list in one response would need
-        the whole JSON in memory twice); the API server keeps pages consistent with the first."""
-        items: list[dict[str, Any]] = []
+    def pages(self, fn: Any, **kw: Any) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        """A full list in pages of `page` items, yielded as (items, resourceVersion) so a caller
+        can apply them one page at a time (50,000 pods at once would sit in memory twice). The
+        API server keeps the pages consistent with the first one."""
         token = None
         while True:
             page = _json(fn(limit=self.page, _continue=token, _preload_content=False, **kw)) or {}
-            items.extend(page.get("items") or [])
             meta = page.get("metadata") or {}
+            yield list(page.get("items") or []), str(meta.get("resourceVersion") or "")
             token = meta.get("continue")
             if not token:
-                return {"metadata": {"resourceVersion": meta.get("resourceVersion", "")}, "items": items}
+                return
+
+    def pod_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        return self.pages(self.core.list_pod_for_all_namespaces, label_selector=LABEL_MANAGED)
+
+    def node_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        return self.pages(self.core.list_node)
 
     def list_pods(self) -> dict[str, Any]:
-        return self._paged(self.core.list_pod_for_all_namespaces, label_selector=LABEL_MANAGED)
+        return _collect(self.pod_pages())
 
     def list_nodes(self) -> dict[str, Any]:
-        return self._paged(self.core.list_node)
+        return _collect(self.node_pages())
 
     def watch_pods(self, resource_version: str, timeout_s: int) -> Any:
         return self.core.list_pod_for_all_namespaces(

@@ -107,7 +107,7 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
         stop = threading.Event()
         w = Watcher(
-            "nodes", kube.list_nodes, kube.watch_nodes, view.replace_nodes, view.apply_node,
+            "nodes", kube.node_pages, kube.watch_nodes, view.replace_node_pages, view.apply_node,
             lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")), stop,
         )
         threading.Thread(target=w.run, daemon=True, name="watch-nodes").start()

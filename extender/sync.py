@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kubernetes.client.rest import ApiException
@@ -32,9 +32,9 @@ class Watcher:
     def __init__(
         self,
         kind: str,
-        list_fn: Callable[[], dict[str, Any]],
+        list_fn: Callable[[], Iterator[tuple[list[dict[str, Any]], str]]],
         watch_fn: Callable[[str, int], Any],
-        replace: Callable[[list[dict[str, Any]]], None],
+        replace: Callable[[Iterator[list[dict[str, Any]]]], None],
         apply: Callable[[dict[str, Any]], None],
         delete: Callable[[dict[str, Any]], None],
         stop: threading.Event,
@@ -52,9 +52,15 @@ class Watcher:
         self.on_event = on_event or (lambda kind, what: None)
 
     def relist(self) -> None:
-        data = self.list_fn()
-        self.replace(list(data.get("items") or []))
-        self.rv = str((data.get("metadata") or {}).get("resourceVersion") or "")
+        rv = [""]
+
+        def pages() -> Iterator[list[dict[str, Any]]]:
+            for items, page_rv in self.list_fn():
+                rv[0] = page_rv
+                yield items
+
+        self.replace(pages())
+        self.rv = rv[0]
         self.relists += 1
         self.on_event(self.kind, "relist")
         self.listed.set()
@@ -130,11 +136,11 @@ class Sync:
         self.view, self.kube = view, kube
         self.stop = threading.Event()
         self.nodes = Watcher(
-            "nodes", kube.list_nodes, kube.watch_nodes, view.replace_nodes, view.apply_node,
+            "nodes", kube.node_pages, kube.watch_nodes, view.replace_node_pages, view.apply_node,
             lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")), self.stop, watch_timeout_s,
         )
         self.pods = Watcher(
-            "pods", kube.list_pods, kube.watch_pods, view.replace_pods, view.apply_pod, view.delete_pod,
+            "pods", kube.pod_pages, kube.watch_pods, view.replace_pod_pages, view.apply_pod, view.delete_pod,
             self.stop, watch_timeout_s,
         )
         self.threads: list[threading.Thread] = []

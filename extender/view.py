@@ -362,22 +362,33 @@ class ClusterView:
 
     def replace_pods(self, objs: Iterable[dict[str, Any]]) -> None:
         """A fresh list: apply it and drop confirmed pods that are gone (assumed ones stay)."""
+        self.replace_pod_pages([list(objs)])
+
+    def replace_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        """Like replace_pods, a page at a time; the view stays usable between pages."""
+        seen: set[str] = set()
+        for page in pages:
+            with self.lock:
+                for o in page:
+                    m = o.get("metadata") or {}
+                    seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
+                    self.apply_pod(o)
         with self.lock:
-            seen = set()
-            for o in objs:
-                m = o.get("metadata") or {}
-                seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
-                self.apply_pod(o)
             for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
                 self._release(key)
             self.changed.notify_all()
 
     def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
+        self.replace_node_pages([list(objs)])
+
+    def replace_node_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        seen: set[str] = set()
+        for page in pages:
+            with self.lock:
+                for o in page:
+                    seen.add((o.get("metadata") or {}).get("name"))
+                    self.apply_node(o)
         with self.lock:
-            seen = set()
-            for o in objs:
-                seen.add((o.get("metadata") or {}).get("name"))
-                self.apply_node(o)
             for name in [n for n in self.nodes if n not in seen]:
                 self.delete_node(name)
 

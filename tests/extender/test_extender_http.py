@@ -284,3 +284,21 @@ def test_status_cli_json_and_table(kubeapi, kubeconfig, start_extender):
     bad = subprocess.run([sys.executable, "-m", "gpupack", "status", "--kubeconfig", "/nonexistent"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_lists_are_paged_and_complete(kubeapi):
+    from extender.kube import Kube
+
+    for i in range(5):
+        kubeapi.create("nodes", node_obj(f"n{i}", 1))
+    for i in range(3):
+        p = pod_obj(f"p{i}", [container("c", 1, 10)])
+        p["metadata"]["labels"][LABEL_MANAGED] = "true"
+        create_pod(kubeapi, p)
+    create_pod(kubeapi, pod_obj("unmanaged", [container("c", 1, 10)]))
+    kube = Kube(kubeapi.api_client(), page=2)
+    nodes = kube.list_nodes()
+    assert [n["metadata"]["name"] for n in nodes["items"]] == [f"n{i}" for i in range(5)]
+    assert nodes["metadata"]["resourceVersion"]
+    assert [p["metadata"]["name"] for p in kube.list_pods()["items"]] == ["p0", "p1", "p2"]
+    assert kubeapi.count_requests("GET", r"^/api/v1/nodes$") == 3
