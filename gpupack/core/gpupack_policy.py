@@ -78,11 +78,9 @@ def fragmentation(
     total = sum(amounts)
     out = 0
     for s, w in zip(shapes, weights, strict=True):
-        if (
-            s.gpus
-            and (s.models is None or model in s.models)
-            and (cpu_left is None or cpu_left >= s.cpu_milli)
-        ):
+        if s.gpus and s.models is not None and model not in s.models:
+            continue  # a model the shape may not use: no term (see the fgd module docstring)
+        if s.gpus and (cpu_left is None or cpu_left >= s.cpu_milli):
             fits = 0
             part = 0
             for v, a in zip(views, amounts, strict=True):

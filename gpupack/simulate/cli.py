@@ -200,13 +200,17 @@ def _summarise(args, policies, seeds, results, wall, steps) -> dict:
             mean_curve.append(sum(col) / len(col) if col else None)
         out["policies"][p] = {
             "unallocated_pct_at_100": None if mean is None else round(mean, 4),
-            "per_seed": {str(r["seed"]): round(r["unallocated_pct_at_100"], 4) for r in rs},
+            "per_seed": {str(r["seed"]): _num(r["unallocated_pct_at_100"]) for r in rs},
             "curves": {str(r["seed"]): r["curve"] for r in rs},
             "mean_curve": [None if v is None else round(v, 4) for v in mean_curve],
             "placed": {str(r["seed"]): r["placed"] for r in rs},
             "arrived": {str(r["seed"]): r["arrived"] for r in rs},
         }
     return out
+
+
+def _num(v: float) -> float | None:
+    return None if math.isnan(v) else round(v, 4)  # JSON has no NaN
 
 
 def _pct(v: float | None) -> str:
@@ -219,7 +223,7 @@ def _print_table(out: dict) -> None:
     )
     print(f"{'policy':<10} {'unallocated GPUs @100%':>24} {'min':>7} {'max':>7}")
     for p, d in out["policies"].items():
-        vals = list(d["per_seed"].values())
+        vals = [v for v in d["per_seed"].values() if v is not None] or [float("nan")]
         mean = d["unallocated_pct_at_100"]
         print(f"{p:<10} {_pct(mean):>24} {min(vals):>6.2f}% {max(vals):>6.2f}%")
     print(

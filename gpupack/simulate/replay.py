@@ -83,19 +83,34 @@ class ReplayResult:
 
 
 class _Curve:
+    """Allocation ratio binned by arrived request. A bin the arrived load jumped over (a tiny
+    cluster, a big pod) takes the state after the last arrival before it."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.sums = np.zeros(BINS)
         self.counts = np.zeros(BINS, np.int64)
+        self.last = np.full(BINS, np.nan)
 
     def add(self, arrived: int, allocated: int) -> None:
         b = arrived * 100 // self.capacity
         if b < BINS:
-            self.sums[b] += allocated * 100 / self.capacity
+            v = allocated * 100 / self.capacity
+            self.sums[b] += v
             self.counts[b] += 1
+            self.last[b] = v
 
     def values(self) -> list[float | None]:
-        return [float(s / c) if c else None for s, c in zip(self.sums, self.counts, strict=True)]
+        out: list[float | None] = []
+        carry = 0.0
+        top = int(np.nonzero(self.counts)[0].max()) if self.counts.any() else -1
+        for b in range(BINS):
+            if self.counts[b]:
+                out.append(float(self.sums[b] / self.counts[b]))
+                carry = float(self.last[b])
+            else:
+                out.append(carry if b < top else None)
+        return out
 
 
 class FastCluster:
@@ -122,10 +137,11 @@ class FastCluster:
         # A CPU-only shape never "fits" in the fragmentation sense (all free GPU milli is fragment).
         self.s_milli = np.array([s.milli if s.gpus else FULL + 1 for s in shapes], np.int64)
         self.w = np.array(weights, np.int64)
-        self.access = np.array(
-            [[bool(s.gpus) and (s.models is None or m in s.models) for s in shapes] for m in self.models],
-            bool,
-        ).reshape(len(self.models), len(shapes))
+        allowed = np.array([[s.models is None or m in s.models for s in shapes] for m in self.models], bool)
+        allowed = allowed.reshape(len(self.models), len(shapes))
+        gpu_shape = self.s_num > 0
+        self.access = allowed & gpu_shape  # the shape can use this model's GPUs
+        self.counted = allowed | ~gpu_shape  # a GPU shape barred from the model has no term
         self.cnt = np.zeros((self.n, len(shapes)), np.int64)
         self.part = np.zeros((self.n, len(shapes)), np.int64)
         self.tot = np.zeros(self.n, np.int64)
@@ -144,8 +160,9 @@ class FastCluster:
         self.frag[idx] = self._frag(idx, self.cnt[idx], self.part[idx], self.tot[idx], self.cpu[idx])
 
     def _frag(self, idx, cnt, part, tot, cpu) -> np.ndarray:
-        q3 = self.access[self.model[idx]] & (cnt >= self.s_num) & (cpu[:, None] >= self.s_cpu)
-        return (np.where(q3, part, tot[:, None]) * self.w).sum(1)
+        m = self.model[idx]
+        q3 = self.access[m] & (cnt >= self.s_num) & (cpu[:, None] >= self.s_cpu)
+        return (np.where(q3, part, tot[:, None]) * (self.w * self.counted[m])).sum(1)
 
     def frag_after(
         self, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int, cpu: int

@@ -1,0 +1,103 @@
+"""fgd and gpupack as the extender uses them: get_policy, fit, node_score, schedule."""
+
+import pytest
+
+from gpupack.core.fgd import Shape, Workload
+from gpupack.core.fit import Fit
+from gpupack.core.model import GPU, ClusterState, ContainerRequest, Node, PodRequest
+from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, get_policy, schedule
+
+
+def node(name, n=4, model="A10", mem=24576, cpu=0):
+    return Node(name, [GPU(f"{name}-{i}", i, model, mem) for i in range(n)], cpu_milli=cpu, ram_mib=10**6 if cpu else 0)
+
+
+def pod(key, milli=None, mem=None, gpus=1, cls="online", cpu=0):
+    cs = (ContainerRequest("c", gpus, mem, milli),) if gpus else ()
+    return PodRequest(key, cls, cs, cpu_milli=cpu)
+
+
+def test_registry_and_default():
+    assert DEFAULT_POLICY == "gpupack"
+    p = get_policy("gpupack")
+    assert p.name == "gpupack" and {"random", "bestfit", "fgd", "gpupack"} <= set(POLICIES)
+    with pytest.raises(UnknownPolicy, match="unknown policy 'nope'; choose one of bestfit, fgd, gpupack, random"):
+        get_policy("nope")
+
+
+@pytest.mark.parametrize("name", ["fgd", "gpupack"])
+def test_sharing_pod_fills_the_hole_it_fits_instead_of_opening_a_gpu(name):
+    # Typical pods take 500 milli; a GPU with 500 free is their perfect home.
+    wl = Workload.of([Shape(0, 1, 500)] * 10)
+    p = get_policy(name, workload=wl)
+    st = ClusterState()
+    st.add_node(node("a", 2))
+    st.add_node(node("b", 2))
+    first = schedule(st, pod("ns/1", milli=500), p)
+    second = schedule(st, pod("ns/2", milli=500), p)
+    assert second.node == first.node
+    assert second.fit.placement.containers["c"][0].gpu_index == first.fit.placement.containers["c"][0].gpu_index
+
+
+def test_fgd_scores_integer_and_prefers_less_fragmentation():
+    wl = Workload.of([Shape(0, 1, 1000)] * 5 + [Shape(0, 1, 600)] * 5)
+    p = get_policy("fgd", workload=wl)
+    empty, used = node("e", 2), node("u", 2)
+    st = ClusterState()
+    st.add_node(empty)
+    st.add_node(used)
+    schedule(st, pod("ns/x", milli=400), p)  # lands somewhere; make 'u' the used one explicitly
+    st = ClusterState()
+    st.add_node(empty := node("e", 2))
+    st.add_node(used := node("u", 2))
+    f = p.fit(used, pod("ns/y", milli=600))
+    st.place(pod("ns/y", milli=600), f.placement, f.charged)
+    q = pod("ns/z", milli=400)
+    s_used = p.node_score(used, q, p.fit(used, q))
+    s_empty = p.node_score(empty, q, p.fit(empty, q))
+    assert float(s_used).is_integer() and 0 <= s_used <= 100
+    assert s_used > s_empty  # 400 next to the 600 fills a GPU; on the empty node it spoils one
+
+
+def test_gpupack_keeps_classes_apart_and_respects_memory():
+    p = get_policy("gpupack")
+    st = ClusterState()
+    st.add_node(node("a", 1, mem=24576))
+    st.add_node(node("b", 1, mem=24576))
+    d1 = schedule(st, pod("ns/on", mem=8000, milli=300, cls="online"), p)
+    d2 = schedule(st, pod("ns/off", mem=8000, milli=300, cls="offline"), p)
+    assert d1.placed and d2.placed and d1.node != d2.node
+    d3 = schedule(st, pod("ns/big", mem=20000, milli=100, cls="online"), p)
+    assert not d3.placed and {f.code for f in d3.failures.values()} <= {"gpu-mem", "class"}
+
+
+def test_gpupack_learns_the_workload_from_observed_pods():
+    p = get_policy("gpupack")
+    for i in range(20):
+        p.observe(pod(f"ns/{i}", mem=12000, milli=500))
+    shapes, weights = p.workload.typical()
+    assert shapes == (Shape(0, 1, 500, 12000, None, "online"),) and weights == (20,)
+
+
+def test_gpupack_steers_cpu_only_pods_away_from_gpu_dense_nodes():
+    # Workload: whole-GPU pods needing 12 cores each. A CPU-only pod on the 8-GPU node with 96 cores
+    # would strand GPUs there; the 2-GPU node has CPU to spare.
+    wl = Workload.of([Shape(12000, 1, 1000)] * 10 + [Shape(8000, 0, 0)] * 3)
+    st = ClusterState()
+    st.add_node(node("dense", 8, cpu=96000))
+    st.add_node(node("cpu-rich", 2, cpu=104000))
+    for seed in range(5):
+        p = get_policy("gpupack", seed=seed, workload=wl)
+        d = schedule(st, pod(f"ns/cpu{seed}", gpus=0, cpu=16000), p, commit=False)
+        assert d.node == "cpu-rich"
+    # fgd sees no difference until CPU runs out: both nodes tie and the seeded order decides.
+    picks = {schedule(st, pod("ns/c", gpus=0, cpu=16000), get_policy("fgd", seed=s, workload=wl), commit=False).node for s in range(8)}
+    assert picks == {"dense", "cpu-rich"}
+
+
+def test_whole_gpu_pod_gets_idle_gpus_in_index_order():
+    for name in ("fgd", "gpupack"):
+        p = get_policy(name, workload=Workload.of([Shape(0, 1, 1000)]))
+        n = node("a", 4)
+        f = p.fit(n, pod("ns/w", gpus=2))
+        assert isinstance(f, Fit) and sorted(f.charged) == [0, 1]
