@@ -116,7 +116,7 @@ class _Curve:
 class FastCluster:
     """The openb cluster as arrays, with per-shape fragmentation aggregates cached per node."""
 
-    def __init__(self, nodes: NodeList, workload: Workload) -> None:
+    def __init__(self, nodes: NodeList, workload: Workload, count_barred: bool = False) -> None:
         self.n = len(nodes)
         self.g = max(1, int(nodes.gpus.max()))
         self.models = sorted(set(nodes.model))
@@ -141,7 +141,9 @@ class FastCluster:
         allowed = allowed.reshape(len(self.models), len(shapes))
         gpu_shape = self.s_num > 0
         self.access = allowed & gpu_shape  # the shape can use this model's GPUs
-        self.counted = allowed | ~gpu_shape  # a GPU shape barred from the model has no term
+        # A GPU shape barred from the model has no term (published FGD), unless the policy counts
+        # such nodes' free capacity as fragment (gpupack).
+        self.counted = np.ones_like(allowed) if count_barred else allowed | ~gpu_shape
         self.cnt = np.zeros((self.n, len(shapes)), np.int64)
         self.part = np.zeros((self.n, len(shapes)), np.int64)
         self.tot = np.zeros(self.n, np.int64)
@@ -332,7 +334,9 @@ def replay(
     rng: random.Random = policy.rng
     policy.rank_nodes(nodes.names)
     tie_key = np.array([policy.tie_key[n] for n in nodes.names])
-    cl = FastCluster(nodes, getattr(policy, "workload", workload))
+    cl = FastCluster(
+        nodes, getattr(policy, "workload", workload), getattr(policy, "count_barred_models", False)
+    )
     scorer = _fast_scorer(policy_name, policy)
     spec_mask: dict[frozenset[str] | None, np.ndarray] = {}
     caches: dict[tuple, _ShapeCache] = {}
