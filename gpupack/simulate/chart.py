@@ -22,19 +22,11 @@ def replay_chart(curves: dict[str, list[float | None]], path: Path, title: str) 
         xs = [x for x, y in enumerate(ys) if y is not None]
         vs = [y for y in ys if y is not None]
         color = COLORS.get(name)
+        at100 = ys[100] if len(ys) > 100 else None
+        label = name if at100 is None else f"{name}: {at100:.2f}% at 100%"
         full.plot(xs, vs, label=name, color=color, linewidth=1.6)
         pts = [(x, y) for x, y in zip(xs, vs, strict=True) if x >= 80]
-        zoom.plot([p[0] for p in pts], [p[1] for p in pts], label=name, color=color, linewidth=1.8)
-        at100 = ys[100] if len(ys) > 100 else None
-        if at100 is not None:
-            zoom.annotate(
-                f"{at100:.2f}%",
-                (100, at100),
-                textcoords="offset points",
-                xytext=(6, 4),
-                color=color,
-                fontsize=9,
-            )
+        zoom.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, linewidth=1.8)
     for ax in (full, zoom):
         ax.axvline(100, color="#444444", linestyle=":", linewidth=1)
         ax.set_xlabel("arrived GPU request (% of cluster GPU capacity)")
