@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +29,25 @@ log = logging.getLogger("gpupack.extender.http")
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
 
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9._:-]*$")
+
+
+def _encode(obj: Any) -> str:
+    """JSON text; a prioritize answer (a long list of {Host, Score}) is written directly when
+    every host name is plain (Kubernetes node names are), which is several times faster."""
+    if (
+        isinstance(obj, list)
+        and obj
+        and isinstance(obj[0], dict)
+        and "Host" in obj[0]
+        and all(_PLAIN_NAME.match(o["Host"]) for o in obj)
+    ):
+        return "[" + ",".join([f'{{"Host":"{o["Host"]}","Score":{int(o["Score"])}}}' for o in obj]) + "]"
+    return json.dumps(obj, separators=(",", ":"))
+
+
 def _json_response(obj: Any, status: int = 200) -> Response:
-    return Response(json.dumps(obj, separators=(",", ":")), status=status, mimetype="application/json")
+    return Response(_encode(obj), status=status, mimetype="application/json")
 
 
 def _error(status: int, message: str) -> Response:

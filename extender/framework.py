@@ -37,8 +37,9 @@ log = logging.getLogger("gpupack.extender")
 
 MAX_SCORE = 10
 CACHE_SHAPES = 32
-OBSERVE_BATCH_MAX = 1024  # pods shown to a learning policy at once, at most
-OBSERVE_FLUSH_S = 30.0  # ... or after this long
+OBSERVE_WARMUP = 64  # up to this many pods seen, batches double: 1, 1, 2, 4, ... 64
+OBSERVE_BATCH_MAX = 4096  # after that: a flush per this many new pods ...
+OBSERVE_FLUSH_S = 60.0  # ... or per minute, whichever comes first
 
 
 def utcnow() -> datetime:
@@ -183,8 +184,8 @@ class Extender:
         """Show the policy each new pod once, in batches. A learning policy's scores change with
         every pod it is shown; batching keeps them stable between flushes, so scores of nodes
         that did not change can be reused (see `_score`). Early on, while the learned workload
-        is small, batches are small too (they double up to OBSERVE_BATCH_MAX). Call with the view's
-        lock held."""
+        is small, batches are small too; later a workload's mix changes slowly, so a flush per
+        minute (or per OBSERVE_BATCH_MAX pods) keeps up. Call with the view's lock held."""
         ident = pod.uid or pod.key
         if ident in self._observed:
             return
@@ -193,7 +194,8 @@ class Extender:
             self._observed.popitem(last=False)
         self._unobserved.append(pod)
         now = time.monotonic()
-        batch = min(OBSERVE_BATCH_MAX, max(1, self._observed_total))  # 1, 1, 2, 4, ... 1024
+        total = self._observed_total
+        batch = max(1, total) if total < OBSERVE_WARMUP else OBSERVE_BATCH_MAX
         if len(self._unobserved) >= batch or now - self._last_flush > OBSERVE_FLUSH_S:
             for p in self._unobserved:
                 self.policy.observe(p)
@@ -274,10 +276,23 @@ class Extender:
         unresolvable: dict[str, str] = {}
         codes: Counter[str] = Counter()
         steered: dict[str, Reservation] = {}
+        now = self.clock()
         with self.view.lock:
             self._observe(pod)
-            for n, (r, res) in self._fit_all(args, pod).items():
-                if r:
+            table = self.cache.table(shape_of(pod))
+            nodes = self.view.nodes
+            memo: dict = {}
+            for n in args.node_names:
+                info = nodes.get(n)
+                res = None
+                if info is not None and not info.reservations:
+                    hit = table.get(n)
+                    r = hit[1] if hit is not None and hit[0] == info.version else None
+                    if r is None:
+                        r, res = self.node_fit(n, pod, now, table, memo)
+                else:
+                    r, res = self.node_fit(n, pod, now, table, memo)
+                if r.__class__ is Fit:
                     passed.append(n)
                     if res is not None:
                         steered[n] = res

@@ -83,9 +83,10 @@ def test_recorded_scheduler_conversation(mode, kubeapi, start_extender):
     # whole GPUs of the trainer never overlap the batch pod's GPUs on the same node
     if trainer.node == batch.node:
         assert not trainer.gpu_uuids() & batch.gpu_uuids()
-    # the extender's view equals what a fresh process rebuilds from the API
-    second = start_extender()
-    assert wait_for(lambda: ext.reserved() == second.reserved() and ext.reserved(), what="same reservations")
+    if mode == "nodecache-true":  # (once is enough: the concurrency test checks it too)
+        # the extender's view equals what a fresh process rebuilds from the API
+        second = start_extender()
+        assert wait_for(lambda: ext.reserved() == second.reserved() and ext.reserved(), what="same reservations")
 
 
 def _gpu_use(kubeapi):
