@@ -9,7 +9,12 @@ from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, get_p
 
 
 def node(name, n=4, model="A10", mem=24576, cpu=0):
-    return Node(name, [GPU(f"{name}-{i}", i, model, mem) for i in range(n)], cpu_milli=cpu, ram_mib=10**6 if cpu else 0)
+    return Node(
+        name,
+        [GPU(f"{name}-{i}", i, model, mem) for i in range(n)],
+        cpu_milli=cpu,
+        ram_mib=10**6 if cpu else 0,
+    )
 
 
 def pod(key, milli=None, mem=None, gpus=1, cls="online", cpu=0):
@@ -21,7 +26,9 @@ def test_registry_and_default():
     assert DEFAULT_POLICY == "gpupack"
     p = get_policy("gpupack")
     assert p.name == "gpupack" and {"random", "bestfit", "fgd", "gpupack"} <= set(POLICIES)
-    with pytest.raises(UnknownPolicy, match="unknown policy 'nope'; choose one of bestfit, fgd, gpupack, random"):
+    with pytest.raises(
+        UnknownPolicy, match="unknown policy 'nope'; choose one of bestfit, fgd, gpupack, random"
+    ):
         get_policy("nope")
 
 
@@ -36,7 +43,9 @@ def test_sharing_pod_fills_the_hole_it_fits_instead_of_opening_a_gpu(name):
     first = schedule(st, pod("ns/1", milli=500), p)
     second = schedule(st, pod("ns/2", milli=500), p)
     assert second.node == first.node
-    assert second.fit.placement.containers["c"][0].gpu_index == first.fit.placement.containers["c"][0].gpu_index
+    assert (
+        second.fit.placement.containers["c"][0].gpu_index == first.fit.placement.containers["c"][0].gpu_index
+    )
 
 
 def test_fgd_scores_integer_and_prefers_less_fragmentation():
@@ -91,7 +100,12 @@ def test_gpupack_steers_cpu_only_pods_away_from_gpu_dense_nodes():
         d = schedule(st, pod(f"ns/cpu{seed}", gpus=0, cpu=16000), p, commit=False)
         assert d.node == "cpu-rich"
     # fgd sees no difference until CPU runs out: both nodes tie and the seeded order decides.
-    picks = {schedule(st, pod("ns/c", gpus=0, cpu=16000), get_policy("fgd", seed=s, workload=wl), commit=False).node for s in range(8)}
+    picks = {
+        schedule(
+            st, pod("ns/c", gpus=0, cpu=16000), get_policy("fgd", seed=s, workload=wl), commit=False
+        ).node
+        for s in range(8)
+    }
     assert picks == {"dense", "cpu-rich"}
 
 

@@ -26,7 +26,13 @@ def small_cluster(openb):
     """A deterministic reduced replay: every 24th node (~51) and every 20th pod of the default trace."""
     nodes = read_nodes(openb / "openb_node_list_gpu_node.csv")
     idx = np.arange(0, len(nodes), 24)
-    sub = NodeList([nodes.names[i] for i in idx], nodes.cpu[idx], nodes.ram[idx], nodes.gpus[idx], [nodes.model[i] for i in idx])
+    sub = NodeList(
+        [nodes.names[i] for i in idx],
+        nodes.cpu[idx],
+        nodes.ram[idx],
+        nodes.gpus[idx],
+        [nodes.model[i] for i in idx],
+    )
     return sub
 
 

@@ -10,7 +10,8 @@ import pytest
 from gpupack.simulate.cli import main
 
 NODES = "sn,cpu_milli,memory_mib,gpu,model\n" + "".join(
-    f"n{i},{32000 if i % 2 else 96000},262144,{2 if i % 3 else 8},{'T4' if i % 3 else 'G2'}\n" for i in range(12)
+    f"n{i},{32000 if i % 2 else 96000},262144,{2 if i % 3 else 8},{'T4' if i % 3 else 'G2'}\n"
+    for i in range(12)
 )
 
 
@@ -33,14 +34,37 @@ def files(tmp_path):
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpupack", "simulate", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "gpupack", "simulate", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
 
 
 def test_trace_json_has_per_policy_mean_seeds_and_curves(files, tmp_path):
     nodes, pods = files
     out = tmp_path / "out"
-    p = run("--trace", str(pods), "--nodes", str(nodes), "--policy", "fgd", "--policy", "gpupack", "--seeds", "1-3",
-            "--out", str(out), "--json", "--progress", "always", "--jobs", "2")
+    p = run(
+        "--trace",
+        str(pods),
+        "--nodes",
+        str(nodes),
+        "--policy",
+        "fgd",
+        "--policy",
+        "gpupack",
+        "--seeds",
+        "1-3",
+        "--out",
+        str(out),
+        "--json",
+        "--progress",
+        "always",
+        "--jobs",
+        "2",
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert set(doc["policies"]) == {"fgd", "gpupack"}
@@ -56,7 +80,19 @@ def test_trace_json_has_per_policy_mean_seeds_and_curves(files, tmp_path):
 
 def test_trace_table_default_policies(files, tmp_path):
     nodes, pods = files
-    p = run("--trace", str(pods), "--nodes", str(nodes), "--seeds", "5", "--out", str(tmp_path), "--no-chart", "--jobs", "1")
+    p = run(
+        "--trace",
+        str(pods),
+        "--nodes",
+        str(nodes),
+        "--seeds",
+        "5",
+        "--out",
+        str(tmp_path),
+        "--no-chart",
+        "--jobs",
+        "1",
+    )
     assert p.returncode == 0, p.stderr
     for name in ("random", "bestfit", "fgd", "gpupack"):
         assert any(line.startswith(name) for line in p.stdout.splitlines()), p.stdout
@@ -78,11 +114,26 @@ def test_fleet_scenario_table_json_and_chart(tmp_path):
 
 BAD = [
     ("name,cpu_milli,memory_mib,num_gpu\np1,1,1,1\n", "pods.csv:1: missing column 'gpu_milli'"),
-    ("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,1,500\np2,-5,1,1,500\n", "pods.csv:3: field cpu_milli: -5 is below 0"),
-    ("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,lots,1,500\n", "pods.csv:2: field memory_mib: 'lots' is not a number"),
-    ("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,1\n", "pods.csv:2: malformed row: 4 fields, header has 5"),
-    ("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,2,500\n", "pods.csv:2: field gpu_milli: 500 < 1000 with num_gpu 2"),
-    ("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,1,0.5\n", "pods.csv:2: field gpu_milli: '0.5' is not a whole number"),
+    (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,1,500\np2,-5,1,1,500\n",
+        "pods.csv:3: field cpu_milli: -5 is below 0",
+    ),
+    (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,lots,1,500\n",
+        "pods.csv:2: field memory_mib: 'lots' is not a number",
+    ),
+    (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,1\n",
+        "pods.csv:2: malformed row: 4 fields, header has 5",
+    ),
+    (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,2,500\n",
+        "pods.csv:2: field gpu_milli: 500 < 1000 with num_gpu 2",
+    ),
+    (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1,1,0.5\n",
+        "pods.csv:2: field gpu_milli: '0.5' is not a whole number",
+    ),
 ]
 
 
@@ -102,7 +153,9 @@ def test_bad_node_file_and_unknown_policy_in_a_real_process(files, tmp_path):
     bad = tmp_path / "badnodes.csv"
     bad.write_text("sn,cpu_milli,memory_mib,gpu\nn1,1,1,1\n")
     p = run("--trace", str(pods), "--nodes", str(bad))
-    assert p.returncode == 2 and p.stderr.strip().endswith("badnodes.csv:1: missing column 'model' (header has sn,cpu_milli,memory_mib,gpu)")
+    assert p.returncode == 2 and p.stderr.strip().endswith(
+        "badnodes.csv:1: missing column 'model' (header has sn,cpu_milli,memory_mib,gpu)"
+    )
     assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1
     p = run("--trace", str(pods), "--nodes", str(nodes), "--policy", "tetris")
     assert p.returncode == 2 and "--policy: unknown policy 'tetris'; choose one of" in p.stderr

@@ -10,7 +10,13 @@ from .conftest import reduced_pods
 
 @pytest.mark.parametrize(
     ("trace", "policy"),
-    [("default", "fgd"), ("default", "bestfit"), ("default", "gpupack"), ("gpuspec10", "gpupack"), ("gpuspec10", "fgd")],
+    [
+        ("default", "fgd"),
+        ("default", "bestfit"),
+        ("default", "gpupack"),
+        ("gpuspec10", "gpupack"),
+        ("gpuspec10", "fgd"),
+    ],
 )
 def test_fast_path_equals_generic_path(openb, small_cluster, trace, policy):
     pods = reduced_pods(openb, trace)
@@ -18,7 +24,9 @@ def test_fast_path_equals_generic_path(openb, small_cluster, trace, policy):
     slow = replay_generic(small_cluster, pods, policy, 42)
     assert len(fast.decisions) == len(slow.decisions) > 400
     mismatch = [i for i, (a, b) in enumerate(zip(fast.decisions, slow.decisions, strict=True)) if a != b]
-    assert not mismatch, f"first differing arrival {mismatch[0]}: fast {fast.decisions[mismatch[0]]} generic {slow.decisions[mismatch[0]]}"
+    assert not mismatch, (
+        f"first differing arrival {mismatch[0]}: fast {fast.decisions[mismatch[0]]} generic {slow.decisions[mismatch[0]]}"
+    )
     assert fast.curve == slow.curve
     # The replay did real work: some placements and, past full load, some drops.
     assert 0 < fast.placed < fast.arrived
