@@ -154,20 +154,18 @@ class FGD(FGDPolicy, Policy):
 POLICIES["fgd"] = FGD
 
 
-def _register_extra() -> None:
-    # The default policy's module imports this one; register it lazily to avoid an import cycle.
-    if "gpupack" not in POLICIES:
-        from gpupack.core import gpupack_policy  # noqa: F401
-
-
 class UnknownPolicy(ValueError):
     pass
 
 
 def get_policy(name: str, seed: int = 0, **kwargs) -> Policy:
-    _register_extra()
     try:
         factory = POLICIES[name]
     except KeyError:
         raise UnknownPolicy(f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}") from None
     return factory(seed=seed, **kwargs)
+
+
+# The default policy's module builds on Policy above and registers itself in POLICIES; importing it
+# last keeps every policy listed as soon as this module is imported, whichever is imported first.
+from gpupack.core import gpupack_policy  # noqa: E402, F401
