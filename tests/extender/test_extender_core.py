@@ -216,3 +216,15 @@ def test_filter_cache_sees_changes():
     assert ext.filter(args(p, ["n"]))["NodeNames"] == ["n"]
     view.apply_pod(assigned(pod_obj("q", [container("c", 1, 50000)]), "n", {"c": (GPUShare("GPU-n-0", 0, 50000, 0),)}))
     assert ext.filter(args(p, ["n"]))["NodeNames"] == []
+
+
+def test_cli_rejects_bad_flags_in_one_line(capsys, tmp_path):
+    from extender.main import main
+
+    assert main(["--policy", "nope", "--webhook-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'nope'" in err and err.count("\n") == 1
+    assert main(["--webhook-port", "8443"]) == 2
+    assert "needs --tls-cert and --tls-key" in capsys.readouterr().err
+    assert main(["--tls-cert", str(tmp_path / "c"), "--tls-key", str(tmp_path / "k")]) == 2
+    assert "no such file" in capsys.readouterr().err
