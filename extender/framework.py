@@ -21,7 +21,15 @@ from typing import Any
 from kubernetes.client.rest import ApiException
 
 from gpupack import handoff
-from gpupack.contract import ANN_ASSIGNMENT, LABEL_MANAGED, Assignment, ContractError, GPUShare, Reservation
+from gpupack.contract import (
+    ANN_ASSIGNMENT,
+    LABEL_MANAGED,
+    RES_GPU,
+    Assignment,
+    ContractError,
+    GPUShare,
+    Reservation,
+)
 from gpupack.core.fit import Fit, FitFailure
 from gpupack.core.model import FULL, Node, Placement, PlacementError, PodRequest
 from gpupack.core.policies import Policy
@@ -177,6 +185,19 @@ class Extender:
             raise WireError(
                 f"pod {req.key} requests no gpupack GPU resources; the extender only handles pods "
                 "that set gpupack.io/gpu, gpupack.io/gpu-mem or gpupack.io/gpu-sm"
+            )
+        try:
+            served_by_kubelet = handoff.gpu_containers(pod)
+        except ContractError as e:
+            raise WireError(str(e)) from e
+        if not served_by_kubelet:
+            # The kubelet calls the device plugin only for the resource it registered
+            # (gpupack.io/gpu): without it no Allocate ever comes, the handoff would stay pending
+            # and block every later GPU pod on the node.
+            raise WireError(
+                f"pod {req.key}: no container sets {RES_GPU} in its limits, so the kubelet would never "
+                f"hand it a GPU; add {RES_GPU}: 1 next to gpu-mem/gpu-sm, or install gpupack's admission "
+                "webhook, which adds it"
             )
         return req
 

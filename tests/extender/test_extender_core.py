@@ -105,6 +105,10 @@ def test_pod_without_gpu_request_and_invalid_requests_are_4xx():
         ext.filter(args(pod_obj("p", [{"name": "c", "image": "x"}]), ["n"]))
     with pytest.raises(WireError, match="gpu-sm must be a percent in 1..100, got 150"):
         ext.filter(args(pod_obj("p", [container("c", 1, 100, 150)]), ["n"]))
+    # gpu-mem alone: the contract defaults gpu to 1, but only the webhook writes it into the
+    # spec; without it the kubelet never calls Allocate and the node's handoff would never end.
+    with pytest.raises(WireError, match="no container sets gpupack.io/gpu in its limits"):
+        ext.filter(args(pod_obj("p", [container("c", None, 100, 10)]), ["n"]))
     with pytest.raises(WireError, match="none of the 1 node"):
         ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["ghost"]))
     out = ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["n", "ghost"]))
