@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nodes", help="openb node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
     p.add_argument(
+        "--churn",
+        action="store_true",
+        help="replay with departures and periodic defrag instead (options: gpupack simulate --churn --help)",
+    )
+    p.add_argument(
         "--policy",
         action="append",
         help=f"policy to replay (repeatable); default: {' '.join(DEFAULT_POLICIES)}",
@@ -253,6 +258,12 @@ def run_fleet(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     from gpupack.simulate.openb import TraceError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--churn" in argv:
+        # Departures + periodic defrag is its own experiment with its own options.
+        from gpupack.simulate import churn
+
+        return churn.main(argv)
     try:
         args = _parser().parse_args(argv)
         if args.jobs < 0:
