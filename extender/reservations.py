@@ -9,22 +9,13 @@ reserved GPUs; its Assignment then names the reservation, which marks it consume
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import datetime
 
 from gpupack.contract import Reservation
 from gpupack.core.model import FULL, Node, PodRequest
+from gpupack.handoff import parse_rfc3339
 
 HOLDER_PREFIX = "reservation:"
-
-
-def parse_time(text: str) -> datetime | None:
-    if not text:
-        return None
-    try:
-        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 def is_active(r: Reservation, now: datetime, consumed: set[str] | frozenset[str] = frozenset()) -> bool:
@@ -32,7 +23,7 @@ def is_active(r: Reservation, now: datetime, consumed: set[str] | frozenset[str]
     until when it blocks capacity, or a typo would block a GPU forever."""
     if r.id in consumed:
         return False
-    t = parse_time(r.expires)
+    t = parse_rfc3339(r.expires)
     return t is not None and now < t
 
 
