@@ -258,3 +258,45 @@ class ClusterState:
         node.cpu_used -= pod.cpu_milli
         node.ram_used -= pod.ram_mib
         return pod
+
+
+def invariant_violations(state: ClusterState) -> list[str]:
+    """Every broken packing invariant in `state`, as sentences; empty when the state is sound.
+
+    The invariants: no GPU over-committed in memory or SM; an exclusive GPU holds one pod; online
+    and offline pods never share a GPU; each GPU's usage is the sum of its holders'; every placed
+    pod is a holder of the GPUs it was charged on, and only on GPU models it allows.
+    """
+    out: list[str] = []
+    classes = {k: pod.pod_class for k, (pod, _, _) in state.pods.items()}
+    for node in state.nodes.values():
+        for g in node.gpus:
+            where = f"{node.name} GPU {g.index}"
+            if g.mem_used > g.mem_mib:
+                out.append(f"{where}: memory over-committed ({g.mem_used} > {g.mem_mib} MiB)")
+            if g.milli_used > FULL:
+                out.append(f"{where}: SM over-committed ({g.milli_used} milli)")
+            if g.exclusive and len(g.holders) != 1:
+                out.append(f"{where}: exclusive GPU held by {len(g.holders)} pods")
+            if not g.exclusive and (
+                sum(m for m, _ in g.holders.values()) != g.mem_used
+                or sum(k for _, k in g.holders.values()) != g.milli_used
+            ):
+                out.append(f"{where}: usage differs from the sum of its holders")
+            held = {classes.get(k) for k in g.holders}
+            if len(held) > 1:
+                out.append(f"{where}: online and offline pods share a GPU")
+            if g.holders and g.pod_class not in held:
+                out.append(f"{where}: class {g.pod_class} does not match its pods")
+    for key, (pod, placement, charged) in state.pods.items():
+        node = state.nodes.get(placement.node)
+        if node is None:
+            out.append(f"{key}: placed on unknown node {placement.node}")
+            continue
+        for i in charged:
+            g = node.gpus[i]
+            if key not in g.holders:
+                out.append(f"{key}: charged on {node.name} GPU {i} but not among its holders")
+            if pod.gpu_models is not None and g.model not in pod.gpu_models:
+                out.append(f"{key}: on a {g.model}, not among its allowed models")
+    return out

@@ -10,25 +10,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupack.core.defrag import Limits, Plan, PlanError, plan_baseline, plan_defrag, verify_plan
-from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
+from gpupack.core.model import (
+    FULL,
+    GPU,
+    ClusterState,
+    ContainerRequest,
+    Node,
+    PodRequest,
+    invariant_violations,
+)
 from gpupack.core.policies import get_policy, schedule
 
 
 def check_invariants(state: ClusterState) -> None:
-    classes = {k: pod.pod_class for k, (pod, _, _) in state.pods.items()}
-    for node in state.nodes.values():
-        for g in node.gpus:
-            assert g.mem_used <= g.mem_mib, "memory over-committed"
-            assert g.milli_used <= FULL, "SM over-committed"
-            if g.exclusive:
-                assert len(g.holders) == 1, "an exclusive GPU holds one pod"
-            assert len({classes[k] for k in g.holders}) <= 1, "online and offline share a GPU"
-    for key, (pod, placement, charged) in state.pods.items():
-        node = state.nodes[placement.node]
-        for i in charged:
-            assert key in node.gpus[i].holders
-            if pod.gpu_models is not None:
-                assert node.gpus[i].model in pod.gpu_models, f"{key} on a {node.gpus[i].model}"
+    assert invariant_violations(state) == []
 
 
 def fleet(spec) -> ClusterState:
