@@ -29,25 +29,24 @@ log = logging.getLogger("gpupack.extender.http")
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
 
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9._:-]*$")
+_PLAIN_NAMES = re.compile(r"[A-Za-z0-9._:-]*\Z")
 
 
 def _encode(obj: Any) -> str:
-    """JSON text; a prioritize answer (a long list of {Host, Score}) is written directly when
-    every host name is plain (Kubernetes node names are), which is several times faster."""
-    if (
-        isinstance(obj, list)
-        and obj
-        and isinstance(obj[0], dict)
-        and "Host" in obj[0]
-        and all(_PLAIN_NAME.match(o["Host"]) for o in obj)
-    ):
-        return "[" + ",".join([f'{{"Host":"{o["Host"]}","Score":{int(o["Score"])}}}' for o in obj]) + "]"
     return json.dumps(obj, separators=(",", ":"))
 
 
+def _encode_scores(names: list[str], scores: list[int]) -> str:
+    """A prioritize answer (a long list of {Host, Score}) written directly when every host name is
+    plain (Kubernetes node names are): several times faster than building and encoding dicts."""
+    if _PLAIN_NAMES.match("".join(names)):
+        return "[" + ",".join([f'{{"Host":"{n}","Score":{s}}}' for n, s in zip(names, scores, strict=True)]) + "]"
+    return _encode([{"Host": n, "Score": s} for n, s in zip(names, scores, strict=True)])
+
+
 def _json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_encode(obj), status=status, mimetype="application/json")
+    text = _encode_scores(*obj) if isinstance(obj, tuple) else _encode(obj)
+    return Response(text, status=status, mimetype="application/json")
 
 
 def _error(status: int, message: str) -> Response:
@@ -136,7 +135,7 @@ def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flas
         def run() -> Any:
             args = parse_extender_args(_body())
             require_synced()
-            return ext.prioritize(args)
+            return ext.scores_for(args)  # (names, scores): encoded without building dicts
 
         return _timed(ext.metrics, "prioritize", run)
 

@@ -135,6 +135,74 @@ def assignment_from_fit(
     )
 
 
+class _FilterAnswer:
+    """A filter answer kept up to date node by node."""
+
+    __slots__ = ("names", "name_set", "pos", "ok", "failed", "unresolvable", "code_of", "codes", "steered", "passed")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.ok: set[str] = set()
+        self.failed: dict[str, str] = {}
+        self.unresolvable: dict[str, str] = {}
+        self.code_of: dict[str, str] = {}
+        self.codes: Counter[str] = Counter()
+        self.steered: dict[str, Reservation] = {}
+        self.passed: list[str] | None = None  # in the request's order; None: to be rebuilt
+
+    def update(self, n: str, r: Fit | FitFailure, res: Reservation | None) -> None:
+        old = self.code_of.pop(n, None)
+        if old is not None:
+            self.codes[old] -= 1
+            self.failed.pop(n, None)
+            self.unresolvable.pop(n, None)
+        elif n in self.ok:
+            self.ok.discard(n)
+            self.passed = None
+        self.steered.pop(n, None)
+        if r.__class__ is Fit:
+            self.ok.add(n)
+            self.passed = None
+            if res is not None:
+                self.steered[n] = res
+        else:
+            assert isinstance(r, FitFailure)
+            (self.unresolvable if r.unresolvable else self.failed)[n] = r.reason
+            self.code_of[n] = r.code
+            self.codes[r.code] += 1
+
+
+class _PriorityAnswer:
+    """Raw scores of a prioritize answer kept up to date node by node, and its last result."""
+
+    __slots__ = ("names", "name_set", "pos", "raw", "steered", "out")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.raw: dict[str, float] = {}
+        self.steered: set[str] = set()
+        self.out: list[int] | None = None
+
+
+def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
+    """Raw scores to 0..MAX_SCORE over the lowest..highest; no fit 0; steered nodes MAX_SCORE."""
+    lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
+    span = hi - lo
+    if span < 1e-12:
+        norm = dict.fromkeys(raw.values(), MAX_SCORE)
+    else:
+        norm = {v: round(MAX_SCORE * (v - lo) / span) for v in set(raw.values())}
+    get = raw.get
+    out = [norm.get(get(n), 0) for n in names]  # type: ignore[arg-type]
+    if steered:
+        out = [MAX_SCORE if n in steered else s for n, s in zip(names, out, strict=True)]
+    return out
+
+
 class BindError(Exception):
     """A bind that must fail with this message in the response's Error (the scheduler retries)."""
 
@@ -170,6 +238,10 @@ class Extender:
         self._last_flush = time.monotonic()
         self.epoch = 0  # bumped whenever the policy was shown new pods
         self.scores: FitCache = FitCache()  # (shape, epoch) -> node -> (version, raw score | None)
+        # The last filter answer per shape and prioritize answer per (shape, epoch), updated for
+        # the nodes changed since (the view's journal) when the next request names the same nodes.
+        self.filters: FitCache = FitCache()
+        self.priorities: FitCache = FitCache()
         self._sigs: dict[str, tuple[int, tuple]] = {}
 
     # --- request parsing ---------------------------------------------------------------------
@@ -272,38 +344,39 @@ class Extender:
             last = FitFailure(f"{last.reason} (with {len(held)} defrag reservation(s) held)", last.code)
         return last, None
 
-    def _fit_all(self, args: ExtenderArgs, pod: PodRequest) -> dict[str, tuple[Fit | FitFailure, Reservation | None]]:
-        """Fit on every named node; the view's lock must be held."""
-        now = self.clock()
-        out: dict[str, tuple[Fit | FitFailure, Reservation | None]] = {}
-        table = self.cache.table(shape_of(pod))
-        nodes = self.view.nodes
-        memo: dict = {}
-        for n in args.node_names:
-            # inline fast path: a cached answer for an unchanged node without reservations
-            info = nodes.get(n)
-            if info is not None and not info.reservations:
-                hit = table.get(n)
-                if hit is not None and hit[0] == info.version:
-                    out[n] = (hit[1], None)
-                    continue
-            out[n] = self.node_fit(n, pod, now, table, memo)
-        return out
+    def _todo(self, answers: FitCache, key: tuple, names: list[str], factory: Callable[[list[str]], Any]) -> tuple[Any, Any]:
+        """The last answer for `key` and the nodes it must look at again: only those changed since
+        (or holding reservations, whose answer depends on the time) when the node list is the
+        same as last time; otherwise a fresh answer and every node. View lock held."""
+        st = answers.data.get(key)
+        if st is not None and st.names == names:
+            answers.data.move_to_end(key)
+            changed = self.view.changed_since(st.pos)
+            if changed is not None:
+                todo = set(changed)
+                todo.update(self.view.reserved)
+                todo &= st.name_set
+                return st, todo
+        st = factory(names)
+        answers.data[key] = st
+        while len(answers.data) > answers.shapes:
+            answers.data.popitem(last=False)
+        return st, names
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         pod = self.pod_request(args.pod)
-        passed: list[str] = []
-        failed: dict[str, str] = {}
-        unresolvable: dict[str, str] = {}
-        codes: Counter[str] = Counter()
-        steered: dict[str, Reservation] = {}
         now = self.clock()
+        names = args.node_names
         with self.view.lock:
             self._observe(pod)
-            table = self.cache.table(shape_of(pod))
+            shape = shape_of(pod)
+            table = self.cache.table(shape)
+            st, todo = self._todo(self.filters, shape, names, _FilterAnswer)
+            pos = self.view.seq
             nodes = self.view.nodes
             memo: dict = {}
-            for n in args.node_names:
+            update = st.update
+            for n in todo:
                 info = nodes.get(n)
                 res = None
                 if info is not None and not info.reservations:
@@ -313,44 +386,61 @@ class Extender:
                         r, res = self.node_fit(n, pod, now, table, memo)
                 else:
                     r, res = self.node_fit(n, pod, now, table, memo)
-                if r.__class__ is Fit:
-                    passed.append(n)
-                    if res is not None:
-                        steered[n] = res
-                else:
-                    assert isinstance(r, FitFailure)
-                    (unresolvable if r.unresolvable else failed)[n] = r.reason
-                    codes[r.code] += 1
-        if codes.get("unknown-node") == len(args.node_names) and args.node_names:
-            names = ", ".join(args.node_names[:5])
-            raise WireError(f"none of the {len(args.node_names)} node(s) is known to gpupack: {names}")
+                update(n, r, res)
+            st.pos = pos
+            if st.passed is None:
+                ok = st.ok
+                st.passed = [n for n in names if n in ok]
+            passed = list(st.passed)
+            failed = dict(st.failed)
+            unresolvable = dict(st.unresolvable)
+            codes = {c: k for c, k in st.codes.items() if k}
+            steered = [n for n in passed if n in st.steered] if st.steered else None
+            if steered:
+                target = steered[0]
+                r = st.steered[target]
+                wanted = {n: st.steered[n] for n in steered}
+        if names and codes.get("unknown-node") == len(st.name_set):
+            shown = ", ".join(names[:5])
+            raise WireError(f"none of the {len(names)} node(s) is known to gpupack: {shown}")
         if steered:
             # A pod with its own defrag reservation goes there, not anywhere else.
-            target, r = next(iter(steered.items()))
             for n in passed:
-                if n not in steered:
+                if n not in wanted:
                     failed[n] = f"pod is steered to node {target} by defrag reservation {r.id}"
-                    codes["reservation-steer"] += 1
-            passed = [n for n in passed if n in steered]
+                    codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
+            passed = steered
         for code, k in codes.items():
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
 
     # --- prioritize ------------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
+        names, scores = self.scores_for(args)
+        return [{"Host": n, "Score": s} for n, s in zip(names, scores, strict=True)]
+
+    def scores_for(self, args: ExtenderArgs) -> tuple[list[str], list[int]]:
+        """Prioritize's answer as (node names, scores 0..MAX_SCORE), in the request's order."""
         pod = self.pod_request(args.pod)
-        raw: dict[str, float] = {}
-        steered = set()
         now = self.clock()
+        names = args.node_names
         with self.view.lock:
             self._observe(pod)
-            fits = self.cache.table(shape_of(pod))
+            shape = shape_of(pod)
+            fits = self.cache.table(shape)
+            key = (shape, self.epoch)
             # node -> (node version, raw score or None when the pod does not fit there)
-            table = self.scores.table((shape_of(pod), self.epoch))
+            table = self.scores.table(key)
+            st, todo = self._todo(self.priorities, key, names, _PriorityAnswer)
+            pos = self.view.seq
             nodes, state = self.view.nodes, self.view.state.nodes
+            raw, steered = st.raw, st.steered
             memo: dict[tuple, float] = {}
             fit_memo: dict = {}
-            for n in args.node_names:
+            for n in todo:
+                st.out = None
+                steered.discard(n)
+                raw.pop(n, None)
                 info = nodes.get(n)
                 if info is None:
                     continue
@@ -375,22 +465,10 @@ class Extender:
                     raw[n] = score
                 if not info.reservations:
                     table[n] = (info.version, score)
-        lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
-        span = hi - lo
-        out = []
-        for n in args.node_names:
-            if n in steered:
-                sc = MAX_SCORE
-            else:
-                v = raw.get(n)
-                if v is None:
-                    sc = 0
-                elif span < 1e-12:
-                    sc = MAX_SCORE
-                else:
-                    sc = round(MAX_SCORE * (v - lo) / span)
-            out.append({"Host": n, "Score": sc})
-        return out
+            st.pos = pos
+            if st.out is None:
+                st.out = _normalise(names, raw, steered)
+            return names, st.out
 
     def _signature(self, name: str, node: Node, version: int) -> tuple:
         hit = self._sigs.get(name)

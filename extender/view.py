@@ -42,6 +42,7 @@ from . import reservations as resv
 log = logging.getLogger("gpupack.extender.view")
 
 TERMINAL = ("Succeeded", "Failed")
+JOURNAL_MAX = 200_000
 
 
 @dataclass
@@ -168,6 +169,13 @@ class ClusterView:
         # (kind, message) for corrupt annotations and conflicts; the metrics layer counts them
         self.on_problem = on_problem or (lambda kind, msg: None)
         self.problems: dict[str, str] = {}  # object -> last problem, for status and readiness
+        # Every change that can change a fit, in order: journal[i - journal_base] is the node
+        # changed at sequence number i. The extender's per-shape answers only re-examine the nodes
+        # named since their own position. A node's version is the sequence number of its last
+        # change, so versions never repeat, not even for a node deleted and created again.
+        self.journal: list[str] = []
+        self.journal_base = 0
+        self.reserved: set[str] = set()  # nodes with defrag reservations: their answers depend on time
 
     # --- nodes ---------------------------------------------------------------------------------
     def _problem(self, kind: str, obj: str, msg: str) -> None:
@@ -227,12 +235,19 @@ class ClusterView:
                     except ContractError as e:
                         info.reservations_error = str(e)
                         self._problem("corrupt-reservations", f"node/{name}/reservations", str(e))
-            info.version += 1
+            if info.reservations:
+                self.reserved.add(name)
+            else:
+                self.reserved.discard(name)
+            self._touch(info)
             self.changed.notify_all()
 
     def delete_node(self, name: str) -> None:
         with self.lock:
-            self.nodes.pop(name, None)
+            info = self.nodes.pop(name, None)
+            if info is not None:
+                self._touch(info)
+            self.reserved.discard(name)
             node = self.state.nodes.pop(name, None)
             if node is not None:
                 for key in [k for k, (_, p, _) in self.state.pods.items() if p.node == name]:
@@ -280,10 +295,32 @@ class ClusterView:
             g.holders[req.key] = (g.mem_mib if ex else mem, FULL if ex else milli)
         self.state.pods[req.key] = (req, placement, charged)
 
+    def _touch(self, info: NodeInfo) -> None:
+        seq = self.journal_base + len(self.journal)
+        info.version = seq + 1
+        self.journal.append(info.name)
+        if len(self.journal) > JOURNAL_MAX:
+            # Readers further behind than what is kept start over from a full pass.
+            drop = len(self.journal) // 2
+            del self.journal[:drop]
+            self.journal_base += drop
+
+    def changed_since(self, pos: int) -> list[str] | None:
+        """Nodes changed from sequence number `pos` on (repeats possible); None when the journal
+        no longer reaches back that far."""
+        if pos < self.journal_base:
+            return None
+        return self.journal[pos - self.journal_base :]
+
+    @property
+    def seq(self) -> int:
+        """The sequence number the next change will get."""
+        return self.journal_base + len(self.journal)
+
     def _bump(self, node: str) -> None:
         info = self.nodes.get(node)
         if info is not None:
-            info.version += 1
+            self._touch(info)
 
     def _release(self, key: str) -> None:
         p = self.pods.pop(key, None)

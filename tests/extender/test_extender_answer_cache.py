@@ -1,0 +1,148 @@
+"""The extender keeps its last filter and prioritize answers per pod shape and updates only the
+nodes changed since (the view's journal). These tests change the cluster between requests in every
+way the view knows and check each answer against an extender that starts from nothing."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+
+from ext_helpers import container, node_obj, pod_obj
+
+from extender.framework import Extender, assignment_from_fit
+from extender.view import ClusterView
+from extender.wire import parse_extender_args
+from gpupack.contract import GPUShare, Reservation
+from gpupack.core.fgd import Workload, shape_of
+from gpupack.core.gpupack_policy import GpupackPolicy
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+SHAPES = [(1, 20000, 30), (1, 40000, 50), (1, 70000, 90), (2, None, None), (1, None, None)]
+
+
+def _pod(i: int, shape: tuple, owned: bool = False) -> dict:
+    gpus, mem, sm = shape
+    p = pod_obj(f"p{i}", [container("main", gpus, mem, sm)], namespace="prod", uid=f"uid-{i}",
+                owner=("ReplicaSet", "web") if owned else None)
+    return p
+
+
+def _reservation(node: str) -> Reservation:
+    return Reservation(
+        id="r1", namespace="prod", owner_kind="ReplicaSet", owner_name="web", pod_class="online",
+        containers={"main": (GPUShare(f"GPU-{node}-3", 3, 30000, 40),)},
+        expires=(NOW + timedelta(hours=1)).isoformat().replace("+00:00", "Z"),
+    )
+
+
+def _setup(n_nodes: int) -> tuple[ClusterView, GpupackPolicy, list[str]]:
+    view = ClusterView()
+    names = [f"n{i}" for i in range(n_nodes)]
+    view.replace_nodes([node_obj(n, n=4) for n in names])
+    view.synced.set()
+    probe = Extender(view, GpupackPolicy(), None)
+    workload = Workload()
+    for j, s in enumerate(SHAPES):
+        workload.add(shape_of(probe.pod_request(_pod(10_000 + j, s))))
+    return view, GpupackPolicy(workload=workload), names
+
+
+def _fresh(view: ClusterView, policy: GpupackPolicy) -> Extender:
+    return Extender(view, policy, None, clock=lambda: NOW)
+
+
+def _place(ext: Extender, view: ClusterView, pod: dict, node: str) -> bool:
+    req = ext.pod_request(pod)
+    with view.lock:
+        f, res = ext.node_fit(node, req, NOW, None)
+        if not f:
+            return False
+        a = assignment_from_fit(view.state.nodes[node], req, f, NOW, res.id if res else "", view.nodes[node].gpu_indexes)
+        view.assume(req.key, req.uid, a, frozenset())
+    return True
+
+
+def test_answers_follow_every_kind_of_change():
+    view, policy, names = _setup(10)
+    ext = _fresh(view, policy)
+    rng = random.Random(7)
+    placed: list[str] = []
+    checked = {"filter": 0, "prioritize": 0, "changed": 0}
+    for step in range(400):
+        owned = rng.random() < 0.2
+        pod = _pod(step, rng.choice(SHAPES), owned)
+        asked = names if rng.random() < 0.8 else rng.sample(names, 6)
+        args = parse_extender_args({"Pod": pod, "NodeNames": asked})
+        out = ext.filter(args)
+        assert out == _fresh(view, policy).filter(args), f"filter differs at step {step}"
+        checked["filter"] += 1
+        if out["NodeNames"]:
+            # sometimes the cluster changes between filter and prioritize
+            if rng.random() < 0.3:
+                small = _pod(50_000 + step, (1, 5000, 5))
+                for other in rng.sample(out["NodeNames"], len(out["NodeNames"])):
+                    if _place(ext, view, small, other):
+                        placed.append(f"prod/p{50_000 + step}")
+                        checked["changed"] += 1
+                        break
+            pargs = parse_extender_args({"Pod": pod, "NodeNames": out["NodeNames"]})
+            got = ext.prioritize(pargs)
+            assert got == _fresh(view, policy).prioritize(pargs), f"prioritize differs at step {step}"
+            checked["prioritize"] += 1
+            best = max(got, key=lambda s: (s["Score"], s["Host"]))["Host"]
+            if _place(ext, view, pod, best):
+                placed.append(f"prod/p{step}")
+        r = rng.random()
+        if r < 0.35 and placed:
+            key = placed.pop(rng.randrange(len(placed)))
+            view.delete_pod({"metadata": {"namespace": "prod", "name": key.split("/")[1]}})
+        elif r < 0.4:
+            n = rng.choice(names)
+            view.apply_node({**node_obj(n, n=4), "spec": {"unschedulable": rng.random() < 0.5}})
+        elif r < 0.43:
+            n = rng.choice(names)
+            view.delete_node(n)
+            placed = [k for k in placed if k in view.pods]
+            if rng.random() < 0.7:
+                view.apply_node(node_obj(n, n=4 if rng.random() < 0.5 else 2))
+        elif r < 0.46:
+            n = rng.choice(names)
+            view.apply_node(node_obj(n, n=4, reservations=[_reservation(n)] if rng.random() < 0.6 else None))
+    assert checked["filter"] == 400 and checked["prioritize"] > 100 and checked["changed"] > 20
+
+
+def test_a_node_filled_between_filter_and_prioritize_is_seen():
+    view, policy, names = _setup(2)
+    ext = _fresh(view, policy)
+    big = (1, 70000, 90)
+    pod = _pod(1, big)
+    out = ext.filter(parse_extender_args({"Pod": pod, "NodeNames": names}))
+    assert out["NodeNames"] == names
+    before = {s["Host"]: s["Score"] for s in ext.prioritize(parse_extender_args({"Pod": pod, "NodeNames": names}))}
+    assert before == {"n0": 10, "n1": 10}
+    # n0 fills up after the answers were given: both answers must change
+    for i in range(4):
+        assert _place(ext, view, _pod(100 + i, big), "n0")
+    scores = {s["Host"]: s["Score"] for s in ext.prioritize(parse_extender_args({"Pod": pod, "NodeNames": names}))}
+    assert scores == {"n0": 0, "n1": 10}
+    out = ext.filter(parse_extender_args({"Pod": _pod(2, big), "NodeNames": names}))
+    assert out["NodeNames"] == ["n1"] and "n0" in out["FailedNodes"]
+
+
+def test_a_journal_trimmed_past_an_answer_starts_over(monkeypatch):
+    import extender.view as view_mod
+
+    monkeypatch.setattr(view_mod, "JOURNAL_MAX", 8)
+    view, policy, names = _setup(3)
+    ext = _fresh(view, policy)
+    pod = _pod(1, (1, 70000, 90))
+    args = parse_extender_args({"Pod": pod, "NodeNames": names})
+    assert ext.filter(args)["NodeNames"] == names
+    for i in range(4):
+        assert _place(ext, view, _pod(100 + i, (1, 70000, 90)), "n2")
+    for _ in range(20):
+        view.apply_node({**node_obj("n0", n=4), "spec": {"unschedulable": True}})
+        view.apply_node(node_obj("n0", n=4))
+    assert view.changed_since(0) is None
+    assert ext.filter(args) == _fresh(view, policy).filter(args)
+    assert ext.filter(args)["NodeNames"] == ["n0", "n1"]
