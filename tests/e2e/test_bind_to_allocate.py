@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +68,7 @@ def container(c: C) -> dict[str, Any]:
 
 
 def make_pod(
-    core: client.CoreV1Api, name: str, containers: list[C], init: list[C] = (), plain: int = 0
+    core: client.CoreV1Api, name: str, containers: list[C], init: Sequence[C] = (), plain: int = 0
 ) -> None:
     spec: dict[str, Any] = {
         "schedulerName": SCHEDULER_NAME,
