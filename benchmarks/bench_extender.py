@@ -12,6 +12,7 @@ Memory: extender worker RSS and resync time with N GPU pods already assigned in 
 
     python benchmarks/bench_extender.py                  # 100, 1000, 5000 nodes; 50,000 pods
     python benchmarks/bench_extender.py --nodes 1000 --pods 500 --json
+    python benchmarks/bench_extender.py --nodes 1000 --pods 500 --inproc   # one process, no HTTP
 """
 
 from __future__ import annotations
@@ -273,6 +274,57 @@ def bench_scheduling(n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: in
             ext.stop()
 
 
+def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int) -> dict[str, Any]:
+    """The same stream in one process without HTTP or API server: JSON decode + parse, filter,
+    prioritize, encode, then an immediate bind into the view (assume). Shows the extender's own
+    cost apart from the GIL contention with bind and watch threads that the HTTP run includes."""
+    from extender.app import _encode, _encode_scores
+    from extender.framework import Extender as Ext
+    from extender.framework import assignment_from_fit
+    from extender.view import ClusterView
+    from extender.wire import parse_extender_args
+    from gpupack.core.policies import get_policy
+
+    rng = random.Random(seed)
+    view = ClusterView()
+    view.replace_nodes([node_obj(f"node-{i:05d}") for i in range(n_nodes)])
+    view.synced.set()
+    ext = Ext(view, get_policy("gpupack"), None)
+    names = list(view.nodes)
+    t: dict[str, list[float]] = {"filter": [], "prioritize": [], "filter_plus_prioritize": []}
+    for i in range(n_pods):
+        p = pod_obj(f"p{i:06d}", rng.choice(SHAPES))
+        p["metadata"]["uid"] = f"uid-{i}"
+        body = json.dumps({"Pod": p, "NodeNames": names, "Nodes": None}).encode()
+        t0 = time.perf_counter()
+        out = ext.filter(parse_extender_args(json.loads(body)))
+        _encode(out)
+        df = time.perf_counter() - t0
+        ok = out["NodeNames"]
+        if not ok:
+            continue
+        body = json.dumps({"Pod": p, "NodeNames": ok, "Nodes": None}).encode()
+        t0 = time.perf_counter()
+        hosts, scores = ext.scores_for(parse_extender_args(json.loads(body)))
+        _encode_scores(hosts, scores)
+        dp = time.perf_counter() - t0
+        if i >= warmup:
+            t["filter"].append(df)
+            t["prioritize"].append(dp)
+            t["filter_plus_prioritize"].append(df + dp)
+        top = max(scores)
+        best = min((h for h, s in zip(hosts, scores, strict=True) if s == top), key=lambda _: rng.random())
+        req = ext.pod_request(p)
+        with view.lock:
+            f, _ = ext.node_fit(best, req, ext.clock(), None)
+            a = assignment_from_fit(view.state.nodes[best], req, f, ext.clock(), "", view.nodes[best].gpu_indexes)
+            view.assume(req.key, req.uid, a, frozenset())
+    ms = lambda v: round(v * 1000, 2)  # noqa: E731
+    return {"nodes": n_nodes, "pods": n_pods, "warmup_pods": warmup} | {
+        k: {"p50": ms(pct(v, 50)), "p99": ms(pct(v, 99))} for k, v in t.items()
+    }
+
+
 def bench_memory(n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[str, Any]:
     """Extender worker RSS and resync time with n_pods GPU pods already assigned and bound."""
     rng = random.Random(seed)
@@ -336,10 +388,24 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=int, default=200,
         help="pods scheduled before measuring (the learning policy's first batches, cold shapes)",
     )
+    ap.add_argument("--inproc", action="store_true", help="one process without HTTP (no memory run)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
     results: dict[str, Any] = {"cpus": os.cpu_count(), "scheduling": [], "memory": None}
+    if args.inproc:
+        results = {"cpus": os.cpu_count(), "inproc": []}
+        for n in args.nodes or [100, 1000, 5000]:
+            pods = args.pods or min(3000, max(300, 3 * n))
+            r = bench_inproc(n, pods + args.warmup, args.seed, args.warmup)
+            results["inproc"].append(r)
+            if not args.json:
+                print(f"{n:>5} nodes, in-process: " + ", ".join(
+                    f"{k} {r[k]['p50']}/{r[k]['p99']} ms" for k in ("filter", "prioritize", "filter_plus_prioritize")
+                ), flush=True)
+        if args.json:
+            print(json.dumps(results, indent=2))
+        return 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for n in args.nodes or [100, 1000, 5000]:
