@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +49,7 @@ from gpupack.contract import (  # noqa: E402
     NodeInventory,
 )
 from gpupack.testing.kubeapi import KubeAPIServer  # noqa: E402
+from gpupack.testing.processes import ExtenderProcess, write_kubeconfig  # noqa: E402
 
 GPU_MIB = 81559
 SHAPES = [  # (class, gpus, mem MiB or None, sm % or None)
@@ -70,12 +69,6 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_obj(name: str) -> dict[str, Any]:
@@ -98,30 +91,14 @@ def pod_obj(name: str, shape: tuple) -> dict[str, Any]:
     }
 
 
-class Extender:
+class Extender(ExtenderProcess):
+    """The shared launcher with more request threads, a benchmark's patience and RSS readings."""
+
     def __init__(self, kubeconfig: Path, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpupack", "extender", "--host", "127.0.0.1", "--port", str(self.port),
-             "--kubeconfig", str(kubeconfig), "--webhook-port", "0", "--log-level", "warning",
-             "--threads", "32"],
-            cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-        )
-        self.t_start = time.monotonic()
+        super().__init__(kubeconfig, log, "--threads", "32")
 
     def wait_ready(self, timeout: float = 900) -> float:
-        s = requests.Session()
-        while time.monotonic() - self.t_start < timeout:
-            if self.proc.poll() is not None:
-                raise SystemExit("extender exited early")
-            try:
-                if s.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return time.monotonic() - self.t_start
-            except requests.RequestException:
-                pass
-            time.sleep(0.05)
-        raise SystemExit("extender did not become ready")
+        return super().wait_ready(timeout)
 
     def worker_rss_mib(self) -> float:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
@@ -135,22 +112,9 @@ class Extender:
                 pass
         return total
 
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
-
-def write_kubeconfig(tmp: Path, url: str) -> Path:
-    p = tmp / "kubeconfig"
-    p.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "b",
-        "clusters": [{"name": "b", "cluster": {"server": url}}], "users": [{"name": "b", "user": {}}],
-        "contexts": [{"name": "b", "context": {"cluster": "b", "user": "b"}}],
-    }))
-    return p
+def kubeconfig_in(tmp: Path, url: str) -> Path:
+    return write_kubeconfig(tmp / "kubeconfig", url)
 
 
 def bench_scheduling(n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: int) -> dict[str, Any]:
@@ -162,7 +126,7 @@ def bench_scheduling(n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: in
         pods = []
         for i in range(n_pods):
             pods.append(api.create("pods", pod_obj(f"p{i:06d}", rng.choice(SHAPES))))
-        ext = Extender(write_kubeconfig(tmp, api.url), tmp / f"extender-{n_nodes}.log")
+        ext = Extender(kubeconfig_in(tmp, api.url), tmp / f"extender-{n_nodes}.log")
         try:
             ready_s = ext.wait_ready()
             http = requests.Session()
@@ -344,7 +308,7 @@ def bench_memory(n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[str, A
             p["spec"]["nodeName"] = node
             api.create("pods", p)
         build_s = time.monotonic() - t0
-        base = Extender(write_kubeconfig(tmp, api.url), tmp / "extender-empty.log")
+        base = Extender(kubeconfig_in(tmp, api.url), tmp / "extender-empty.log")
         # baseline: the same process with the nodes only would need another cluster; instead report
         # the RSS of an extender on this cluster and of one with no pods listed (label mismatch).
         try:
@@ -358,7 +322,7 @@ def bench_memory(n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[str, A
     with KubeAPIServer(record_requests=False) as api:
         for n in names:
             api.create("nodes", node_obj(n))
-        empty = Extender(write_kubeconfig(tmp, api.url), tmp / "extender-nopods.log")
+        empty = Extender(kubeconfig_in(tmp, api.url), tmp / "extender-nopods.log")
         try:
             empty.wait_ready()
             time.sleep(1.0)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -8,6 +7,7 @@ import pytest
 from defrag_cluster import Cluster
 
 from gpupack.testing.kubeapi import KubeAPIServer
+from gpupack.testing.processes import write_kubeconfig
 
 
 @pytest.fixture
@@ -26,14 +26,4 @@ def cluster(kubeapi: KubeAPIServer) -> Iterator[Cluster]:
 
 @pytest.fixture
 def kubeconfig(kubeapi: KubeAPIServer, tmp_path: Path) -> Path:
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "t", "cluster": {"server": kubeapi.url}}],
-        "users": [{"name": "t", "user": {}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
-        "current-context": "t",
-    }
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps(cfg))
-    return path
+    return write_kubeconfig(tmp_path / "kubeconfig", kubeapi.url)

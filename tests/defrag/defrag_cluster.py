@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import requests
@@ -38,6 +33,9 @@ from gpupack.contract import (
 )
 from gpupack.testing.controllers import ReplicaSetController, mark_pod_running_ready
 from gpupack.testing.kubeapi import KubeAPIServer
+from gpupack.testing.processes import ExtenderProcess
+
+__all__ = ["ExtenderProcess"]  # re-exported for the defrag tests
 
 MIB = 81559
 
@@ -200,38 +198,3 @@ class SchedulerLoop:
         self.http.close()
 
 
-class ExtenderProcess:
-    """The real `gpupack extender` (gunicorn) as a child process on a free local port."""
-
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", "gpupack", "extender", "--host", "127.0.0.1", "--port", str(self.port),
-               "--kubeconfig", str(kubeconfig), "--webhook-port", "0", "--log-level", "warning"]
-        repo = Path(__file__).resolve().parents[2]
-        self.proc = subprocess.Popen(cmd, cwd=repo, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"extender exited: {self.log.read_text()[-3000:]}")
-            try:
-                if requests.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"extender not ready: {self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()

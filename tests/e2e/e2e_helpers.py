@@ -6,25 +6,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import requests
 from kubernetes import client
 
 from deviceplugin.discovery import discover, init_nvml
 from deviceplugin.fake_nvml import FakeNvml
 from deviceplugin.plugin import DevicePlugin, PluginConfig
 from gpupack.contract import ANN_INVENTORY, SLOTS_PER_GPU
+from gpupack.testing.processes import REPO, ExtenderProcess, write_kubeconfig
 
-REPO = Path(__file__).resolve().parents[2]
 # The device plugin tests' kubelet is a plain module in a folder without __init__.py.
 sys.path.insert(0, str(REPO / "tests" / "deviceplugin"))
 from dp_kubelet import TestKubelet  # noqa: E402
@@ -43,96 +38,22 @@ def until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 
     return v
 
 
-def write_kubeconfig(path: Path, url: str) -> Path:
-    cluster = {"name": "t", "cluster": {"server": url}}
-    ctx = {"name": "t", "context": {"cluster": "t", "user": "t"}}
-    path.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [cluster],
-                "users": [{"name": "t", "user": {}}],
-                "contexts": [ctx],
-                "current-context": "t",
-            }
-        )
-    )
-    return path
+class Extender(ExtenderProcess):
+    """The shared launcher, with the e2e tests' stricter calls: answers must be 200, and
+    reservations are keyed by GPU UUID."""
 
-
-class Extender:
-    """`gpupack extender` (gunicorn) as a child process on a free loopback port."""
-
-    def __init__(self, kubeconfig: Path, log: Path, *extra: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url, self.log = f"http://127.0.0.1:{self.port}", log
-        cmd = [
-            sys.executable,
-            "-m",
-            "gpupack",
-            "extender",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--kubeconfig",
-            str(kubeconfig),
-            "--webhook-port",
-            "0",
-            "--log-level",
-            "warning",
-            *extra,
-        ]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
-        self.http = requests.Session()
-
-    def tail(self) -> str:
-        return self.log.read_text()[-3000:]
-
-    def wait_ready(self, timeout: float = 30.0) -> Extender:
-        def ready() -> bool:
-            assert self.proc.poll() is None, f"extender exited: {self.tail()}"
-            try:
-                return self.http.get(self.url + "/readyz", timeout=1).status_code == 200
-            except requests.RequestException:
-                return False
-
-        until(ready, timeout, f"extender /readyz ({self.log})", interval=0.1)
+    def wait_ready(self, timeout: float = 30.0) -> Extender:  # type: ignore[override]
+        super().wait_ready(timeout)
         return self
 
-    def post(self, verb: str, body: dict[str, Any]) -> dict[str, Any]:
-        r = requests.post(
-            f"{self.url}/{verb}",
-            data=json.dumps(body),
-            headers={"Content-Type": "application/json"},
-            timeout=30,
-        )
+    def post(self, verb: str, body: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+        r = super().post(verb, body)
         assert r.status_code == 200, f"/{verb} answered {r.status_code}: {r.text[:500]}"
         return r.json()
 
-    def reserved(self) -> dict[tuple[str, str], tuple[float, float]]:
+    def reserved(self) -> dict[tuple[str, str], tuple[float, float]]:  # type: ignore[override]
         """(node, GPU UUID) -> (reserved MiB, reserved SM %), read from /metrics."""
-        out: dict[tuple[str, str], list[float]] = {}
-        for line in self.http.get(self.url + "/metrics", timeout=5).text.splitlines():
-            for i, name in enumerate(("gpupack_gpu_reserved_mem_mib{", "gpupack_gpu_reserved_sm_percent{")):
-                if line.startswith(name):
-                    labels = dict(kv.split("=", 1) for kv in line[len(name) : line.index("}")].split(","))
-                    key = (labels["node"].strip('"'), labels["uuid"].strip('"'))
-                    out.setdefault(key, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
-        return {k: (v[0], round(v[1], 1)) for k, v in out.items()}
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        return {k: (mem, round(sm, 1)) for k, (mem, sm) in super().reserved("uuid").items()}
 
 
 class Node:

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpupack.contract import (
+    ANN_HANDOFF,
     ANN_INVENTORY,
     ANN_RESERVATIONS,
+    HANDOFF_DONE,
+    HANDOFF_PENDING,
     LABEL_CLASS,
+    LABEL_MANAGED,
     GPUInfo,
     NodeInventory,
     Reservation,
     encode_reservations,
 )
+from gpupack.testing.kubeapi import KubeAPIServer
 
 H100_MIB = 81559
 
@@ -107,3 +114,35 @@ def pod_obj(
     if init:
         spec["initContainers"] = init
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": {"phase": "Pending"}}
+
+
+class FakeKubelet:
+    """Plays kubelet + device plugin for the handoff: marks bound pods' handoff done."""
+
+    def __init__(self, server: KubeAPIServer, delay: float = 0.0) -> None:
+        self.server, self.delay = server, delay
+        self.stop_ev = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.served: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop_ev.wait(0.01):
+            for p in self.server.list("pods"):
+                meta = p["metadata"]
+                if meta.get("labels", {}).get(LABEL_MANAGED) and p["spec"].get("nodeName") and \
+                        meta.get("annotations", {}).get(ANN_HANDOFF) == HANDOFF_PENDING:
+                    time.sleep(self.delay)
+                    try:
+                        self.server.patch("pods", meta["name"], {"metadata": {"annotations": {ANN_HANDOFF: HANDOFF_DONE}}},
+                                          meta["namespace"])
+                        self.served.append(meta["name"])
+                    except Exception:  # noqa: BLE001 - the pod may be gone meanwhile
+                        pass
+
+    def __enter__(self) -> FakeKubelet:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_ev.set()
+        self.thread.join(5)

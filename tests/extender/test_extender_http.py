@@ -10,8 +10,7 @@ import time
 
 import pytest
 import requests
-from conftest import FakeKubelet
-from ext_helpers import H100_MIB, container, node_obj, payloads, pod_obj
+from ext_helpers import H100_MIB, FakeKubelet, container, node_obj, payloads, pod_obj
 
 from gpupack.contract import (
     ANN_ALLOCATED,

@@ -1,0 +1,102 @@
+"""The real `gpupack extender` as a child process, for tests and benchmarks.
+
+One launcher so that every test folder and benchmark starts the extender the same way: gunicorn on a
+free loopback port, talking to an in-test API server through a kubeconfig.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig that points the official client (and `--kubeconfig`) at `url`."""
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "t", "cluster": {"server": url}}],
+                "users": [{"name": "t", "user": {}}],
+                "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
+                "current-context": "t",
+            }
+        )
+    )
+    return path
+
+
+class ExtenderProcess:
+    """`gpupack extender` on a free loopback port, logging to `log`; `extra` are more flags."""
+
+    def __init__(self, kubeconfig: Path, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [
+            sys.executable, "-m", "gpupack", "extender", "--host", "127.0.0.1", "--port", str(self.port),
+            "--kubeconfig", str(kubeconfig), "--webhook-port", "0", "--log-level", "warning", *extra,
+        ]  # fmt: skip
+        self.t_start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.http = requests.Session()
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+    def wait_ready(self, timeout: float = 30.0) -> float:
+        """Block until /readyz answers 200; returns the seconds since start."""
+        while time.monotonic() - self.t_start < timeout:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"extender exited: {self.tail()}")
+            try:
+                if self.http.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return time.monotonic() - self.t_start
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"extender not ready after {timeout:g}s: {self.tail()}")
+
+    def post(self, verb: str, body: Any, timeout: float = 30) -> requests.Response:
+        data = body if isinstance(body, bytes | str) else json.dumps(body)
+        return self.http.post(
+            f"{self.url}/{verb}", data=data, headers={"Content-Type": "application/json"}, timeout=timeout
+        )
+
+    def reserved(self, key_label: str = "gpu") -> dict[tuple[str, str], tuple[float, float]]:
+        """(node, GPU `key_label` — index or uuid) -> (reserved MiB, reserved SM %) from /metrics."""
+        out: dict[tuple[str, str], list[float]] = {}
+        for line in self.http.get(self.url + "/metrics", timeout=5).text.splitlines():
+            for i, name in enumerate(("gpupack_gpu_reserved_mem_mib{", "gpupack_gpu_reserved_sm_percent{")):
+                if line.startswith(name):
+                    labels = dict(kv.split("=", 1) for kv in line[len(name) : line.index("}")].split(","))
+                    key = (labels["node"].strip('"'), labels[key_label].strip('"'))
+                    out.setdefault(key, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
