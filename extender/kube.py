@@ -88,18 +88,16 @@ class Kube:
         return _collect(self.node_pages())
 
     def watch_pods(self, resource_version: str, timeout_s: int) -> Any:
-        return self.core.list_pod_for_all_namespaces(
-            label_selector=LABEL_MANAGED,
-            watch=True,
-            allow_watch_bookmarks=True,
-            resource_version=resource_version,
-            timeout_seconds=timeout_s,
-            _preload_content=False,
-            _request_timeout=(10, timeout_s + 30),
-        )
+        return self._watch(self.core.list_pod_for_all_namespaces, resource_version, timeout_s, LABEL_MANAGED)
 
     def watch_nodes(self, resource_version: str, timeout_s: int) -> Any:
-        return self.core.list_node(
+        return self._watch(self.core.list_node, resource_version, timeout_s)
+
+    @staticmethod
+    def _watch(list_fn: Any, resource_version: str, timeout_s: int, label_selector: str | None = None) -> Any:
+        # The read timeout outlives the server-side one, so a quiet watch ends cleanly, not in error.
+        return list_fn(
+            label_selector=label_selector,
             watch=True,
             allow_watch_bookmarks=True,
             resource_version=resource_version,
