@@ -20,7 +20,7 @@ import numpy as np
 
 from gpupack.core.fgd import SIGMOID_STEPS, Shape, Workload
 from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
-from gpupack.core.policies import get_policy, schedule
+from gpupack.core.policies import Policy, get_policy, schedule
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList
 
 INFLATE_TO = 1.30  # arrived GPU request, as a share of capacity
@@ -313,6 +313,24 @@ def _evaluate(
     return score, gpu
 
 
+def _setup(
+    nodes: NodeList,
+    pods: PodList,
+    policy_name: str,
+    seed: int,
+    order: np.ndarray | None,
+    workload: Workload | None,
+) -> tuple[np.ndarray, Workload, Policy]:
+    """What both replay paths start from: the seeded arrival order and the policy, which for the
+    fragmentation policies is given the trace's workload instead of learning it."""
+    if order is None:
+        order = arrival_order(pods, nodes.gpu_capacity, seed)
+    if workload is None:
+        workload = trace_workload(pods)
+    kwargs = {"workload": workload} if policy_name in ("fgd", "gpupack") else {}
+    return order, workload, get_policy(policy_name, seed=seed, **kwargs)
+
+
 def replay(
     nodes: NodeList,
     pods: PodList,
@@ -325,12 +343,7 @@ def replay(
 ) -> ReplayResult:
     """One fast replay of `pods` on `nodes` with one policy and seed."""
     capacity = nodes.gpu_capacity
-    if order is None:
-        order = arrival_order(pods, capacity, seed)
-    if workload is None:
-        workload = trace_workload(pods)
-    kwargs = {"workload": workload} if policy_name in ("fgd", "gpupack") else {}
-    policy = get_policy(policy_name, seed=seed, **kwargs)
+    order, workload, policy = _setup(nodes, pods, policy_name, seed, order, workload)
     rng: random.Random = policy.rng
     policy.rank_nodes(nodes.names)
     tie_key = np.array([policy.tie_key[n] for n in nodes.names])
@@ -437,12 +450,7 @@ def replay_generic(
     workload: Workload | None = None,
 ) -> ReplayResult:
     capacity = nodes.gpu_capacity
-    if order is None:
-        order = arrival_order(pods, capacity, seed)
-    if workload is None:
-        workload = trace_workload(pods)
-    kwargs = {"workload": workload} if policy_name in ("fgd", "gpupack") else {}
-    policy = get_policy(policy_name, seed=seed, **kwargs)
+    order, _, policy = _setup(nodes, pods, policy_name, seed, order, workload)
     st = build_state(nodes)
     index = {name: i for i, name in enumerate(nodes.names)}
     curve = _Curve(capacity)
