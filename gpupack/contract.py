@@ -250,19 +250,10 @@ class Assignment:
         return {s.uuid for shares in self.containers.values() for s in shares}
 
 
-def decode_assignment(text: Any, pod: str = "?") -> Assignment:
-    where = f"pod {pod} annotation {ANN_ASSIGNMENT}"
-    d = _load_json(text, where)
-    if not isinstance(d, dict):
-        raise ContractError(f"{where}: expected a JSON object")
-    if d.get("v") != SCHEMA_VERSION:
-        raise ContractError(f"{where}: unsupported version {d.get('v')!r}")
-    pod_class = _req(d, "class", str, where)
-    if pod_class not in CLASSES:
-        raise ContractError(f"{where}: unknown class {pod_class!r}")
-    containers_raw = _req(d, "containers", dict, where)
+def _decode_containers(raw: dict, where: str) -> dict[str, tuple[GPUShare, ...]]:
+    """container name -> GPU shares, as assignments and reservations both carry them."""
     containers: dict[str, tuple[GPUShare, ...]] = {}
-    for cname, shares_raw in containers_raw.items():
+    for cname, shares_raw in raw.items():
         w = f"{where} container {cname!r}"
         if not isinstance(shares_raw, list) or not shares_raw:
             raise ContractError(f"{w}: expected a non-empty list of GPU shares")
@@ -282,6 +273,24 @@ def decode_assignment(text: Any, pod: str = "?") -> Assignment:
                 raise ContractError(f"{ws}: mem_mib must be >= 0 and sm_pct in 0..100")
             shares.append(share)
         containers[cname] = tuple(shares)
+    return containers
+
+
+def _decode_class(value: Any, where: str) -> str:
+    if value not in CLASSES:
+        raise ContractError(f"{where}: unknown class {value!r}")
+    return value
+
+
+def decode_assignment(text: Any, pod: str = "?") -> Assignment:
+    where = f"pod {pod} annotation {ANN_ASSIGNMENT}"
+    d = _load_json(text, where)
+    if not isinstance(d, dict):
+        raise ContractError(f"{where}: expected a JSON object")
+    if d.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"{where}: unsupported version {d.get('v')!r}")
+    pod_class = _decode_class(_req(d, "class", str, where), where)
+    containers = _decode_containers(_req(d, "containers", dict, where), where)
     return Assignment(
         pod_uid=_req(d, "pod_uid", str, where),
         node=_req(d, "node", str, where),
@@ -350,27 +359,14 @@ def decode_reservations(text: Any, node: str = "?") -> list[Reservation]:
         w = f"{where} reservations[{i}]"
         if not isinstance(r, dict):
             raise ContractError(f"{w}: expected an object")
-        # Reuse the assignment decoder for the container shares so both validate the same way.
-        shares = decode_assignment(
-            json.dumps(
-                {
-                    "v": SCHEMA_VERSION,
-                    "pod_uid": "",
-                    "node": node,
-                    "class": r.get("class", ""),
-                    "containers": r.get("containers", {}),
-                }
-            ),
-            pod=w,
-        )
         out.append(
             Reservation(
                 id=_req(r, "id", str, w),
                 namespace=_req(r, "namespace", str, w),
                 owner_kind=_req(r, "owner_kind", str, w),
                 owner_name=_req(r, "owner_name", str, w),
-                pod_class=shares.pod_class,
-                containers=shares.containers,
+                pod_class=_decode_class(r.get("class"), w),
+                containers=_decode_containers(_req(r, "containers", dict, w) if "containers" in r else {}, w),
                 expires=_req(r, "expires", str, w),
                 evicted_pod=str(r.get("evicted_pod", "")),
             )
