@@ -35,6 +35,9 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from processes import ExtenderProcess, write_kubeconfig  # noqa: E402
 
 from gpupack.contract import (  # noqa: E402
     ANN_ASSIGNMENT,
@@ -49,7 +52,6 @@ from gpupack.contract import (  # noqa: E402
     NodeInventory,
 )
 from gpupack.testing.kubeapi import KubeAPIServer  # noqa: E402
-from gpupack.testing.processes import ExtenderProcess, write_kubeconfig  # noqa: E402
 
 GPU_MIB = 81559
 SHAPES = [  # (class, gpus, mem MiB or None, sm % or None)

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 from defrag_cluster import Cluster
+from processes import write_kubeconfig
 
 from gpupack.testing.kubeapi import KubeAPIServer
-from gpupack.testing.processes import write_kubeconfig
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from typing import Any
 
 import requests
 from kubernetes import client
+from processes import ExtenderProcess
 
 from gpupack.contract import (
     ANN_ASSIGNMENT,
@@ -33,7 +34,6 @@ from gpupack.contract import (
 )
 from gpupack.testing.controllers import ReplicaSetController, mark_pod_running_ready
 from gpupack.testing.kubeapi import KubeAPIServer
-from gpupack.testing.processes import ExtenderProcess
 
 __all__ = ["ExtenderProcess"]  # re-exported for the defrag tests
 

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
+from processes import REPO, ExtenderProcess, write_kubeconfig
 
 from deviceplugin.discovery import discover, init_nvml
 from deviceplugin.fake_nvml import FakeNvml
 from deviceplugin.plugin import DevicePlugin, PluginConfig
 from gpupack.contract import ANN_INVENTORY, SLOTS_PER_GPU
-from gpupack.testing.processes import REPO, ExtenderProcess, write_kubeconfig
 
 # The device plugin tests' kubelet is a plain module in a folder without __init__.py.
 sys.path.insert(0, str(REPO / "tests" / "deviceplugin"))

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import ExtenderProcess, write_kubeconfig
 
 from gpupack.testing.kubeapi import KubeAPIServer
-from gpupack.testing.processes import ExtenderProcess, write_kubeconfig
 
 
 @pytest.fixture

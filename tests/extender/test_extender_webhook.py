@@ -8,10 +8,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import requests
 from ext_helpers import container, node_obj, pod_obj
+from processes import REPO, free_port
 
 from extender.webhook import WebhookConfig, mutate, review, validate
 from extender.wire import WireError
-from gpupack.testing.processes import REPO, free_port
 
 
 def test_mutate_adds_gpu_count_and_scheduler_name():

@@ -1,0 +1,575 @@
+"""A real Kubernetes control plane for tests: etcd, kube-apiserver, kube-controller-manager and
+kube-scheduler (v1.28.7, unmodified) plus the kubelet's device manager harness.
+
+The binaries come from ``$GPUPACK_K8S_ASSETS`` or ``../shared/k8s`` (a folder with ``bin/*.xz`` and
+``SHA256SUMS``) and are unpacked once into ``$GPUPACK_K8S_CACHE`` (default
+``~/.cache/gpupack/k8s/<checksum>``), checked against ``SHA256SUMS``. One control plane serves a
+whole test run (the session fixture in ``tests/conftest.py``); tests stay apart by using their own
+namespaces and node names, and ``ControlPlane.reset()`` clears what a test left behind.
+
+Nothing here is product code: it lives in ``tests/`` and is never installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import lzma
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import requests
+import urllib3
+import yaml
+from kubernetes import client
+
+REPO = Path(__file__).resolve().parents[1]
+K8S_VERSION = "v1.28.7"
+HOW_TO_GET = (
+    "real Kubernetes binaries not found: set GPUPACK_K8S_ASSETS to a folder with bin/*.xz and "
+    "SHA256SUMS (as ../shared/k8s has), or check out ../shared beside the repository"
+)
+SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
+
+urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+
+
+# --- finding and unpacking the binaries ------------------------------------------------------------
+def assets_dir() -> Path | None:
+    """The folder holding ``bin/*.xz`` and ``SHA256SUMS``, or None when it cannot be found."""
+    candidates = []
+    if os.environ.get("GPUPACK_K8S_ASSETS"):
+        candidates.append(Path(os.environ["GPUPACK_K8S_ASSETS"]))
+    if os.environ.get("GPUPACK_SHARED"):
+        candidates.append(Path(os.environ["GPUPACK_SHARED"]) / "k8s")
+    candidates.append(REPO.parent / "shared" / "k8s")
+    for c in candidates:
+        if (c / "SHA256SUMS").is_file() and (c / "bin").is_dir():
+            return c
+    return None
+
+
+def _checksums(assets: Path) -> dict[str, str]:
+    out = {}
+    for line in (assets / "SHA256SUMS").read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(None, 1)
+            out[name.strip().lstrip("*")] = digest
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def binary(name: str, assets: Path | None = None) -> Path:
+    """Path of an unpacked, checksum-verified binary; unpacked on first use into the cache."""
+    assets = assets or assets_dir()
+    if assets is None:
+        raise FileNotFoundError(HOW_TO_GET)
+    sums = _checksums(assets)
+    if name not in sums:
+        raise FileNotFoundError(f"{name} is not listed in {assets / 'SHA256SUMS'}")
+    key = hashlib.sha256((assets / "SHA256SUMS").read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("GPUPACK_K8S_CACHE") or Path.home() / ".cache" / "gpupack" / "k8s") / key
+    target = cache / name
+    if target.is_file() and os.access(target, os.X_OK):
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{name}.")
+    try:
+        with os.fdopen(fd, "wb") as out, lzma.open(assets / "bin" / f"{name}.xz") as src:
+            shutil.copyfileobj(src, out, 1 << 20)
+        if _sha256(Path(tmp)) != sums[name]:
+            raise RuntimeError(f"checksum mismatch unpacking {name} from {assets}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: a concurrent run sees the whole file or none
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def until(
+    pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition", interval: float = 0.05
+) -> Any:
+    """Poll `pred` until it returns something truthy; AssertionError naming `what` otherwise."""
+    end = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < end:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+
+
+# --- processes ---------------------------------------------------------------------------------------
+class Proc:
+    """A child process logging to a file, stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.log = log
+        self.cmd = cmd
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def kubeconfig_dict(server: str, token: str, ca_file: Path | None) -> dict[str, Any]:
+    cluster: dict[str, Any] = {"server": server}
+    if ca_file is not None:
+        cluster["certificate-authority"] = str(ca_file)
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": cluster}],
+        "users": [{"name": "user", "user": {"token": token}}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": "user"}}],
+        "current-context": "local",
+    }
+
+
+class ControlPlane:
+    """etcd + kube-apiserver (+ controller-manager, + kube-scheduler on demand) on 127.0.0.1."""
+
+    def __init__(self, workdir: Path, assets: Path | None = None) -> None:
+        self.assets = assets or assets_dir()
+        if self.assets is None:
+            raise FileNotFoundError(HOW_TO_GET)
+        self.dir = workdir
+        self.logs = workdir / "logs"
+        self.pki = workdir / "pki"
+        self.token = secrets.token_hex(16)
+        self.api_port = 0
+        self.url = ""
+        self.ca_file = self.pki / "serving" / "apiserver.crt"
+        self.kubeconfig = workdir / "admin.kubeconfig"
+        self.procs: dict[str, Proc] = {}
+        self._schedulers: list[Proc] = []
+        self._api_client: client.ApiClient | None = None
+
+    # -- lifecycle --
+    def start(self, controller_manager: bool = True) -> ControlPlane:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.pki.mkdir(parents=True, exist_ok=True)
+        bins = {n: binary(n, self.assets) for n in ("etcd", "kube-apiserver")}
+        self._keys()
+        etcd_port, peer_port, self.api_port = free_port(), free_port(), free_port()
+        self.url = f"https://127.0.0.1:{self.api_port}"
+        (self.pki / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        self.procs["etcd"] = Proc("etcd", [
+            str(bins["etcd"]), "--data-dir", str(self.dir / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}", "--log-level", "warn",
+            "--unsafe-no-fsync",  # a test store: durability across power loss is not under test
+        ], self.logs / "etcd.log")  # fmt: skip
+        self._wait_http("etcd", f"http://127.0.0.1:{etcd_port}/health", expect=None)
+        self.procs["kube-apiserver"] = Proc("kube-apiserver", [
+            str(bins["kube-apiserver"]), "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
+            "--bind-address", "127.0.0.1", "--secure-port", str(self.api_port),
+            "--cert-dir", str(self.pki / "serving"), "--token-auth-file", str(self.pki / "tokens.csv"),
+            "--authorization-mode", "Node,RBAC",
+            "--service-account-issuer", "https://kubernetes.default.svc",
+            "--service-account-key-file", str(self.pki / "sa.pub"),
+            "--service-account-signing-key-file", str(self.pki / "sa.key"),
+            "--service-cluster-ip-range", "10.0.0.0/24", "--endpoint-reconciler-type", "none",
+            "--max-requests-inflight", "3000", "--max-mutating-requests-inflight", "1000",
+            # ValidatingAdmissionPolicy is beta (off by default) in v1.28: tests of admission use it
+            "--feature-gates", "ValidatingAdmissionPolicy=true",
+            "--runtime-config", "admissionregistration.k8s.io/v1beta1=true",
+            "-v", os.environ.get("GPUPACK_K8S_V", "1"),
+        ], self.logs / "kube-apiserver.log")  # fmt: skip
+        self._wait_http("kube-apiserver", f"{self.url}/readyz", expect="ok", token=self.token)
+        self.kubeconfig.write_text(json.dumps(kubeconfig_dict(self.url, self.token, self.ca_file)))
+        if controller_manager:
+            self.start_controller_manager()
+        return self
+
+    def _keys(self) -> None:
+        if (self.pki / "sa.key").exists():
+            return
+        subprocess.run(["openssl", "genrsa", "-out", str(self.pki / "sa.key"), "2048"], check=True,
+                       capture_output=True)  # fmt: skip
+        subprocess.run(["openssl", "rsa", "-in", str(self.pki / "sa.key"), "-pubout", "-out",
+                        str(self.pki / "sa.pub")], check=True, capture_output=True)  # fmt: skip
+
+    def _wait_http(
+        self, name: str, url: str, expect: str | None, token: str = "", timeout: float = 90.0
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            p = self.procs[name]
+            if not p.alive():
+                raise RuntimeError(f"{name} exited at start: {p.tail()}")
+            try:
+                r = requests.get(url, headers=headers, verify=False, timeout=2)
+                if r.status_code == 200 and (expect is None or r.text == expect):
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} not ready after {timeout:g}s: {self.procs[name].tail()}")
+
+    def start_controller_manager(self) -> None:
+        if "kube-controller-manager" in self.procs:
+            return
+        self.procs["kube-controller-manager"] = Proc("kube-controller-manager", [
+            str(binary("kube-controller-manager", self.assets)), "--kubeconfig", str(self.kubeconfig),
+            "--bind-address", "127.0.0.1", "--secure-port", "0",
+            # no kubelets: node lifecycle would mark every fake node NotReady and evict its pods
+            "--controllers", "*,-nodelifecycle",
+            "--service-account-private-key-file", str(self.pki / "sa.key"),
+            "--root-ca-file", str(self.ca_file), "--leader-elect=false",
+            "--kube-api-qps", "1000", "--kube-api-burst", "2000",
+            "--concurrent-deployment-syncs", "10", "--concurrent-replicaset-syncs", "10",
+        ], self.logs / "kube-controller-manager.log")  # fmt: skip
+
+    def stop(self) -> None:
+        for s in self._schedulers:
+            s.stop()
+        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+            if name in self.procs:
+                self.procs[name].stop()
+        if self._api_client is not None:
+            self._api_client.close()
+
+    # -- clients --
+    def api_client(self) -> client.ApiClient:
+        """A shared admin client (system:masters)."""
+        if self._api_client is None:
+            self._api_client = self.new_api_client()
+        return self._api_client
+
+    def new_api_client(self, token: str | None = None) -> client.ApiClient:
+        cfg = client.Configuration()
+        cfg.host = self.url
+        cfg.ssl_ca_cert = str(self.ca_file)
+        cfg.api_key = {"authorization": f"Bearer {token or self.token}"}
+        return client.ApiClient(cfg)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api_client())
+
+    def write_kubeconfig(self, path: Path, token: str | None = None, server: str | None = None) -> Path:
+        """A kubeconfig for the admin (or for `token`), optionally through another `server` URL."""
+        ca = self.ca_file if (server or self.url).startswith("https") else None
+        path.write_text(json.dumps(kubeconfig_dict(server or self.url, token or self.token, ca)))
+        return path
+
+    def service_account_token(self, namespace: str, name: str, seconds: int = 3600) -> str:
+        """A real, signed token for that ServiceAccount (TokenRequest API); creates the account."""
+        self.ensure_namespace(namespace)
+        with contextlib.suppress(client.ApiException):
+            self.core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+        tr = self.core.create_namespaced_service_account_token(
+            name,
+            namespace,
+            {"spec": {"expirationSeconds": seconds, "audiences": ["https://kubernetes.default.svc"]}},
+        )
+        return tr.status.token
+
+    def service_account_kubeconfig(self, path: Path, namespace: str, name: str) -> Path:
+        return self.write_kubeconfig(path, token=self.service_account_token(namespace, name))
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120) -> str:
+        r = subprocess.run(
+            [str(binary("kubectl", self.assets)), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and r.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({r.returncode}): {r.stderr or r.stdout}")
+        return r.stdout if check else r.stdout + r.stderr
+
+    # -- objects tests need --
+    def ensure_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> None:
+        """Create `name` (if absent) and wait for its `default` ServiceAccount (pods need it)."""
+        try:
+            self.core.create_namespace({"metadata": {"name": name, "labels": dict(labels or {})}})
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+        if "kube-controller-manager" in self.procs:
+            until(lambda: self._has_default_sa(name), 30, f"ServiceAccount default in {name}")
+        elif not self._has_default_sa(name):
+            with contextlib.suppress(client.ApiException):
+                self.core.create_namespaced_service_account(name, {"metadata": {"name": "default"}})
+
+    def _has_default_sa(self, ns: str) -> bool:
+        try:
+            self.core.read_namespaced_service_account("default", ns)
+            return True
+        except client.ApiException:
+            return False
+
+    def make_node(
+        self,
+        name: str,
+        *,
+        cpu: str = "64",
+        memory: str = "512Gi",
+        pods: str = "250",
+        extended: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+    ) -> None:
+        """A Ready fake node: created, status written through the subresource, not-ready taint gone."""
+        make_node(self.core, name, cpu=cpu, memory=memory, pods=pods, extended=extended, labels=labels,
+                  annotations=annotations)  # fmt: skip
+
+    # -- kube-scheduler --
+    def start_scheduler(self, config: Mapping[str, Any] | str | Path, name: str = "kube-scheduler") -> Proc:
+        """The real kube-scheduler with that KubeSchedulerConfiguration (a dict, YAML text or file).
+
+        Only `clientConnection.kubeconfig` and leader election are overridden (no kubelets, one
+        replica); everything else, extenders included, is the caller's.
+        """
+        if isinstance(config, Path):
+            config = config.read_text()
+        cfg = yaml.safe_load(config) if isinstance(config, str) else json.loads(json.dumps(config))
+        cfg.setdefault("clientConnection", {})["kubeconfig"] = str(self.kubeconfig)
+        cfg["leaderElection"] = {"leaderElect": False}
+        n = len(self._schedulers)
+        path = self.dir / f"{name}-{n}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        p = Proc(name, [str(binary("kube-scheduler", self.assets)), "--config", str(path), "--secure-port", "0",
+                        "-v", os.environ.get("GPUPACK_K8S_SCHED_V", "2")],
+                 self.logs / f"{name}-{n}.log")  # fmt: skip
+        self._schedulers.append(p)
+        return p
+
+    # -- between tests --
+    def reset(self, keep_namespaces: Iterable[str] = ()) -> None:
+        """Remove what tests create: pods (at once), nodes, non-system namespaces, webhook and
+        admission-policy configurations, and cluster RBAC objects not made by the apiserver."""
+        keep = SYSTEM_NAMESPACES | set(keep_namespaces)
+        core = self.core
+        for ns in core.list_namespace().items:
+            n = ns.metadata.name
+            with contextlib.suppress(client.ApiException):
+                core.delete_collection_namespaced_pod(n, grace_period_seconds=0)
+            if n not in keep and ns.status.phase != "Terminating":
+                with contextlib.suppress(client.ApiException):
+                    core.delete_namespace(n)
+        with contextlib.suppress(client.ApiException):
+            core.delete_collection_node()
+        adm = client.AdmissionregistrationV1Api(self.api_client())
+        with contextlib.suppress(client.ApiException):
+            adm.delete_collection_mutating_webhook_configuration()
+        with contextlib.suppress(client.ApiException):
+            adm.delete_collection_validating_webhook_configuration()
+        for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+            with contextlib.suppress(requests.RequestException):
+                requests.delete(f"{self.url}/apis/admissionregistration.k8s.io/v1beta1/{kind}",
+                                headers={"Authorization": f"Bearer {self.token}"}, verify=False, timeout=10)  # fmt: skip
+        rbac = client.RbacAuthorizationV1Api(self.api_client())
+        for b in rbac.list_cluster_role_binding().items:
+            if not b.metadata.name.startswith("system:") and b.metadata.name != "cluster-admin":
+                with contextlib.suppress(client.ApiException):
+                    rbac.delete_cluster_role_binding(b.metadata.name)
+        for r in rbac.list_cluster_role().items:
+            if not r.metadata.name.startswith("system:") and r.metadata.name not in _BUILTIN_ROLES:
+                with contextlib.suppress(client.ApiException):
+                    rbac.delete_cluster_role(r.metadata.name)
+
+
+_BUILTIN_ROLES = frozenset({"admin", "edit", "view", "cluster-admin"})
+
+
+def make_node(
+    core: client.CoreV1Api,
+    name: str,
+    *,
+    cpu: str = "64",
+    memory: str = "512Gi",
+    pods: str = "250",
+    extended: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
+    annotations: Mapping[str, str] | None = None,
+) -> None:
+    capacity = {"cpu": cpu, "memory": memory, "pods": pods, **dict(extended or {})}
+    core.create_node({"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **dict(labels or {})},
+                                   "annotations": dict(annotations or {})}})  # fmt: skip
+    set_node_status(core, name, capacity)
+    # TaintNodesByCondition admission taints every new node not-ready; a kubelet would clear it
+    node = core.read_node(name)
+    taints = [t for t in (node.spec.taints or []) if t.key != "node.kubernetes.io/not-ready"]
+    core.patch_node(name, {"spec": {"taints": [t.to_dict() for t in taints] or None}})
+
+
+def set_node_status(
+    core: client.CoreV1Api, name: str, capacity: Mapping[str, str], ready: bool = True
+) -> None:
+    """What a kubelet reports: capacity = allocatable, and the Ready condition."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    core.patch_node_status(name, {"status": {
+        "capacity": dict(capacity), "allocatable": dict(capacity),
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False", "reason": "KubeletReady",
+                        "message": "fake node", "lastHeartbeatTime": now, "lastTransitionTime": now}],
+    }})  # fmt: skip
+
+
+def running_ready_status(pod: Any, pod_ip: str = "10.0.0.1") -> dict[str, Any]:
+    """The status a kubelet writes once a pod's containers run and pass readiness."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    spec = pod.spec if not isinstance(pod, Mapping) else None
+    names = (
+        [c.name for c in spec.containers]
+        if spec is not None
+        else [c["name"] for c in pod["spec"]["containers"]]
+    )
+    return {"status": {
+        "phase": "Running", "podIP": pod_ip, "hostIP": "10.0.0.2", "startTime": now,
+        "conditions": [{"type": t, "status": "True", "lastTransitionTime": now}
+                       for t in ("Initialized", "Ready", "ContainersReady", "PodScheduled")],
+        "containerStatuses": [{"name": n, "ready": True, "restartCount": 0, "image": "x", "imageID": "",
+                               "started": True, "state": {"running": {"startedAt": now}}} for n in names],
+    }}  # fmt: skip
+
+
+class KubeletEmulator:
+    """What the kubelets of fake nodes would do to pods: a bound pod is set Running and Ready after
+    `admit_delay` seconds, and a pod being deleted is removed at once (the kubelet confirms its
+    termination with a grace-period-0 delete). `on_admit(pod)` runs before the status write (a test
+    device manager hooks in there). Runs a real watch on the API server."""
+
+    def __init__(
+        self, cp: ControlPlane, namespace: str | None = None, admit_delay: float = 0.0,
+        on_admit: Callable[[Any], None] | None = None, ready: bool = True,
+    ) -> None:  # fmt: skip
+        self.core = client.CoreV1Api(cp.new_api_client())
+        self.namespace = namespace
+        self.admit_delay = admit_delay
+        self.on_admit = on_admit
+        self.ready = ready
+        self._stop = threading.Event()
+        self._seen: set[str] = set()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kubelet-emulator")
+        self.errors: list[str] = []
+
+    def start(self) -> KubeletEmulator:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def __enter__(self) -> KubeletEmulator:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _list(self, **kw: Any) -> Any:
+        if self.namespace:
+            return self.core.list_namespaced_pod(self.namespace, **kw)
+        return self.core.list_pod_for_all_namespaces(**kw)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                lst = self._list()
+                for p in lst.items:
+                    self._handle(p)
+                rv = lst.metadata.resource_version
+                resp = self._list(watch=True, resource_version=rv, timeout_seconds=2, _preload_content=False,
+                                  allow_watch_bookmarks=False)  # fmt: skip
+                try:
+                    for line in resp:
+                        if self._stop.is_set():
+                            break
+                        ev = json.loads(line)
+                        if ev.get("type") in ("ADDED", "MODIFIED"):
+                            self._handle(self.core.api_client.deserialize(_Raw(ev["object"]), "V1Pod"))
+                finally:
+                    resp.release_conn()
+            except Exception as e:  # keep emulating; a test asserts on its own outcomes
+                self.errors.append(repr(e))
+                time.sleep(0.2)
+
+    def _handle(self, pod: Any) -> None:
+        meta = pod.metadata
+        if meta.deletion_timestamp is not None and pod.spec.node_name:
+            with contextlib.suppress(client.ApiException):
+                self.core.delete_namespaced_pod(meta.name, meta.namespace, grace_period_seconds=0)
+            return
+        if not pod.spec.node_name or meta.uid in self._seen:
+            return
+        if pod.status and pod.status.phase not in (None, "Pending"):
+            return
+        self._seen.add(meta.uid)
+        threading.Thread(target=self._admit, args=(pod,), daemon=True).start()
+
+    def _admit(self, pod: Any) -> None:
+        if self.admit_delay:
+            time.sleep(self.admit_delay)
+        try:
+            if self.on_admit is not None:
+                self.on_admit(pod)
+            if self.ready:
+                self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace,
+                                                      running_ready_status(pod))  # fmt: skip
+        except client.ApiException as e:
+            if e.status != 404:
+                self.errors.append(f"{pod.metadata.name}: {e.status} {e.reason}")
+        except Exception as e:
+            self.errors.append(f"{pod.metadata.name}: {e!r}")
+
+
+class _Raw:
+    """Adapter so ApiClient.deserialize accepts an already-decoded JSON object."""
+
+    def __init__(self, obj: Any) -> None:
+        self.data = json.dumps(obj)
