@@ -233,12 +233,19 @@ class ControlPlane:
         return self
 
     def _keys(self) -> None:
+        """The service-account signing key pair (what TokenRequest signs tokens with)."""
         if (self.pki / "sa.key").exists():
             return
-        subprocess.run(["openssl", "genrsa", "-out", str(self.pki / "sa.key"), "2048"], check=True,
-                       capture_output=True)  # fmt: skip
-        subprocess.run(["openssl", "rsa", "-in", str(self.pki / "sa.key"), "-pubout", "-out",
-                        str(self.pki / "sa.pub")], check=True, capture_output=True)  # fmt: skip
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        (self.pki / "sa.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        ))  # fmt: skip
+        (self.pki / "sa.pub").write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ))  # fmt: skip
 
     def _wait_http(
         self, name: str, url: str, expect: str | None, token: str = "", timeout: float = 90.0
