@@ -376,22 +376,33 @@ class ControlPlane:
                   annotations=annotations)  # fmt: skip
 
     # -- kube-scheduler --
-    def start_scheduler(self, config: Mapping[str, Any] | str | Path, name: str = "kube-scheduler") -> Proc:
+    def start_scheduler(
+        self,
+        config: Mapping[str, Any] | str | Path,
+        name: str = "kube-scheduler",
+        kubeconfig: Path | None = None,
+        leader_election: Mapping[str, Any] | None = None,
+        extra_args: Iterable[str] = (),
+    ) -> Proc:
         """The real kube-scheduler with that KubeSchedulerConfiguration (a dict, YAML text or file).
 
         Only `clientConnection.kubeconfig` and leader election are overridden (no kubelets, one
-        replica); everything else, extenders included, is the caller's.
+        replica); everything else, extenders included, is the caller's. `kubeconfig` (default the
+        admin's) lets an RBAC test run it as a ServiceAccount; `leader_election` replaces the
+        default (off); `extra_args` go after the defaults (e.g. a real `--secure-port`).
         """
         if isinstance(config, Path):
             config = config.read_text()
         cfg = yaml.safe_load(config) if isinstance(config, str) else json.loads(json.dumps(config))
-        cfg.setdefault("clientConnection", {})["kubeconfig"] = str(self.kubeconfig)
-        cfg["leaderElection"] = {"leaderElect": False}
+        cfg.setdefault("clientConnection", {})["kubeconfig"] = str(kubeconfig or self.kubeconfig)
+        cfg["leaderElection"] = (
+            dict(leader_election) if leader_election is not None else {"leaderElect": False}
+        )
         n = len(self._schedulers)
         path = self.dir / f"{name}-{n}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         p = Proc(name, [str(binary("kube-scheduler", self.assets)), "--config", str(path), "--secure-port", "0",
-                        "-v", os.environ.get("GPUPACK_K8S_SCHED_V", "2")],
+                        "-v", os.environ.get("GPUPACK_K8S_SCHED_V", "2"), *extra_args],
                  self.logs / f"{name}-{n}.log")  # fmt: skip
         self._schedulers.append(p)
         return p
