@@ -550,7 +550,7 @@ class KubeletEmulator:
                             break
                         ev = json.loads(line)
                         if ev.get("type") in ("ADDED", "MODIFIED"):
-                            self._handle(self.core.api_client.deserialize(_Raw(ev["object"]), "V1Pod"))
+                            self._handle(_to_v1pod(self.core.api_client, ev["object"]))
                 finally:
                     resp.release_conn()
             except Exception as e:  # keep emulating; a test asserts on its own outcomes
@@ -591,3 +591,12 @@ class _Raw:
 
     def __init__(self, obj: Any) -> None:
         self.data = json.dumps(obj)
+
+
+def _to_v1pod(api: client.ApiClient, obj: Any) -> Any:
+    """A watch event's pod as a V1Pod, with either ApiClient.deserialize signature: (response,
+    type) before kubernetes-client 32, (text, type, content_type) since."""
+    try:
+        return api.deserialize(json.dumps(obj), "V1Pod", "application/json")
+    except TypeError:
+        return api.deserialize(_Raw(obj), "V1Pod")
