@@ -1,0 +1,40 @@
+"""deploy/ manifests loaded for tests against the real API server, moved into a test's namespace.
+
+Tests share one control plane, so each installs gpupack's objects into a namespace of its own:
+every `gpupack-system` (object namespaces, RoleBinding subjects, the webhooks' Service) becomes
+that namespace. Cluster-scoped names stay as shipped (cluster.reset() removes them after a test).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+SHIPPED_NS = "gpupack-system"
+
+
+def suffix() -> str:
+    return uuid.uuid4().hex[:6]
+
+
+def load(relpath: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / relpath).read_text()) if d]
+
+
+def remap(objs: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """A deep copy of `objs` with every `gpupack-system` replaced by `namespace`."""
+    text = json.dumps(copy.deepcopy(objs))
+    return json.loads(text.replace(f'"{SHIPPED_NS}"', json.dumps(namespace)))
+
+
+def apply(cluster: Any, objs: list[dict[str, Any]]) -> str:
+    """Server-side apply as the admin (what `kubectl apply --server-side` of the manifest does)."""
+    text = yaml.safe_dump_all(objs)
+    return cluster.kubectl("apply", "--server-side", "--field-manager=gpupack-test", "-f", "-", input=text)
