@@ -39,7 +39,15 @@ from . import reservations as resv
 from .kube import Kube
 from .metrics import Metrics
 from .view import ClusterView, _init_names
-from .wire import BindArgs, ExtenderArgs, WireError, bind_result, filter_result
+from .wire import (
+    BindArgs,
+    ExtenderArgs,
+    PodRequestError,
+    WireError,
+    bind_result,
+    filter_result,
+    unresolvable_result,
+)
 
 log = logging.getLogger("gpupack.extender")
 
@@ -252,21 +260,21 @@ class Extender:
         try:
             req = parse_pod(pod, ns_labels)
         except (RequestError, ContractError) as e:
-            raise WireError(str(e)) from e
+            raise PodRequestError(str(e)) from e
         if not req.needs_gpu:
-            raise WireError(
+            raise PodRequestError(
                 f"pod {req.key} requests no gpupack GPU resources; the extender only handles pods "
                 "that set gpupack.io/gpu, gpupack.io/gpu-mem or gpupack.io/gpu-sm"
             )
         try:
             served_by_kubelet = handoff.gpu_containers(pod)
         except ContractError as e:
-            raise WireError(str(e)) from e
+            raise PodRequestError(str(e)) from e
         if not served_by_kubelet:
             # The kubelet calls the device plugin only for the resource it registered
             # (gpupack.io/gpu): without it no Allocate ever comes, the handoff would stay pending
             # and block every later GPU pod on the node.
-            raise WireError(
+            raise PodRequestError(
                 f"pod {req.key}: no container sets {RES_GPU} in its limits, so the kubelet would never "
                 f"hand it a GPU; add {RES_GPU}: 1 next to gpu-mem/gpu-sm, or install gpupack's admission "
                 "webhook, which adds it"
@@ -364,7 +372,12 @@ class Extender:
         return st, names
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
-        pod = self.pod_request(args.pod)
+        try:
+            pod = self.pod_request(args.pod)
+        except PodRequestError as e:
+            log.info("filter: %s", e)
+            self.metrics.rejections.labels("invalid-request").inc(len(args.node_names))
+            return unresolvable_result(args, f"gpupack cannot place this pod: {e}")
         now = self.clock()
         names = args.node_names
         with self.view.lock:
@@ -421,7 +434,11 @@ class Extender:
 
     def scores_for(self, args: ExtenderArgs) -> tuple[list[str], list[int]]:
         """Prioritize's answer as (node names, scores 0..MAX_SCORE), in the request's order."""
-        pod = self.pod_request(args.pod)
+        try:
+            pod = self.pod_request(args.pod)
+        except PodRequestError:
+            # filter has already rejected every node with the reason; nothing here is better
+            return args.node_names, [0] * len(args.node_names)
         now = self.clock()
         names = args.node_names
         with self.view.lock:

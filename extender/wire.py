@@ -19,6 +19,14 @@ class WireError(ValueError):
         self.status = status
 
 
+class PodRequestError(WireError):
+    """A well-formed request about a pod whose GPU request gpupack cannot serve (gpu-sm 150, a
+    quantity that is no number, more GPUs than any node has). Filter and prioritize answer it
+    with 200 and the reason on every node: a 4xx would reach the user only as the scheduler's
+    "failed filter with extender ... code 400", retried forever; an unresolvable node reason
+    reaches `kubectl describe pod` as the FailedScheduling event."""
+
+
 @dataclass(frozen=True)
 class ExtenderArgs:
     """A filter or prioritize request."""
@@ -138,6 +146,11 @@ def filter_result(
         "items": [args.node_objects[n] for n in passed],
     }
     return out
+
+
+def unresolvable_result(args: ExtenderArgs, reason: str) -> dict[str, Any]:
+    """A filter answer that rejects every node for one reason no preemption or wait can change."""
+    return filter_result(args, [], {}, dict.fromkeys(args.node_names, reason))
 
 
 def priority_result(scores: dict[str, int]) -> list[dict[str, Any]]:

@@ -1,30 +1,38 @@
-"""Builders for extender tests: node inventories, Node and Pod objects, recorded payloads."""
+"""Builders for extender tests: node inventories, Node and Pod objects, recorded payloads, and the\ndevice plugin's side of the bind -> Allocate handoff for the real cluster's KubeletEmulator."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
+from gpupack import handoff
 from gpupack.contract import (
+    ANN_ALLOCATED,
     ANN_HANDOFF,
     ANN_INVENTORY,
     ANN_RESERVATIONS,
     HANDOFF_DONE,
     HANDOFF_PENDING,
     LABEL_CLASS,
-    LABEL_MANAGED,
+    LABEL_GPU_COUNT,
+    LABEL_GPU_MODEL,
+    LABEL_GPU_NODE,
+    RES_GPU,
+    SLOTS_PER_GPU,
+    ContractError,
     GPUInfo,
     NodeInventory,
     Reservation,
+    decode_inventory,
     encode_reservations,
 )
-from gpupack.testing.kubeapi import KubeAPIServer
 
 H100_MIB = 81559
 
@@ -52,9 +60,13 @@ def payloads(mode: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def inventory(node: str, n: int = 8, mem: int = H100_MIB, model: str = "NVIDIA-H100-80GB-HBM3") -> NodeInventory:
+def inventory(
+    node: str, n: int = 8, mem: int = H100_MIB, model: str = "NVIDIA-H100-80GB-HBM3"
+) -> NodeInventory:
     return NodeInventory(
-        gpus=tuple(GPUInfo(uuid=f"GPU-{node}-{i}", index=i, model=model, mem_mib=mem, sm_count=132) for i in range(n))
+        gpus=tuple(
+            GPUInfo(uuid=f"GPU-{node}-{i}", index=i, model=model, mem_mib=mem, sm_count=132) for i in range(n)
+        )
     )
 
 
@@ -66,7 +78,11 @@ def node_obj(
     reservations: list[Reservation] | None = None,
     raw_inventory: str | None = None,
 ) -> dict[str, Any]:
-    ann = {ANN_INVENTORY: raw_inventory if raw_inventory is not None else inventory(name, n, mem, model).to_json()}
+    ann = {
+        ANN_INVENTORY: raw_inventory
+        if raw_inventory is not None
+        else inventory(name, n, mem, model).to_json()
+    }
     if reservations is not None:
         ann[ANN_RESERVATIONS] = encode_reservations(reservations)
     return {
@@ -89,7 +105,11 @@ def container(name: str, gpu: int | None = None, mem: int | str | None = None, s
         limits["gpupack.io/gpu-mem"] = str(mem)
     if sm is not None:
         limits["gpupack.io/gpu-sm"] = str(sm)
-    return {"name": name, "image": "registry.invalid/x:1", "resources": {"limits": limits, "requests": dict(limits)}}
+    return {
+        "name": name,
+        "image": "registry.invalid/x:1",
+        "resources": {"limits": limits, "requests": dict(limits)},
+    }
 
 
 def pod_obj(
@@ -108,7 +128,13 @@ def pod_obj(
         meta["uid"] = uid
     if owner is not None:
         meta["ownerReferences"] = [
-            {"apiVersion": "apps/v1", "kind": owner[0], "name": owner[1], "uid": f"uid-{owner[1]}", "controller": True}
+            {
+                "apiVersion": "apps/v1",
+                "kind": owner[0],
+                "name": owner[1],
+                "uid": f"uid-{owner[1]}",
+                "controller": True,
+            }
         ]
     spec: dict[str, Any] = {"containers": containers, "schedulerName": "gpupack-scheduler"}
     if init:
@@ -116,33 +142,110 @@ def pod_obj(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": {"phase": "Pending"}}
 
 
-class FakeKubelet:
-    """Plays kubelet + device plugin for the handoff: marks bound pods' handoff done."""
+def gpu_node(
+    cluster: Any,
+    name: str,
+    n: int = 8,
+    mem: int = H100_MIB,
+    model: str = "NVIDIA-H100-80GB-HBM3",
+    reservations: list[Reservation] | None = None,
+    raw_inventory: str | None = None,
+) -> None:
+    """A Ready node of the real cluster as gpupack's device plugin publishes it: the inventory
+    annotation, the gpupack labels, and SLOTS_PER_GPU `gpupack.io/gpu` slots per GPU allocatable."""
+    obj = node_obj(name, n, mem, model, reservations, raw_inventory)
+    labels = {LABEL_GPU_NODE: "true", LABEL_GPU_MODEL: model, LABEL_GPU_COUNT: str(n)}
+    cluster.make_node(name, extended={RES_GPU: str(SLOTS_PER_GPU * n)}, labels=labels,
+                      annotations=obj["metadata"]["annotations"])  # fmt: skip
 
-    def __init__(self, server: KubeAPIServer, delay: float = 0.0) -> None:
-        self.server, self.delay = server, delay
-        self.stop_ev = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
+
+def create_pod(core: client.CoreV1Api, pod: dict[str, Any], namespace: str) -> dict[str, Any]:
+    """Create `pod` (a builder's or a recorded one) in `namespace`; the API's JSON back."""
+    body = copy.deepcopy(pod)
+    meta = body["metadata"]
+    for k in ("uid", "resourceVersion", "creationTimestamp", "managedFields", "ownerReferences"):
+        meta.pop(k, None)
+    meta["namespace"] = namespace
+    body.pop("status", None)
+    body["spec"].pop("nodeName", None)
+    # the recorded pods carry their old ServiceAccount token volume; admission adds a fresh one
+    vols = [v for v in body["spec"].get("volumes") or [] if not v["name"].startswith("kube-api-access-")]
+    body["spec"]["volumes"] = vols or None
+    for c in body["spec"].get("containers", []) + body["spec"].get("initContainers", []):
+        mounts = [m for m in c.get("volumeMounts") or [] if not m["name"].startswith("kube-api-access-")]
+        c["volumeMounts"] = mounts or None
+    return json.loads(core.create_namespaced_pod(namespace, body, _preload_content=False).data)
+
+
+def get_pod(core: client.CoreV1Api, namespace: str, name: str) -> dict[str, Any]:
+    return json.loads(core.read_namespaced_pod(name, namespace, _preload_content=False).data)
+
+
+def list_pods(core: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
+    return json.loads(core.list_namespaced_pod(namespace, _preload_content=False).data)["items"]
+
+
+def annotations(pod: dict[str, Any]) -> dict[str, str]:
+    return pod["metadata"].get("annotations") or {}
+
+
+class DevicePluginEmulator:
+    """What gpupack's device plugin does when the kubelet admits a pod, as a KubeletEmulator
+    `on_admit` hook: every GPU container (the kubelet's order) recorded in `gpupack.io/allocated`
+    and `gpupack.io/handoff: done`, in one PATCH carrying the pod's resourceVersion, as
+    deviceplugin/allocate.py ends a handoff. Before that it checks what Allocate relies on: the
+    assignment is for this pod and node, names every GPU container with as many GPUs of this
+    node's published inventory as it requests. A pod bound without a pending handoff is left
+    alone; a check that fails is recorded in `errors` and marks the handoff failed, as the plugin
+    does."""
+
+    def __init__(self, cluster: Any, delay: float = 0.0) -> None:
+        self.core = client.CoreV1Api(cluster.new_api_client())
+        self.delay = delay
         self.served: list[str] = []
+        self.errors: list[str] = []
 
-    def run(self) -> None:
-        while not self.stop_ev.wait(0.01):
-            for p in self.server.list("pods"):
-                meta = p["metadata"]
-                if meta.get("labels", {}).get(LABEL_MANAGED) and p["spec"].get("nodeName") and \
-                        meta.get("annotations", {}).get(ANN_HANDOFF) == HANDOFF_PENDING:
-                    time.sleep(self.delay)
-                    try:
-                        self.server.patch("pods", meta["name"], {"metadata": {"annotations": {ANN_HANDOFF: HANDOFF_DONE}}},
-                                          meta["namespace"])
-                        self.served.append(meta["name"])
-                    except Exception:  # noqa: BLE001 - the pod may be gone meanwhile
-                        pass
+    def _check(self, pod: dict[str, Any]) -> list[str]:
+        p = handoff.pod_view(pod)
+        a = p.assignment()
+        inv = decode_inventory(annotations(get_node(self.core, p.node_name)).get(ANN_INVENTORY), p.node_name)
+        uuids = {g.uuid for g in inv.gpus}
+        if a.pod_uid != p.uid or a.node != p.node_name:
+            raise ContractError(f"pod {p.key}: assignment is for {a.pod_uid} on {a.node}")
+        names = []
+        for c in handoff.gpu_containers(p):
+            shares = a.containers.get(c.name, ())
+            if len(shares) != c.gpu_count() or not {s.uuid for s in shares} <= uuids:
+                raise ContractError(f"pod {p.key} container {c.name}: assigned {shares}, node has {uuids}")
+            names.append(c.name)
+        return names
 
-    def __enter__(self) -> FakeKubelet:
-        self.thread.start()
-        return self
+    def __call__(self, v1pod: Any) -> None:
+        ns, name = v1pod.metadata.namespace, v1pod.metadata.name
+        time.sleep(self.delay)
+        for _ in range(20):
+            pod = get_pod(self.core, ns, name)
+            if annotations(pod).get(ANN_HANDOFF) != HANDOFF_PENDING:
+                return
+            try:
+                patch: dict[str, str] = {
+                    ANN_ALLOCATED: json.dumps(self._check(pod), separators=(",", ":")),
+                    ANN_HANDOFF: HANDOFF_DONE,
+                }
+            except ContractError as e:
+                self.errors.append(str(e))
+                patch = handoff.failed_annotations()
+            body = {"metadata": {"annotations": patch, "resourceVersion": pod["metadata"]["resourceVersion"]}}
+            try:
+                self.core.patch_namespaced_pod(name, ns, body)
+            except client.ApiException as e:
+                if e.status == 409:  # the pod changed since we read it: read it again
+                    continue
+                raise
+            if patch.get(ANN_HANDOFF) == HANDOFF_DONE:
+                self.served.append(f"{ns}/{name}")
+            return
 
-    def __exit__(self, *exc) -> None:
-        self.stop_ev.set()
-        self.thread.join(5)
+
+def get_node(core: client.CoreV1Api, name: str) -> dict[str, Any]:
+    return json.loads(core.read_node(name, _preload_content=False).data)

@@ -22,14 +22,23 @@ SHAPES = [(1, 20000, 30), (1, 40000, 50), (1, 70000, 90), (2, None, None), (1, N
 
 def _pod(i: int, shape: tuple, owned: bool = False) -> dict:
     gpus, mem, sm = shape
-    p = pod_obj(f"p{i}", [container("main", gpus, mem, sm)], namespace="prod", uid=f"uid-{i}",
-                owner=("ReplicaSet", "web") if owned else None)
+    p = pod_obj(
+        f"p{i}",
+        [container("main", gpus, mem, sm)],
+        namespace="prod",
+        uid=f"uid-{i}",
+        owner=("ReplicaSet", "web") if owned else None,
+    )
     return p
 
 
 def _reservation(node: str) -> Reservation:
     return Reservation(
-        id="r1", namespace="prod", owner_kind="ReplicaSet", owner_name="web", pod_class="online",
+        id="r1",
+        namespace="prod",
+        owner_kind="ReplicaSet",
+        owner_name="web",
+        pod_class="online",
         containers={"main": (GPUShare(f"GPU-{node}-3", 3, 30000, 40),)},
         expires=(NOW + timedelta(hours=1)).isoformat().replace("+00:00", "Z"),
     )
@@ -57,7 +66,9 @@ def _place(ext: Extender, view: ClusterView, pod: dict, node: str) -> bool:
         f, res = ext.node_fit(node, req, NOW, None)
         if not f:
             return False
-        a = assignment_from_fit(view.state.nodes[node], req, f, NOW, res.id if res else "", view.nodes[node].gpu_indexes)
+        a = assignment_from_fit(
+            view.state.nodes[node], req, f, NOW, res.id if res else "", view.nodes[node].gpu_indexes
+        )
         view.assume(req.key, req.uid, a, frozenset())
     return True
 
@@ -118,12 +129,16 @@ def test_a_node_filled_between_filter_and_prioritize_is_seen():
     pod = _pod(1, big)
     out = ext.filter(parse_extender_args({"Pod": pod, "NodeNames": names}))
     assert out["NodeNames"] == names
-    before = {s["Host"]: s["Score"] for s in ext.prioritize(parse_extender_args({"Pod": pod, "NodeNames": names}))}
+    before = {
+        s["Host"]: s["Score"] for s in ext.prioritize(parse_extender_args({"Pod": pod, "NodeNames": names}))
+    }
     assert before == {"n0": 10, "n1": 10}
     # n0 fills up after the answers were given: both answers must change
     for i in range(4):
         assert _place(ext, view, _pod(100 + i, big), "n0")
-    scores = {s["Host"]: s["Score"] for s in ext.prioritize(parse_extender_args({"Pod": pod, "NodeNames": names}))}
+    scores = {
+        s["Host"]: s["Score"] for s in ext.prioritize(parse_extender_args({"Pod": pod, "NodeNames": names}))
+    }
     assert scores == {"n0": 0, "n1": 10}
     out = ext.filter(parse_extender_args({"Pod": _pod(2, big), "NodeNames": names}))
     assert out["NodeNames"] == ["n1"] and "n0" in out["FailedNodes"]

@@ -38,7 +38,9 @@ def assigned(pod, node, shares, handoff="done", uid=None, reservation=""):
     pod = json.loads(json.dumps(pod))
     uid = uid or f"uid-{pod['metadata']['name']}"
     pod["metadata"]["uid"] = uid
-    a = Assignment(uid, node, pod["metadata"]["labels"].get("gpupack.io/class", "online"), shares, "", reservation)
+    a = Assignment(
+        uid, node, pod["metadata"]["labels"].get("gpupack.io/class", "online"), shares, "", reservation
+    )
     pod["metadata"].setdefault("annotations", {})[ANN_ASSIGNMENT] = a.to_json()
     pod["metadata"]["annotations"][ANN_HANDOFF] = handoff
     pod["spec"]["nodeName"] = node
@@ -76,9 +78,13 @@ def test_recorded_pods_filter_and_prioritize(mode):
 
 
 def test_filter_reasons_and_unresolvable():
-    view, ext, _ = make([node_obj("big", 2), node_obj("small", 1, mem=24576, model="L4"), node_obj("full", 1)])
+    view, ext, _ = make(
+        [node_obj("big", 2), node_obj("small", 1, mem=24576, model="L4"), node_obj("full", 1)]
+    )
     view.apply_pod(
-        assigned(pod_obj("hog", [container("c", 1, 70000)]), "full", {"c": (GPUShare("GPU-full-0", 0, 70000, 0),)})
+        assigned(
+            pod_obj("hog", [container("c", 1, 70000)]), "full", {"c": (GPUShare("GPU-full-0", 0, 70000, 0),)}
+        )
     )
     out = ext.filter(args(pod_obj("p", [container("c", 1, 40000, 50)]), ["big", "small", "full"]))
     assert out["NodeNames"] == ["big"]
@@ -91,7 +97,9 @@ def test_filter_reasons_and_unresolvable():
 def test_online_and_offline_never_share_a_gpu():
     view, ext, _ = make([node_obj("n", 1)])
     view.apply_pod(
-        assigned(pod_obj("on", [container("c", 1, 1000, 10)]), "n", {"c": (GPUShare("GPU-n-0", 0, 1000, 10),)})
+        assigned(
+            pod_obj("on", [container("c", 1, 1000, 10)]), "n", {"c": (GPUShare("GPU-n-0", 0, 1000, 10),)}
+        )
     )
     out = ext.filter(args(pod_obj("off", [container("c", 1, 1000, 10)], cls="offline"), ["n"]))
     assert out["NodeNames"] == [] and "class offline" in out["FailedNodes"]["n"]
@@ -99,16 +107,26 @@ def test_online_and_offline_never_share_a_gpu():
     assert out["NodeNames"] == ["n"]
 
 
-def test_pod_without_gpu_request_and_invalid_requests_are_4xx():
-    _, ext, _ = make([node_obj("n", 1)])
-    with pytest.raises(WireError, match="requests no gpupack GPU resources"):
-        ext.filter(args(pod_obj("p", [{"name": "c", "image": "x"}]), ["n"]))
-    with pytest.raises(WireError, match="gpu-sm must be a percent in 1..100, got 150"):
-        ext.filter(args(pod_obj("p", [container("c", 1, 100, 150)]), ["n"]))
-    # gpu-mem alone: the contract defaults gpu to 1, but only the webhook writes it into the
-    # spec; without it the kubelet never calls Allocate and the node's handoff would never end.
-    with pytest.raises(WireError, match="no container sets gpupack.io/gpu in its limits"):
-        ext.filter(args(pod_obj("p", [container("c", None, 100, 10)]), ["n"]))
+def test_pod_the_extender_cannot_serve_is_unresolvable_everywhere():
+    """A bad GPU request is the pod's problem, not the request's: every node is unresolvable with the
+    reason (the scheduler shows it in the FailedScheduling event), no 4xx the user never sees."""
+    _, ext, _ = make([node_obj("n", 1), node_obj("m", 1)])
+    cases = [
+        (pod_obj("p", [{"name": "c", "image": "x"}]), "requests no gpupack GPU resources"),
+        (pod_obj("p", [container("c", 1, 100, 150)]), "gpu-sm must be a percent in 1..100, got 150"),
+        (pod_obj("p", [container("c", 1, "lots")]), "gpupack.io/gpu-mem"),
+        (pod_obj("p", [container("c", 65)]), "gpupack.io/gpu=65 is more GPUs than any node has"),
+        # gpu-mem alone: the contract defaults gpu to 1, but only the webhook writes it into the
+        # spec; without it the kubelet never calls Allocate and the node's handoff would never end.
+        (pod_obj("p", [container("c", None, 100, 10)]), "no container sets gpupack.io/gpu in its limits"),
+    ]
+    for pod, needle in cases:
+        out = ext.filter(args(pod, ["n", "m"]))
+        assert out["NodeNames"] == [] and out["FailedNodes"] == {} and out["Error"] == "", out
+        why = out["FailedAndUnresolvableNodes"]
+        assert set(why) == {"n", "m"} and all(needle in w for w in why.values()), (needle, why)
+        assert ext.prioritize(args(pod, ["n", "m"])) == [{"Host": "n", "Score": 0}, {"Host": "m", "Score": 0}]
+    # a node list gpupack knows nothing of is the request's problem (or a wrong cluster): 4xx
     with pytest.raises(WireError, match="none of the 1 node"):
         ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["ghost"]))
     out = ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["n", "ghost"]))
@@ -126,9 +144,16 @@ def test_corrupt_inventory_is_reported_not_fatal():
 def test_prioritize_normalises_policy_scores_to_0_10():
     view, ext, _ = make([node_obj("used", 2), node_obj("empty", 2)], policy="bestfit")
     view.apply_pod(
-        assigned(pod_obj("a", [container("c", 1, 20000, 20)]), "used", {"c": (GPUShare("GPU-used-0", 0, 20000, 20),)})
+        assigned(
+            pod_obj("a", [container("c", 1, 20000, 20)]),
+            "used",
+            {"c": (GPUShare("GPU-used-0", 0, 20000, 20),)},
+        )
     )
-    scores = {s["Host"]: s["Score"] for s in ext.prioritize(args(pod_obj("p", [container("c", 1, 20000, 20)]), ["used", "empty"]))}
+    scores = {
+        s["Host"]: s["Score"]
+        for s in ext.prioritize(args(pod_obj("p", [container("c", 1, 20000, 20)]), ["used", "empty"]))
+    }
     assert scores == {"used": 10, "empty": 0}
 
 
@@ -136,8 +161,12 @@ def test_view_rebuild_is_exact_and_deletion_frees():
     nodes = [node_obj("n1", 2), node_obj("n2", 2)]
     pods = [
         assigned(
-            pod_obj("batch", [container("w", 1, 20000, 50), container("v", 1, 4096)], cls="offline",
-                    init=[container("warm", None, 2048)]),
+            pod_obj(
+                "batch",
+                [container("w", 1, 20000, 50), container("v", 1, 4096)],
+                cls="offline",
+                init=[container("warm", None, 2048)],
+            ),
             "n1",
             {
                 "warm": (GPUShare("GPU-n1-0", 0, 2048, 0),),
@@ -145,8 +174,16 @@ def test_view_rebuild_is_exact_and_deletion_frees():
                 "v": (GPUShare("GPU-n1-0", 0, 4096, 0),),
             },
         ),
-        assigned(pod_obj("whole", [container("t", 2)], cls="offline"), "n2",
-                 {"t": (GPUShare("GPU-n2-0", 0, H100_MIB, 100, True), GPUShare("GPU-n2-1", 1, H100_MIB, 100, True))}),
+        assigned(
+            pod_obj("whole", [container("t", 2)], cls="offline"),
+            "n2",
+            {
+                "t": (
+                    GPUShare("GPU-n2-0", 0, H100_MIB, 100, True),
+                    GPUShare("GPU-n2-1", 1, H100_MIB, 100, True),
+                )
+            },
+        ),
     ]
     v1, _, _ = make(nodes)
     v1.replace_pods(pods)
@@ -183,7 +220,11 @@ def test_assumed_pod_survives_stale_events():
 
 def _resv(node_gpu="GPU-n-0", mem=60000, minutes=5):
     return Reservation(
-        id="r1", namespace="default", owner_kind="ReplicaSet", owner_name="web", pod_class="online",
+        id="r1",
+        namespace="default",
+        owner_kind="ReplicaSet",
+        owner_name="web",
+        pod_class="online",
         containers={"c": (GPUShare(node_gpu, 0, mem, 50),)},
         expires=(NOW + timedelta(minutes=minutes)).isoformat().replace("+00:00", "Z"),
     )
@@ -218,7 +259,9 @@ def test_filter_cache_sees_changes():
     view, ext, _ = make([node_obj("n", 1)])
     p = pod_obj("p", [container("c", 1, 50000)])
     assert ext.filter(args(p, ["n"]))["NodeNames"] == ["n"]
-    view.apply_pod(assigned(pod_obj("q", [container("c", 1, 50000)]), "n", {"c": (GPUShare("GPU-n-0", 0, 50000, 0),)}))
+    view.apply_pod(
+        assigned(pod_obj("q", [container("c", 1, 50000)]), "n", {"c": (GPUShare("GPU-n-0", 0, 50000, 0),)})
+    )
     assert ext.filter(args(p, ["n"]))["NodeNames"] == []
 
 

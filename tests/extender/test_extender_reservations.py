@@ -12,9 +12,15 @@ def _node() -> Node:
     return Node("n1", [GPU(f"u{i}", i, "H100", 80000, 132) for i in range(4)])
 
 
-def _res(rid="r1", uuid="u2", mem=40000, sm=50, expires=NOW + timedelta(minutes=5), owner=("ReplicaSet", "web")):
+def _res(
+    rid="r1", uuid="u2", mem=40000, sm=50, expires=NOW + timedelta(minutes=5), owner=("ReplicaSet", "web")
+):
     return Reservation(
-        id=rid, namespace="prod", owner_kind=owner[0], owner_name=owner[1], pod_class="online",
+        id=rid,
+        namespace="prod",
+        owner_kind=owner[0],
+        owner_name=owner[1],
+        pod_class="online",
         containers={"main": (GPUShare(uuid, 2, mem, sm),)},
         expires=expires.isoformat().replace("+00:00", "Z"),
     )
@@ -22,8 +28,11 @@ def _res(rid="r1", uuid="u2", mem=40000, sm=50, expires=NOW + timedelta(minutes=
 
 def _pod(owner=("ReplicaSet", "web"), ns="prod", cls="online", mem=40000):
     return PodRequest(
-        key=f"{ns}/p", pod_class=cls, containers=(ContainerRequest("main", 1, mem, 500),),
-        namespace=ns, owner=owner,
+        key=f"{ns}/p",
+        pod_class=cls,
+        containers=(ContainerRequest("main", 1, mem, 500),),
+        namespace=ns,
+        owner=owner,
     )
 
 
