@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timezone", default="UTC", help="time zone of --window (IANA name, default UTC)")
     g.add_argument("--force", action="store_true", help="run outside --window")
     g.add_argument(
-        "--move-timeout", type=float, default=600.0, help="seconds for a replacement to run (default 600)"
+        "--move-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for a replacement to be Running and Ready (default 600)",
     )
     g.add_argument(
         "--poll-interval", type=float, default=2.0, help="seconds between replacement checks (default 2)"

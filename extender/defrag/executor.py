@@ -4,9 +4,9 @@ Per move: re-read the cluster and verify the move again on the live state (a pla
 old by then); reserve the target GPUs in the target Node's annotation so the replacement pod
 lands there (the extender honours it); evict through the Eviction API (HTTP 429 = a
 PodDisruptionBudget said no: skip the pod and the rest of its drain group, go on); wait until
-the controller's replacement is bound and Running; drop the consumed reservation. A replacement
-that is not running within the per-move timeout stops the run. Every reservation the run wrote
-is removed at the end, whatever happened.
+the controller's replacement is bound, Running and Ready; drop the consumed reservation. A
+replacement that is not ready within the per-move timeout stops the run. Every reservation the
+run wrote is removed at the end, whatever happened.
 """
 
 from __future__ import annotations
@@ -123,6 +123,11 @@ def _owned_by(pod: dict[str, Any], kind: str, name: str) -> bool:
     return False
 
 
+def _ready(pod: dict[str, Any]) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
 class Executor:
     def __init__(
         self,
@@ -168,11 +173,12 @@ class Executor:
                     continue
                 node = (p.get("spec") or {}).get("nodeName")
                 phase = (p.get("status") or {}).get("phase")
-                if node and phase == "Running":
+                # Running is not serving: until readiness passes the workload is one replica short
+                # (its PodDisruptionBudget does not count the pod either), so the move is not over.
+                if node and phase == "Running" and _ready(p):
                     return p, ""
-                last = f"replacement {meta.get('name')} is {phase or '?'}" + (
-                    f" on {node}" if node else ", unbound"
-                )
+                state = "Running but not Ready" if phase == "Running" else (phase or "?")
+                last = f"replacement {meta.get('name')} is {state}" + (f" on {node}" if node else ", unbound")
             if time.monotonic() >= deadline:
                 return None, last
             time.sleep(self.opts.poll_s)

@@ -4,26 +4,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from defrag_cluster import Cluster
-from processes import write_kubeconfig
-
-from gpupack.testing.kubeapi import KubeAPIServer
-
-
-@pytest.fixture
-def kubeapi() -> Iterator[KubeAPIServer]:
-    with KubeAPIServer(bookmark_interval=0.5) as srv:
-        yield srv
+from defrag_cluster import Fleet
+from faultproxy import FaultProxy
+from realk8s import ControlPlane
 
 
 @pytest.fixture
-def cluster(kubeapi: KubeAPIServer) -> Iterator[Cluster]:
-    c = Cluster(kubeapi)
-    c.namespace("gpupack-system")  # where the run's Lease lives
-    yield c
-    c.stop()
+def fleet(cluster: ControlPlane) -> Fleet:
+    return Fleet(cluster)
 
 
 @pytest.fixture
-def kubeconfig(kubeapi: KubeAPIServer, tmp_path: Path) -> Path:
-    return write_kubeconfig(tmp_path / "kubeconfig", kubeapi.url)
+def proxy(cluster: ControlPlane) -> Iterator[FaultProxy]:
+    """What defrag sends to the API server passes here: recorded, and faults on demand."""
+    with FaultProxy(cluster.url) as p:
+        yield p
+
+
+@pytest.fixture
+def kubeconfig(cluster: ControlPlane, proxy: FaultProxy, tmp_path: Path) -> Path:
+    """An admin kubeconfig for `gpupack defrag`, through the proxy."""
+    return cluster.write_kubeconfig(tmp_path / "kubeconfig", server=proxy.url)

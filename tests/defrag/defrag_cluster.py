@@ -1,25 +1,36 @@
-"""A small GPU cluster in the in-test API server, in the state a past scheduler left it.
+"""A small GPU cluster on the real control plane, in the state a past scheduler left it.
 
-ReplicaSets are real apps/v1 objects kept by `ReplicaSetController` (a deleted or evicted pod
-comes back under a new name); their pods are placed on chosen GPUs the way the extender's bind
-does it (assignment annotation + managed label, then pods/binding) and marked Running as a
-kubelet would. `SchedulerLoop` plays kube-scheduler against the real extender over HTTP.
+Workloads are real apps/v1 ReplicaSets or Deployments (and DaemonSets, Jobs, bare pods where a
+test is about who may move): the real kube-controller-manager creates their pods and recreates an
+evicted one under a new name. `place` puts such a pod on chosen GPUs the way the extender's bind
+and the device plugin leave it (assignment annotation + managed label, handoff done, then
+pods/binding) and writes the status a kubelet would (Running, Ready). PodDisruptionBudgets are
+real; their status comes from the real disruption controller.
+
+`Scheduling` runs what places a replacement in production: the real kube-scheduler with
+deploy/scheduler/config.yaml (only the extender's urlPrefix changed), the real extender, and a
+KubeletEmulator whose admit step does what the device plugin's Allocate does to the pod.
+
+Every name a test sees is suffixed with the fleet's tag, so tests sharing the control plane
+never meet.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
-import time
+import secrets
+from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-import requests
+import yaml
 from kubernetes import client
 from processes import ExtenderProcess
+from realk8s import ControlPlane, KubeletEmulator, running_ready_status, until
 
 from gpupack.contract import (
+    ANN_ALLOCATED,
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
     ANN_INVENTORY,
@@ -31,170 +42,288 @@ from gpupack.contract import (
     GPUInfo,
     GPUShare,
     NodeInventory,
+    decode_assignment,
 )
-from gpupack.testing.controllers import ReplicaSetController, mark_pod_running_ready
-from gpupack.testing.kubeapi import KubeAPIServer
 
-__all__ = ["ExtenderProcess"]  # re-exported for the defrag tests
-
+REPO = Path(__file__).resolve().parents[2]
 MIB = 81559
-
-
-def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+LEASE = "gpupack-defrag"
 
 
 def gpu_container(mem: int, sm: int, name: str = "main") -> dict[str, Any]:
     limits = {"gpupack.io/gpu": "1", "gpupack.io/gpu-mem": str(mem), "gpupack.io/gpu-sm": str(sm)}
-    return {"name": name, "image": "registry.invalid/x:1", "resources": {"limits": limits, "requests": dict(limits)}}
+    return {
+        "name": name,
+        "image": "registry.invalid/x:1",
+        "resources": {"limits": limits, "requests": dict(limits)},
+    }
 
 
-class Cluster:
-    def __init__(self, server: KubeAPIServer) -> None:
-        self.server = server
-        self.api = server.api_client()
+def raw(resp: Any) -> Any:
+    return json.loads(resp.data)
+
+
+class Fleet:
+    """One test's namespaces, nodes and workloads on the shared control plane."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.tag = secrets.token_hex(3)
+        self.api = cp.api_client()
         self.core = client.CoreV1Api(self.api)
-        self.controllers: dict[str, ReplicaSetController] = {}
+        self.apps = client.AppsV1Api(self.api)
+        self.batch = client.BatchV1Api(self.api)
+        self.policy = client.PolicyV1Api(self.api)
+        self.coord = client.CoordinationV1Api(self.api)
+        self.lease_ns = self.namespace("gpupack-system")  # where the run's Lease lives
 
-    def namespace(self, name: str) -> None:
-        if self.server.get("namespaces", name) is None:
-            self.server.create("namespaces", {"metadata": {"name": name}})
+    # --- names ---------------------------------------------------------------------------------
+    def namespace(self, base: str) -> str:
+        name = f"{base}-{self.tag}"
+        self.cp.ensure_namespace(name)
+        return name
 
-    def node(self, name: str, gpus: int = 4, mem: int = MIB) -> None:
+    def node(self, base: str, gpus: int = 4, mem: int = MIB) -> str:
+        """A Ready node with `gpus` H100s in its inventory, as the device plugin publishes it."""
+        name = f"{base}-{self.tag}"
         inv = NodeInventory(
             gpus=tuple(GPUInfo(f"GPU-{name}-{i}", i, "NVIDIA-H100-80GB-HBM3", mem, 132) for i in range(gpus))
         )
-        self.server.create(
-            "nodes",
-            {"metadata": {"name": name, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {}},
+        self.cp.make_node(
+            name,
+            extended={"gpupack.io/gpu": str(16 * gpus)},
+            labels={"gpupack.io/gpu-node": "true"},
+            annotations={ANN_INVENTORY: inv.to_json()},
         )
+        return name
 
-    def template(self, app: str, mem: int, sm: int, cls: str) -> dict[str, Any]:
+    # --- workloads -----------------------------------------------------------------------------
+    def template(self, app: str, mem: int, sm: int, cls: str, restart: str = "Always") -> dict[str, Any]:
         return {
             "metadata": {"labels": {"app": app, LABEL_CLASS: cls}},
-            "spec": {"schedulerName": SCHEDULER_NAME, "containers": [gpu_container(mem, sm)]},
+            "spec": {
+                "schedulerName": SCHEDULER_NAME,
+                "restartPolicy": restart,
+                "terminationGracePeriodSeconds": 30,
+                "containers": [gpu_container(mem, sm)],
+            },
         }
 
-    def replicaset(self, ns: str, name: str, mem: int, sm: int, cls: str = "offline", replicas: int = 1) -> list[str]:
-        self.namespace(ns)
-        rs = ReplicaSetController(self.server, ns, name, self.template(name, mem, sm, cls), replicas).start()
-        self.controllers[f"{ns}/{name}"] = rs
-        return wait_for(lambda: len(rs.pod_names()) == replicas and rs.pod_names(), what=f"{name} pods")
+    def pods_owned(self, ns: str, kind: str, name: str) -> list[dict[str, Any]]:
+        out = []
+        for p in raw(self.core.list_namespaced_pod(ns, _preload_content=False))["items"]:
+            refs = p["metadata"].get("ownerReferences") or []
+            if any(r.get("controller") and r["kind"] == kind and r["name"] == name for r in refs):
+                out.append(p)
+        return out
 
-    def bare_pod(self, ns: str, name: str, mem: int, sm: int, cls: str = "offline", owner: tuple[str, str] | None = None) -> str:
-        self.namespace(ns)
-        pod = {"metadata": {"name": name, "namespace": ns, **self.template(name, mem, sm, cls)["metadata"]},
-               "spec": self.template(name, mem, sm, cls)["spec"]}
-        if owner is not None:
-            pod["metadata"]["ownerReferences"] = [
-                {"apiVersion": "apps/v1", "kind": owner[0], "name": owner[1], "uid": f"uid-{owner[1]}", "controller": True}
-            ]
-        self.server.create("pods", pod, ns)
+    def _wait_pods(self, ns: str, kind: str, name: str, n: int) -> list[str]:
+        def ready() -> list[str]:
+            pods = [p for p in self.pods_owned(ns, kind, name) if not p["metadata"].get("deletionTimestamp")]
+            return sorted(p["metadata"]["name"] for p in pods) if len(pods) == n else []
+
+        return until(ready, 30, f"{n} pod(s) of {kind} {ns}/{name}")
+
+    def replicaset(
+        self, ns: str, name: str, mem: int, sm: int, cls: str = "offline", replicas: int = 1
+    ) -> list[str]:
+        """A real ReplicaSet; returns its pods' names (created by the real controller)."""
+        self.apps.create_namespaced_replica_set(ns, {
+            "metadata": {"name": name},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
+                     "template": self.template(name, mem, sm, cls)},
+        })  # fmt: skip
+        return self._wait_pods(ns, "ReplicaSet", name, replicas)
+
+    def deployment(
+        self, ns: str, name: str, mem: int, sm: int, cls: str = "offline", replicas: int = 1
+    ) -> tuple[str, list[str]]:
+        """A real Deployment; returns (its ReplicaSet's name, that ReplicaSet's pods)."""
+        self.apps.create_namespaced_deployment(ns, {
+            "metadata": {"name": name},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
+                     "template": self.template(name, mem, sm, cls)},
+        })  # fmt: skip
+
+        def rs() -> str:
+            items = self.apps.list_namespaced_replica_set(ns, label_selector=f"app={name}").items
+            return items[0].metadata.name if len(items) == 1 else ""
+
+        rs_name = until(rs, 30, f"the ReplicaSet of Deployment {ns}/{name}")
+        return rs_name, self._wait_pods(ns, "ReplicaSet", rs_name, replicas)
+
+    def daemonset(self, ns: str, name: str, node: str, mem: int, sm: int, cls: str = "offline") -> str:
+        """A real DaemonSet limited to `node`; returns its one pod's name."""
+        tpl = self.template(name, mem, sm, cls)
+        tpl["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+        self.apps.create_namespaced_daemon_set(ns, {
+            "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": {"app": name}}, "template": tpl},
+        })  # fmt: skip
+        return self._wait_pods(ns, "DaemonSet", name, 1)[0]
+
+    def job(self, ns: str, name: str, mem: int, sm: int, cls: str = "offline") -> str:
+        """A real Job of one pod; returns the pod's name."""
+        self.batch.create_namespaced_job(ns, {
+            "metadata": {"name": name},
+            "spec": {"backoffLimit": 0, "template": self.template(name, mem, sm, cls, restart="Never")},
+        })  # fmt: skip
+        return self._wait_pods(ns, "Job", name, 1)[0]
+
+    def bare_pod(self, ns: str, name: str, mem: int, sm: int, cls: str = "offline") -> str:
+        tpl = self.template(name, mem, sm, cls)
+        self.core.create_namespaced_pod(
+            ns, {"metadata": {"name": name, **tpl["metadata"]}, "spec": tpl["spec"]}
+        )
         return name
 
     def place(self, ns: str, name: str, node: str, gpu: int, mem: int, sm: int) -> None:
-        """What the extender's bind leaves: the assignment, then the Binding; then Running."""
-        pod = self.server.get("pods", name, ns)
-        assert pod is not None
+        """What the extender's bind, the device plugin and the kubelet leave: the assignment and a
+        finished handoff, the Binding, then Running and Ready."""
+        pod = self.core.read_namespaced_pod(name, ns)
         a = Assignment(
-            pod_uid=pod["metadata"]["uid"],
+            pod_uid=pod.metadata.uid,
             node=node,
-            pod_class=pod["metadata"]["labels"][LABEL_CLASS],
+            pod_class=pod.metadata.labels[LABEL_CLASS],
             containers={"main": (GPUShare(f"GPU-{node}-{gpu}", gpu, mem, sm),)},
             bound_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
-        self.server.patch(
-            "pods", name,
-            {"metadata": {"labels": {LABEL_MANAGED: "true"},
-                          "annotations": {ANN_ASSIGNMENT: a.to_json(), ANN_HANDOFF: HANDOFF_DONE}}},
-            ns,
-        )
+        self.core.patch_namespaced_pod(name, ns, {"metadata": {
+            "labels": {LABEL_MANAGED: "true"},
+            "annotations": {ANN_ASSIGNMENT: a.to_json(), ANN_HANDOFF: HANDOFF_DONE, ANN_ALLOCATED: '["main"]'},
+        }})  # fmt: skip
         body = client.V1Binding(
             metadata=client.V1ObjectMeta(name=name, namespace=ns),
             target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
         )
         self.core.create_namespaced_pod_binding(name, ns, body, _preload_content=False)
-        mark_pod_running_ready(self.api, ns, name)
+        self.core.patch_namespaced_pod_status(name, ns, running_ready_status(pod))
 
-    def pdb(self, ns: str, app: str, min_available: int = 1) -> None:
-        self.server.create(
-            "poddisruptionbudgets",
-            {"metadata": {"name": f"{app}-pdb", "namespace": ns},
-             "spec": {"minAvailable": min_available, "selector": {"matchLabels": {"app": app}}}},
-            ns,
-        )
+    def pdb(self, ns: str, app: str, min_available: int, expect_allowed: int) -> None:
+        """A real PodDisruptionBudget, returned once the disruption controller has computed it."""
+        name = f"{app}-pdb"
+        self.policy.create_namespaced_pod_disruption_budget(ns, {
+            "metadata": {"name": name},
+            "spec": {"minAvailable": min_available, "selector": {"matchLabels": {"app": app}}},
+        })  # fmt: skip
 
-    def pods(self, ns: str | None = None) -> dict[str, dict[str, Any]]:
-        return {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in self.server.list("pods", ns)}
+        def computed() -> bool:
+            p = self.policy.read_namespaced_pod_disruption_budget(name, ns)
+            st = p.status
+            return bool(
+                st is not None
+                and (st.observed_generation or 0) >= (p.metadata.generation or 0)
+                and st.expected_pods == st.current_healthy >= 1
+                and st.disruptions_allowed == expect_allowed
+            )
 
-    def events(self) -> list[dict[str, Any]]:
-        return self.server.list("events")
+        until(computed, 30, f"the disruption controller to compute PDB {ns}/{name}")
+
+    # --- reading -------------------------------------------------------------------------------
+    def pods(self, ns: str) -> dict[str, dict[str, Any]]:
+        items = raw(self.core.list_namespaced_pod(ns, _preload_content=False))["items"]
+        return {f"{ns}/{p['metadata']['name']}": p for p in items}
+
+    def node_annotations(self, node: str) -> dict[str, str]:
+        return raw(self.core.read_node(node, _preload_content=False))["metadata"].get("annotations") or {}
+
+    def defrag_events(self, *namespaces: str) -> list[dict[str, Any]]:
+        """Events gpupack defrag wrote in these namespaces (node events are in `default`)."""
+        out = []
+        for ns in (*namespaces, "default"):
+            for e in raw(self.core.list_namespaced_event(ns, _preload_content=False))["items"]:
+                if (e.get("source") or {}).get("component") != "gpupack-defrag":
+                    continue
+                obj = e.get("involvedObject") or {}
+                if ns == "default" and not obj.get("name", "").endswith(self.tag):
+                    continue  # another test's node
+                out.append(e)
+        return out
+
+    def lease(self) -> dict[str, Any] | None:
+        try:
+            return raw(self.coord.read_namespaced_lease(LEASE, self.lease_ns, _preload_content=False))
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+
+def allocate(core: client.CoreV1Api, pod: Any) -> None:
+    """The device plugin's side of the handoff, for a KubeletEmulator's on_admit: what
+    deviceplugin/allocate.py leaves on the pod once the kubelet has called Allocate for each GPU
+    container (the extender holds the node's next bind until the handoff is done)."""
+    meta = pod.metadata
+    cur = raw(core.read_namespaced_pod(meta.name, meta.namespace, _preload_content=False))
+    ann = cur["metadata"].get("annotations") or {}
+    if ann.get(ANN_HANDOFF) != "pending":
+        return
+    a = decode_assignment(ann[ANN_ASSIGNMENT], meta.name)
+    assert a.node == cur["spec"]["nodeName"] and a.pod_uid == meta.uid, f"assignment of {meta.name}: {a}"
+    gpu = [
+        c["name"]
+        for c in cur["spec"]["containers"]
+        if "gpupack.io/gpu" in (c.get("resources") or {}).get("limits", {})
+    ]
+    assert set(gpu) <= set(a.containers), f"{meta.name}: containers {gpu} vs assignment {a.containers}"
+    core.patch_namespaced_pod(meta.name, meta.namespace, {"metadata": {
+        "resourceVersion": cur["metadata"]["resourceVersion"],
+        "annotations": {ANN_ALLOCATED: json.dumps(gpu, separators=(",", ":")), ANN_HANDOFF: HANDOFF_DONE},
+    }})  # fmt: skip
+
+
+def running_not_ready_status(pod: Any) -> dict[str, Any]:
+    """A kubelet's status for a pod whose containers started but do not pass readiness yet."""
+    st = running_ready_status(pod)
+    for c in st["status"]["conditions"]:
+        if c["type"] in ("Ready", "ContainersReady"):
+            c["status"] = "False"
+    for cs in st["status"]["containerStatuses"]:
+        cs["ready"] = False
+    return st
+
+
+class Scheduling:
+    """The production path for replacements: real kube-scheduler (deploy/scheduler/config.yaml,
+    extender URL changed), the real extender, and kubelets (KubeletEmulator + `allocate`)."""
+
+    def __init__(
+        self,
+        cp: ControlPlane,
+        tmp: Path,
+        namespace: str,
+        admit: Callable[[client.CoreV1Api, Any], None] = allocate,
+        ready: bool = True,
+    ) -> None:
+        """`admit(core, pod)` is the node's side before the kubelet's status write (default: the
+        device plugin's handoff); with `ready=False` the emulated kubelet writes no status."""
+        self.cp = cp
+        kc = cp.write_kubeconfig(tmp / "extender.kubeconfig")
+        self.extender = ExtenderProcess(kc, tmp / "extender.log")
+        self.scheduler = None
+        self.kubelets = None
+        try:
+            self.extender.wait_ready()
+            cm = yaml.safe_load((REPO / "deploy" / "scheduler" / "config.yaml").read_text())
+            cfg = yaml.safe_load(cm["data"]["config.yaml"])
+            assert len(cfg["extenders"]) == 1
+            cfg["extenders"][0]["urlPrefix"] = self.extender.url
+            self.scheduler = cp.start_scheduler(cfg, name=f"kube-scheduler-{namespace}")
+            core = client.CoreV1Api(cp.new_api_client())
+            self.kubelets = KubeletEmulator(cp, namespace, on_admit=lambda p: admit(core, p), ready=ready)
+            self.kubelets.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def logs(self) -> str:
+        sched = self.scheduler.tail() if self.scheduler else ""
+        errs = self.kubelets.errors if self.kubelets else []
+        return f"extender:\n{self.extender.tail()}\nscheduler:\n{sched}\nkubelets: {errs}"
 
     def stop(self) -> None:
-        for c in self.controllers.values():
-            c.stop()
-
-
-class SchedulerLoop:
-    """kube-scheduler for gpupack pods: filter at the extender, then bind through it; plays the
-    kubelet too (handoff done, then Running), so a replacement pod ends up running."""
-
-    def __init__(self, server: KubeAPIServer, extender_url: str) -> None:
-        self.server, self.url = server, extender_url
-        self.api = server.api_client()
-        self.http = requests.Session()
-        self.stop_ev = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.log: list[str] = []
-
-    def _post(self, verb: str, body: dict[str, Any]) -> dict[str, Any]:
-        r = self.http.post(f"{self.url}/{verb}", data=json.dumps(body), headers={"Content-Type": "application/json"},
-                           timeout=30)
-        r.raise_for_status()
-        return r.json()
-
-    def run(self) -> None:
-        while not self.stop_ev.wait(0.05):
-            nodes = sorted(n["metadata"]["name"] for n in self.server.list("nodes"))
-            for p in self.server.list("pods"):
-                meta, spec = p["metadata"], p["spec"]
-                if spec.get("schedulerName") != SCHEDULER_NAME or meta.get("deletionTimestamp"):
-                    continue
-                if spec.get("nodeName"):
-                    ann = meta.get("annotations") or {}
-                    if ann.get(ANN_HANDOFF) == "pending":  # the device plugin's Allocate
-                        with contextlib.suppress(Exception):
-                            self.server.patch("pods", meta["name"], {"metadata": {"annotations": {ANN_HANDOFF: HANDOFF_DONE}}},
-                                              meta["namespace"])
-                    elif (p.get("status") or {}).get("phase") == "Pending" and ann.get(ANN_HANDOFF) == HANDOFF_DONE:
-                        with contextlib.suppress(Exception):
-                            mark_pod_running_ready(self.api, meta["namespace"], meta["name"])
-                    continue
-                try:
-                    out = self._post("filter", {"Pod": p, "NodeNames": nodes})
-                    ok = out.get("NodeNames") or []
-                    if not ok:
-                        self.log.append(f"{meta['name']}: unschedulable {out.get('FailedNodes')}")
-                        continue
-                    res = self._post("bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"],
-                                              "PodUID": meta["uid"], "Node": ok[0]})
-                    self.log.append(f"{meta['name']} -> {ok[0]} {res.get('Error', '')}")
-                except Exception as e:  # noqa: BLE001 - keep scheduling; the test reads .log
-                    self.log.append(f"{meta['name']}: {e}")
-
-    def __enter__(self) -> SchedulerLoop:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop_ev.set()
-        self.thread.join(5)
-        self.http.close()
-
-
+        if self.kubelets is not None:
+            self.kubelets.stop()
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        self.extender.stop()

@@ -11,13 +11,22 @@ from gpupack.simulate.churn import main
 def write_trace(tmp_path, seed: int = 3):
     rng = random.Random(seed)
     nodes = tmp_path / "nodes.csv"
-    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\n" + "".join(
-        f"node{i},96000,786432,{rng.choice([2, 4, 8])},{rng.choice(['T4', 'V100M32'])}\n" for i in range(16)))
+    nodes.write_text(
+        "sn,cpu_milli,memory_mib,gpu,model\n"
+        + "".join(
+            f"node{i},96000,786432,{rng.choice([2, 4, 8])},{rng.choice(['T4', 'V100M32'])}\n"
+            for i in range(16)
+        )
+    )
     pods = tmp_path / "pods.csv"
     rows = []
     for i in range(300):
         r = rng.random()
-        num, milli = (1, rng.choice([1000])) if r < 0.3 else ((2, 1000) if r < 0.4 else (1, rng.choice([100, 250, 500, 700])))
+        num, milli = (
+            (1, rng.choice([1000]))
+            if r < 0.3
+            else ((2, 1000) if r < 0.4 else (1, rng.choice([100, 250, 500, 700])))
+        )
         rows.append(f"p{i},{rng.choice([1000, 4000, 8000])},{rng.choice([1024, 8192])},{num},{milli}\n")
     pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\n" + "".join(rows))
     return nodes, pods
@@ -25,8 +34,23 @@ def write_trace(tmp_path, seed: int = 3):
 
 def test_churn_compares_with_and_without_defrag(tmp_path, capsys):
     nodes, pods = write_trace(tmp_path)
-    argv = ["--trace", str(pods), "--nodes", str(nodes), "--sample-nodes", "0", "--ticks", "600",
-            "--warmup", "200", "--defrag-every", "25", "--max-evictions", "4", "--json"]
+    argv = [
+        "--trace",
+        str(pods),
+        "--nodes",
+        str(nodes),
+        "--sample-nodes",
+        "0",
+        "--ticks",
+        "600",
+        "--warmup",
+        "200",
+        "--defrag-every",
+        "25",
+        "--max-evictions",
+        "4",
+        "--json",
+    ]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     without, with_ = doc["without_defrag"], doc["with_defrag"]

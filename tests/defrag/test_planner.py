@@ -36,7 +36,9 @@ def fleet(spec) -> ClusterState:
 def pod(key: str, cls: str = "offline", mem: int = 4000, milli: int = 100, gpus: int = 1, **kw) -> PodRequest:
     ns = key.split("/")[0]
     c = ContainerRequest("c", gpus, mem, milli) if mem or milli else ContainerRequest("c", gpus)
-    return PodRequest(key, cls, (c,), namespace=ns, owner=kw.pop("owner", ("ReplicaSet", key.split("/")[1])), **kw)
+    return PodRequest(
+        key, cls, (c,), namespace=ns, owner=kw.pop("owner", ("ReplicaSet", key.split("/")[1])), **kw
+    )
 
 
 def put(state: ClusterState, p: PodRequest, node: str, gpu_indices: list[int]) -> None:
@@ -91,7 +93,9 @@ def build(shapes, seed, departures) -> ClusterState:
     policy = get_policy("random", seed=seed)
     for i, (cls, c, models, wl) in enumerate(shapes):
         ns = f"ns{i % 3}"
-        p = PodRequest(f"{ns}/p{i}", cls, (c,), gpu_models=models, namespace=ns, owner=("ReplicaSet", f"w{wl}"))
+        p = PodRequest(
+            f"{ns}/p{i}", cls, (c,), gpu_models=models, namespace=ns, owner=("ReplicaSet", f"w{wl}")
+        )
         schedule(state, p, policy)
     for i, gone in enumerate(departures):
         if gone:
@@ -135,7 +139,9 @@ def test_plan_keeps_every_invariant_and_cap(sc, order):
         assert max(Counter(m.namespace for m in plan.moves).values(), default=0) <= limits.max_per_namespace
     if limits.max_workload_share > 0:
         replicas = Counter((p.namespace, p.owner) for p, _, _ in state.pods.values())
-        for (ns, owner), n in Counter((m.namespace, (m.owner_kind, m.owner_name)) for m in plan.moves).items():
+        for (ns, owner), n in Counter(
+            (m.namespace, (m.owner_kind, m.owner_name)) for m in plan.moves
+        ).items():
             assert n <= max(1, int(limits.max_workload_share * replicas[(ns, owner)]))
 
 
@@ -238,9 +244,13 @@ def test_caps_per_node_namespace_and_workload():
     s = fleet([(4, 81920, "A100")])
     put(s, pod("a/big", mem=50000, milli=500), "n0", [0])
     for i in range(1, 4):
-        put(s, pod(f"{'a' if i < 3 else 'b'}/p{i}", mem=1000, milli=10, owner=("ReplicaSet", "rs")), "n0", [i])
+        put(
+            s, pod(f"{'a' if i < 3 else 'b'}/p{i}", mem=1000, milli=10, owner=("ReplicaSet", "rs")), "n0", [i]
+        )
     assert plan_defrag(s, limits=Limits(max_per_node=2, max_workload_share=1.0)).evictions == 2
-    assert plan_defrag(s, limits=Limits(max_per_namespace=1, max_workload_share=1.0)).evictions == 2  # a:1, b:1
+    assert (
+        plan_defrag(s, limits=Limits(max_per_namespace=1, max_workload_share=1.0)).evictions == 2
+    )  # a:1, b:1
     # a/rs has 2 replicas: a 0.5 share allows 1; b/rs has 1 replica: at least one may move.
     plan = plan_defrag(s, limits=Limits(max_workload_share=0.5))
     assert Counter(m.namespace for m in plan.moves) == {"a": 1, "b": 1}

@@ -19,7 +19,12 @@ def test_window_plain_wrapping_and_midnight():
     w = parse_window("01:00-05:00")
     assert w.contains(at(1)) and w.contains(at(4, 59)) and not w.contains(at(5)) and not w.contains(at(0, 59))
     wrap = parse_window("22:30-02:00")
-    assert wrap.contains(at(23)) and wrap.contains(at(1, 59)) and not wrap.contains(at(2)) and not wrap.contains(at(12))
+    assert (
+        wrap.contains(at(23))
+        and wrap.contains(at(1, 59))
+        and not wrap.contains(at(2))
+        and not wrap.contains(at(12))
+    )
     late = parse_window("20:00-24:00")
     assert late.contains(at(23, 59)) and not late.contains(at(0, 0))
     assert parse_window("00:00-00:00").contains(at(13))
@@ -43,19 +48,25 @@ def pod(owner_kind: str | None, cls: str = "offline", phase: str = "Running", de
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     limits = {"gpupack.io/gpu-mem": "1000"}
-    return {"metadata": meta, "spec": {"containers": [{"name": "c", "resources": {"limits": limits}}]},
-            "status": {"phase": phase}}
+    return {
+        "metadata": meta,
+        "spec": {"containers": [{"name": "c", "resources": {"limits": limits}}]},
+        "status": {"phase": phase},
+    }
 
 
-@pytest.mark.parametrize("kind, rules, expect", [
-    ("ReplicaSet", Eligibility(), None),
-    ("StatefulSet", Eligibility(), None),
-    (None, Eligibility(allow_jobs=True, allow_online=True), "bare-pod"),
-    ("DaemonSet", Eligibility(allow_jobs=True, allow_online=True), "daemonset"),
-    ("Node", Eligibility(), "controller"),
-    ("Job", Eligibility(), "job"),
-    ("Job", Eligibility(allow_jobs=True), None),
-])
+@pytest.mark.parametrize(
+    "kind, rules, expect",
+    [
+        ("ReplicaSet", Eligibility(), None),
+        ("StatefulSet", Eligibility(), None),
+        (None, Eligibility(allow_jobs=True, allow_online=True), "bare-pod"),
+        ("DaemonSet", Eligibility(allow_jobs=True, allow_online=True), "daemonset"),
+        ("Node", Eligibility(), "controller"),
+        ("Job", Eligibility(), "job"),
+        ("Job", Eligibility(allow_jobs=True), None),
+    ],
+)
 def test_only_recreated_pods_move(kind, rules, expect):
     p = pod(kind)
     assert why_not(p, parse_pod(p), rules) == expect
