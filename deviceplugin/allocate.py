@@ -1,9 +1,13 @@
 """Allocate: hand a container the GPU(s) the scheduler assigned to it (the bind -> Allocate handoff).
 
-The kubelet says only how many device IDs it wants. The pod is found as the one pod on this node
+The kubelet says only which device IDs it picked. The pod is found as the one pod on this node
 whose handoff is pending (the extender lets at most one exist per node); the container is the
-next GPU container of that pod in kubelet order. The pod is annotated before the answer is
-returned, so what the container gets is always what the pod's annotations say.
+next GPU container of that pod in kubelet order not yet in `gpupack.io/allocated`. The kubelet
+calls Allocate exactly once per container (it checkpoints what it got and never asks again), also
+for an app container that receives a preceding init container's device IDs again, so there is no
+"retry" to recognise by device IDs. The IDs are checked against the assignment
+(:func:`gpupack.handoff.plan_allocate`), and the pod is annotated before the answer is returned, so
+what the container gets is always what the pod's annotations say.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from kubernetes.client.rest import ApiException
 
@@ -27,18 +30,13 @@ log = logging.getLogger("gpupack.deviceplugin.allocate")
 CONFLICT_RETRIES = 5
 
 
-@dataclass(frozen=True)
-class Served:
-    pod_uid: str
-    pod_key: str
-    container: str
-    device_ids: frozenset[str]
-    env: dict[str, str]
-
-
 class Allocator:
     def __init__(
-        self, kube: Kube, node: str, state: DeviceState, metrics: Metrics | None = None,
+        self,
+        kube: Kube,
+        node: str,
+        state: DeviceState,
+        metrics: Metrics | None = None,
         enforcement: str = handoff.ENFORCE_BOTH,
     ) -> None:
         self.kube = kube
@@ -46,8 +44,10 @@ class Allocator:
         self.state = state
         self.metrics = metrics
         self.enforcement = enforcement
-        # Recent answers, to answer a kubelet retry for the same container identically.
-        self._served: OrderedDict[tuple[str, str], Served] = OrderedDict()
+        # pod UID -> init container -> device IDs the kubelet gave it: the kubelet may pass them
+        # again for the pod's next containers. Lost on restart; plan_allocate then accepts any slot
+        # of that init container's GPUs.
+        self._init_ids: OrderedDict[str, dict[str, frozenset[str]]] = OrderedDict()
         self._lock = threading.Lock()  # the kubelet is serial; this guards against anything else
 
     def allocate(self, device_ids: list[str]) -> dict[str, str]:
@@ -72,16 +72,21 @@ class Allocator:
             try:
                 pods = self.kube.pods_on_node(self.node)
             except (ApiException, OSError) as e:
-                raise HandoffError(f"cannot list pods on node {self.node} from the Kubernetes API: {e}") from e
-            retry = self._retried(pods, ids)
-            if retry is not None:
-                log.info("Allocate retry for %s/%s: same answer", retry.pod_key, retry.container)
-                return retry.env
+                raise HandoffError(
+                    f"cannot list pods on node {self.node} from the Kubernetes API: {e}"
+                ) from e
             pod = handoff.select_pending_pod(pods, self.node)
             try:
                 plan = handoff.plan_allocate(
-                    pod, self.node, len(device_ids), self.state.health_map(), self.enforcement
+                    pod,
+                    self.node,
+                    ids,
+                    self.state.health_map(),
+                    self.enforcement,
+                    init_device_ids=self._init_ids.get(pod.uid, {}),
                 )
+            except handoff.NotThisPod:
+                raise
             except HandoffError:
                 self._mark_failed(pod)
                 raise
@@ -91,17 +96,26 @@ class Allocator:
                 )
             except ApiException as e:
                 if e.status == 409:
-                    log.info("pod %s changed while allocating (attempt %d); re-reading", plan.pod.key, attempt + 1)
+                    log.info(
+                        "pod %s changed while allocating (attempt %d); re-reading", plan.pod.key, attempt + 1
+                    )
                     continue
                 if e.status == 404:
                     raise HandoffError(f"pod {plan.pod.key} was deleted during Allocate") from e
-                raise HandoffError(f"cannot record the allocation on pod {plan.pod.key}: {e.status} {e.reason}") from e
+                raise HandoffError(
+                    f"cannot record the allocation on pod {plan.pod.key}: {e.status} {e.reason}"
+                ) from e
             except OSError as e:
                 raise HandoffError(f"cannot record the allocation on pod {plan.pod.key}: {e}") from e
-            self._remember(Served(plan.pod.uid, plan.pod.key, plan.container, ids, plan.env))
+            if any(c.init and c.name == plan.container for c in plan.pod.containers):
+                self._remember_init(plan.pod.uid, plan.container, ids)
             log.info(
-                "Allocate: pod %s container %s -> %s%s", plan.pod.key, plan.container,
-                plan.env["NVIDIA_VISIBLE_DEVICES"], " (handoff done)" if plan.completes else "",
+                "Allocate: pod %s container %s (devices %s) -> %s%s",
+                plan.pod.key,
+                plan.container,
+                ",".join(sorted(ids)),
+                plan.env["NVIDIA_VISIBLE_DEVICES"],
+                " (handoff done)" if plan.completes else "",
             )
             return plan.env
         raise HandoffError(f"node {self.node}: the pending pod kept changing during Allocate; try again")
@@ -112,29 +126,19 @@ class Allocator:
         follows unblocks the node too."""
         try:
             self.kube.patch_pod_annotations(
-                pod.namespace, pod.name, handoff.failed_annotations(),
+                pod.namespace,
+                pod.name,
+                handoff.failed_annotations(),
                 resource_version=pod.resource_version,
             )
         except (ApiException, OSError) as e:
             log.warning("cannot mark the handoff of pod %s failed: %s", pod.key, e)
 
-    def _retried(self, pods: list[dict], ids: frozenset[str]) -> Served | None:
-        """A kubelet retry: same device IDs as a container already served for a live pod."""
-        live = {p.uid: p for p in map(handoff.pod_view, pods) if p.live}
-        for s in reversed(self._served.values()):
-            p = live.get(s.pod_uid)
-            if p is not None and s.device_ids == ids:
-                try:
-                    if s.container in p.allocated():
-                        return s
-                except handoff.ContractError:
-                    return None
-        return None
-
-    def _remember(self, s: Served) -> None:
-        self._served[(s.pod_uid, s.container)] = s
-        while len(self._served) > 256:
-            self._served.popitem(last=False)
+    def _remember_init(self, pod_uid: str, container: str, ids: frozenset[str]) -> None:
+        self._init_ids.setdefault(pod_uid, {})[container] = ids
+        self._init_ids.move_to_end(pod_uid)
+        while len(self._init_ids) > 64:
+            self._init_ids.popitem(last=False)
 
     def preferred(self, available: list[str], must_include: list[str], size: int) -> list[str]:
         """Prefer slots of the GPUs assigned to the next container, so the kubelet's NUMA view matches."""
@@ -147,10 +151,15 @@ class Allocator:
                 want = [s.uuid for s in pod.assignment().containers.get(nxt.name, ())]
         except (HandoffError, handoff.ContractError, ApiException, OSError):
             want = []
-        # one slot on each assigned GPU, in assignment order, then anything to make up the count
+        # one slot on each assigned GPU not yet covered by the IDs the kubelet must include (those
+        # reused from an init container), in assignment order, then anything to make up the count
+        covered = {handoff.device_gpu(d) for d in chosen}
         for uuid in want:
             if len(chosen) >= size:
                 break
+            if uuid in covered:
+                continue
+            covered.add(uuid)
             slot = next((d for d in available if d.split("::")[0] == uuid and d not in chosen), None)
             if slot is not None:
                 chosen.append(slot)
@@ -164,6 +173,7 @@ def _reason(msg: str) -> str:
         ("no pending gpupack assignment", "no_pending"),
         ("refusing to guess", "ambiguous"),
         ("asked for", "count_mismatch"),
+        ("neither a slot", "device_mismatch"),
         ("unhealthy", "unhealthy_gpu"),
         ("is not on node", "unknown_gpu"),
         ("Kubernetes API", "api_error"),

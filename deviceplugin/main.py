@@ -2,13 +2,18 @@
 
     gpupack device-plugin --node-name N [--kubelet-dir DIR] [--metrics-port P]
                           [--enforcement hami-core|mps|both] [--kubeconfig FILE]
-                          [--fake CONFIG.yaml | --fake-gpus N]
-    gpupack device-plugin --discover [--json] [--fake ... ]
+                          [--nvml-module MODULE [--nvml-config TEXT]]
+    gpupack device-plugin --discover [--json] [--nvml-module ...]
+
+`--nvml-module` replaces NVML by another implementation of `NvmlFacade` (tests and demos use the
+fake in tests/deviceplugin/fake_nvml.py, which is not part of the installed package): the module
+is imported and its `make_nvml(config)` is called with the `--nvml-config` text.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -24,17 +29,33 @@ PROG = "gpupack device-plugin"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="gpupack's kubelet device plugin (resource gpupack.io/gpu)")
-    p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), help="this node (default $NODE_NAME)")
+    p = argparse.ArgumentParser(
+        prog=PROG, description="gpupack's kubelet device plugin (resource gpupack.io/gpu)"
+    )
+    p.add_argument(
+        "--node-name", default=os.environ.get("NODE_NAME", ""), help="this node (default $NODE_NAME)"
+    )
     p.add_argument("--kubelet-dir", default=DEFAULT_PLUGIN_DIR, help="kubelet device plugin directory")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    fake = p.add_mutually_exclusive_group()
-    fake.add_argument("--fake", metavar="CONFIG.yaml", help="use a fake NVML described by this file (no GPU needed)")
-    fake.add_argument("--fake-gpus", type=int, metavar="N", help="use a fake NVML with N H200-class GPUs")
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)"
+    )
+    p.add_argument(
+        "--nvml-module",
+        metavar="MODULE",
+        default=None,
+        help="import MODULE and use its make_nvml(config) instead of NVML (tests, demos)",
+    )
+    p.add_argument(
+        "--nvml-config", metavar="TEXT", default=None, help="passed to the --nvml-module's make_nvml"
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-addr", default="0.0.0.0", help="address for /metrics (default 0.0.0.0)")
-    p.add_argument("--enforcement", choices=handoff.ENFORCEMENT_MODES, default=handoff.ENFORCE_BOTH,
-                   help="which env a shared container gets: HAMi-core, MPS, or both (default)")
+    p.add_argument(
+        "--enforcement",
+        choices=handoff.ENFORCEMENT_MODES,
+        default=handoff.ENFORCE_BOTH,
+        help="which env a shared container gets: HAMi-core, MPS, or both (default)",
+    )
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between GPU health probes")
     p.add_argument("--discover", action="store_true", help="print the GPU inventory and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
@@ -42,15 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class NvmlModuleError(RuntimeError):
+    pass
+
+
 def make_nvml(args: argparse.Namespace) -> NvmlFacade:
-    if args.fake:
-        from deviceplugin.fake_nvml import FakeNvml
-
-        return FakeNvml.from_file(args.fake)
-    if args.fake_gpus is not None:
-        from deviceplugin.fake_nvml import FakeNvml
-
-        return FakeNvml({"gpus": args.fake_gpus, "numa_nodes": 2 if args.fake_gpus > 1 else 1})
+    if args.nvml_module:
+        try:
+            mod = importlib.import_module(args.nvml_module)
+        except ImportError as e:
+            raise NvmlModuleError(f"--nvml-module {args.nvml_module}: {e}") from e
+        factory = getattr(mod, "make_nvml", None)
+        if not callable(factory):
+            raise NvmlModuleError(f"--nvml-module {args.nvml_module} has no make_nvml(config) function")
+        try:
+            return factory(args.nvml_config)
+        except (ValueError, OSError) as e:  # the module's own configuration errors
+            one_line = " ".join(str(e).split())  # the plugin reports a failed start in one line
+            raise NvmlModuleError(f"--nvml-module {args.nvml_module}: {one_line}") from e
+    if args.nvml_config is not None:
+        raise NvmlModuleError("--nvml-config needs --nvml-module")
     from deviceplugin.nvml_facade import PynvmlFacade
 
     return PynvmlFacade()
@@ -62,13 +94,11 @@ def main(argv: list[str]) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from deviceplugin.fake_nvml import FakeConfigError
-
     try:
         nvml = make_nvml(args)
         init_nvml(nvml)
         found = discover(nvml)
-    except (NvmlUnavailable, FakeConfigError) as e:
+    except (NvmlUnavailable, NvmlModuleError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     if args.discover:
@@ -79,8 +109,10 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: --node-name (or $NODE_NAME) is required", file=sys.stderr)
         return 2
     if not found.gpus:
-        print(f"{PROG}: no usable GPU on this node ({'; '.join(found.skipped) or 'NVML reports none'})",
-              file=sys.stderr)
+        print(
+            f"{PROG}: no usable GPU on this node ({'; '.join(found.skipped) or 'NVML reports none'})",
+            file=sys.stderr,
+        )
         return 1
 
     from deviceplugin.kube import KubeError, load_api_client
@@ -92,8 +124,12 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     cfg = PluginConfig(
-        node=args.node_name, kubelet_dir=args.kubelet_dir, enforcement=args.enforcement,
-        metrics_port=args.metrics_port, metrics_addr=args.metrics_addr, probe_interval_s=args.probe_interval,
+        node=args.node_name,
+        kubelet_dir=args.kubelet_dir,
+        enforcement=args.enforcement,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        probe_interval_s=args.probe_interval,
     )
     for s in found.skipped:
         logging.getLogger("gpupack.deviceplugin").warning("skipped %s", s)

@@ -1,8 +1,9 @@
 """The small slice of NVML the device plugin uses, behind one interface.
 
-`PynvmlFacade` calls the real library (nvidia-ml-py); `deviceplugin.fake_nvml.FakeNvml` implements
-the same methods for tests and the no-GPU demo and raises the same `pynvml.NVMLError` subclasses,
-so discovery and health code cannot tell them apart. Devices are addressed by NVML index.
+`PynvmlFacade` calls the real library (nvidia-ml-py); the tests' `FakeNvml`
+(tests/deviceplugin/fake_nvml.py, loaded with `--nvml-module`) implements the same methods and
+raises the same `pynvml.NVMLError` subclasses, so discovery and health code cannot tell them apart.
+Devices are addressed by NVML index.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Who uses what:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -118,7 +118,10 @@ def _get(obj: Any, camel: str, snake: str | None = None, default: Any = None) ->
 
 def _containers(spec: Any) -> tuple[ContainerView, ...]:
     out: list[ContainerView] = []
-    for key, snake, init in (("initContainers", "init_containers", True), ("containers", "containers", False)):
+    for key, snake, init in (
+        ("initContainers", "init_containers", True),
+        ("containers", "containers", False),
+    ):
         for c in _get(spec, key, snake, []) or []:
             res = _get(c, "resources", default={})
             out.append(
@@ -204,7 +207,9 @@ def handoff_age_s(pod: Any, now: datetime) -> float | None:
 
 def blocking_message(node: str, blocker: PodView) -> str:
     since = _bound_at_text(blocker) or "an unknown time"
-    return f"node {node}: waiting for the kubelet to admit pod {blocker.key} (GPU handoff pending since {since})"
+    return (
+        f"node {node}: waiting for the kubelet to admit pod {blocker.key} (GPU handoff pending since {since})"
+    )
 
 
 def rfc3339(t: datetime) -> str:
@@ -244,14 +249,19 @@ def next_container(pod: Any) -> ContainerView | None:
 
 
 # --- env handed to a container ------------------------------------------------------------------
-def container_env(shares: tuple[GPUShare, ...] | list[GPUShare], enforcement: str = ENFORCE_BOTH) -> dict[str, str]:
+def container_env(
+    shares: tuple[GPUShare, ...] | list[GPUShare], enforcement: str = ENFORCE_BOTH
+) -> dict[str, str]:
     """Environment for a container's GPU shares. GPU i = position in NVIDIA_VISIBLE_DEVICES."""
     if enforcement not in ENFORCEMENT_MODES:
         raise ValueError(f"enforcement must be one of {', '.join(ENFORCEMENT_MODES)}, got {enforcement!r}")
     env = {
         "NVIDIA_VISIBLE_DEVICES": ",".join(s.uuid for s in shares),
         "GPUPACK_ASSIGNMENT": json.dumps(
-            [{"uuid": s.uuid, "mem_mib": s.mem_mib, "sm_pct": s.sm_pct, "exclusive": s.exclusive} for s in shares],
+            [
+                {"uuid": s.uuid, "mem_mib": s.mem_mib, "sm_pct": s.sm_pct, "exclusive": s.exclusive}
+                for s in shares
+            ],
             separators=(",", ":"),
         ),
     }
@@ -271,6 +281,11 @@ def container_env(shares: tuple[GPUShare, ...] | list[GPUShare], enforcement: st
 # --- the Allocate decision ------------------------------------------------------------------------
 class HandoffError(Exception):
     """Allocate must fail; the message is for the operator (it reaches `kubectl describe pod`)."""
+
+
+class NotThisPod(HandoffError):
+    """The Allocate does not match the pending pod's next container (device count or IDs): it may
+    be for another pod, so the pending pod is left as it is."""
 
 
 @dataclass(frozen=True)
@@ -308,11 +323,23 @@ def select_pending_pod(pods: Iterable[Any], node: str) -> PodView:
 def plan_allocate(
     pod: Any,
     node: str,
-    device_count: int,
+    device_ids: Collection[str],
     gpus: Mapping[str, bool],
     enforcement: str = ENFORCE_BOTH,
+    *,
+    init_device_ids: Mapping[str, Collection[str]] | None = None,
 ) -> AllocatePlan:
     """Decide what Allocate answers for the next container of `pod`.
+
+    The container served is the next GPU container in kubelet order not yet recorded in
+    `gpupack.io/allocated`: the kubelet calls Allocate once per container and never again for a
+    container it has devices for (it checkpoints them), so there is no retry to recognise.
+    `device_ids` are the IDs the kubelet passes. Each must be a slot of the container's assigned
+    GPUs (GetPreferredAllocation steers the kubelet there) or an ID an earlier init container of
+    the pod received: the kubelet hands an init container's devices to the next containers again
+    (`devicesToAllocate` reuses them), and still calls Allocate. `init_device_ids` maps an
+    allocated init container to the IDs it received, where known; for one not listed (the plugin
+    restarted mid-admission) any slot of its assigned GPUs is accepted as reused.
 
     `gpus` maps every GPU UUID on this node to its health. Raises HandoffError with an
     operator-readable reason when the handoff cannot be served safely.
@@ -324,16 +351,26 @@ def plan_allocate(
         containers = gpu_containers(p)
     except ContractError as e:
         raise HandoffError(f"pod {p.key}: {e}") from e
-    if a.pod_uid and p.uid and a.pod_uid != p.uid:
-        raise HandoffError(f"pod {p.key}: assignment was written for pod UID {a.pod_uid}, this pod is {p.uid}")
+    if p.scheduler_name != contract.SCHEDULER_NAME:
+        raise HandoffError(
+            f"pod {p.key}: schedulerName is {p.scheduler_name!r}, not {contract.SCHEDULER_NAME!r}; "
+            "gpupack serves only pods its scheduler placed"
+        )
+    if a.pod_uid != p.uid:
+        raise HandoffError(
+            f"pod {p.key}: assignment was written for pod UID {a.pod_uid!r}, this pod is {p.uid!r}"
+        )
     if a.node != node:
-        raise HandoffError(f"pod {p.key}: assignment is for node {a.node!r}, this device plugin serves {node!r}")
+        raise HandoffError(
+            f"pod {p.key}: assignment is for node {a.node!r}, this device plugin serves {node!r}"
+        )
     nxt = next((c for c in containers if c.name not in set(allocated)), None)
     if nxt is None:
         raise HandoffError(f"pod {p.key}: every GPU container is already allocated ({', '.join(allocated)})")
     want = nxt.gpu_count()
+    device_count = len(device_ids)
     if device_count != want:
-        raise HandoffError(
+        raise NotThisPod(
             f"pod {p.key} container {nxt.name}: the kubelet asked for {device_count} {RES_GPU} device(s) "
             f"but the container requests {want}; kubelet and gpupack disagree on container order"
         )
@@ -346,9 +383,12 @@ def plan_allocate(
         )
     for s in shares:
         if s.uuid not in gpus:
-            raise HandoffError(f"pod {p.key} container {nxt.name}: assigned GPU {s.uuid} is not on node {node}")
+            raise HandoffError(
+                f"pod {p.key} container {nxt.name}: assigned GPU {s.uuid} is not on node {node}"
+            )
         if not gpus[s.uuid]:
             raise HandoffError(f"pod {p.key} container {nxt.name}: assigned GPU {s.uuid} is unhealthy")
+    _check_device_ids(p, nxt.name, shares, device_ids, _reusable(p, a, allocated, init_device_ids or {}))
     env = container_env(shares, enforcement)
     new_allocated = [*allocated, nxt.name]
     completes = len(new_allocated) >= len(containers)
@@ -356,3 +396,48 @@ def plan_allocate(
     if completes:
         patch[ANN_HANDOFF] = HANDOFF_DONE
     return AllocatePlan(pod=p, container=nxt.name, shares=shares, env=env, patch=patch, completes=completes)
+
+
+def device_gpu(device_id: str) -> str:
+    """The GPU UUID of a device ID `<uuid>::<slot>` ("" when it is not one of ours)."""
+    uuid, sep, slot = device_id.rpartition("::")
+    return uuid if sep and slot.isdigit() else ""
+
+
+def _reusable(
+    p: PodView, a: Assignment, allocated: list[str], init_device_ids: Mapping[str, Collection[str]]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(exact IDs, GPU UUIDs) the kubelet may pass again from the pod's allocated init containers."""
+    ids: set[str] = set()
+    gpus: set[str] = set()
+    done = set(allocated)
+    for c in p.containers:
+        if not c.init or c.name not in done:
+            continue
+        if c.name in init_device_ids:
+            ids.update(init_device_ids[c.name])
+        else:
+            gpus.update(s.uuid for s in a.containers.get(c.name, ()))
+    return frozenset(ids), frozenset(gpus)
+
+
+def _check_device_ids(
+    p: PodView,
+    container: str,
+    shares: tuple[GPUShare, ...],
+    device_ids: Collection[str],
+    reusable: tuple[frozenset[str], frozenset[str]],
+) -> None:
+    assigned = {s.uuid for s in shares}
+    ids, gpus = reusable
+    for d in sorted(device_ids):
+        g = device_gpu(d)
+        if g in assigned or d in ids or (g and g in gpus):
+            continue
+        raise NotThisPod(
+            f"pod {p.key} container {container}: the kubelet passed device {d}, which is neither a slot "
+            f"of its assigned GPU(s) {', '.join(sorted(assigned))} nor a device an earlier init container "
+            f"of the pod received; refusing to hand out a GPU for an Allocate that does not match the "
+            f"pending pod (another pod asking for {RES_GPU} without {contract.SCHEDULER_NAME}, or every "
+            f"slot of the assigned GPU in use?)"
+        )

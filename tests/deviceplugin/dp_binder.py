@@ -2,7 +2,8 @@
 
 Per node: a mutex; wait while `gpupack.handoff.blocking_handoff` names another pod; PATCH the
 assignment (resourceVersion precondition); POST the Binding; roll back if the Binding fails.
-GPU choice is deliberately simple (first GPU with room); the packing is not under test here.
+GPU choice is deliberately simple (first GPU with room, or the GPU indices a test names per
+container); the packing is not under test here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from kubernetes import client
@@ -38,21 +40,28 @@ class TestBinder:
         self.waits = 0
 
     def _pods(self, node: str) -> list[dict]:
-        r = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}", _preload_content=False)
+        r = self.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", _preload_content=False
+        )
         return json.loads(r.data)["items"]
 
     def _inventory(self, node: str) -> contract.NodeInventory:
         n = json.loads(self.core.read_node(node, _preload_content=False).data)
         return contract.decode_inventory(n["metadata"]["annotations"][contract.ANN_INVENTORY], node)
 
-    def bind(self, namespace: str, name: str, node: str) -> Assignment:
+    def bind(
+        self, namespace: str, name: str, node: str, gpus: Mapping[str, Sequence[int]] | None = None
+    ) -> Assignment:
+        """Assign (first fit, or the GPU indices `gpus` names per container) and bind."""
         with self._guard:
             mutex = self._mutex[node]
         with mutex:
             pod = json.loads(self.core.read_namespaced_pod(name, namespace, _preload_content=False).data)
             view = handoff.pod_view(pod)
             deadline = time.monotonic() + self.wait_s
-            while (blocker := handoff.blocking_handoff(self._pods(node), node, exclude_uid=view.uid)) is not None:
+            while (
+                blocker := handoff.blocking_handoff(self._pods(node), node, exclude_uid=view.uid)
+            ) is not None:
                 self.waits += 1
                 if time.monotonic() > deadline:
                     raise BindRefused(handoff.blocking_message(node, blocker))
@@ -61,16 +70,21 @@ class TestBinder:
             containers: dict[str, tuple[GPUShare, ...]] = {}
             for c in handoff.gpu_containers(view):
                 mem = contract.parse_int_quantity(c.limits.get(contract.RES_GPU_MEM, "0"), "mem")
+                sm = contract.parse_int_quantity(c.limits.get(contract.RES_GPU_SM, "10"), "sm")
                 exclusive = mem == 0
                 picked = []
-                for g in inv.gpus:
+                if gpus is not None:
+                    picked = [inv.gpus[i] for i in gpus[c.name]]
+                for g in inv.gpus if gpus is None else ():
                     if len(picked) == c.gpu_count():
                         break
                     room = g.mem_mib - self.used[node][g.uuid]
                     if g.healthy and (room >= mem if not exclusive else room == g.mem_mib):
                         picked.append(g)
                 shares = tuple(
-                    GPUShare(g.uuid, g.index, g.mem_mib if exclusive else mem, 100 if exclusive else 10, exclusive)
+                    GPUShare(
+                        g.uuid, g.index, g.mem_mib if exclusive else mem, 100 if exclusive else sm, exclusive
+                    )
                     for g in picked
                 )
                 for s in shares:
@@ -80,17 +94,26 @@ class TestBinder:
             for _ in range(5):
                 try:
                     self.core.patch_namespaced_pod(
-                        name, namespace,
-                        {"metadata": {"resourceVersion": view.resource_version,
-                                      "annotations": handoff.handoff_annotations_for_bind(a)}},
-                        _content_type=MERGE, _preload_content=False,
+                        name,
+                        namespace,
+                        {
+                            "metadata": {
+                                "resourceVersion": view.resource_version,
+                                "annotations": handoff.handoff_annotations_for_bind(a),
+                            }
+                        },
+                        _content_type=MERGE,
+                        _preload_content=False,
                     )
                     break
                 except ApiException as e:
                     if e.status != 409:
                         raise
-                    view = handoff.pod_view(json.loads(
-                        self.core.read_namespaced_pod(name, namespace, _preload_content=False).data))
+                    view = handoff.pod_view(
+                        json.loads(
+                            self.core.read_namespaced_pod(name, namespace, _preload_content=False).data
+                        )
+                    )
             body = client.V1Binding(
                 metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=view.uid),
                 target=client.V1ObjectReference(kind="Node", name=node, api_version="v1"),
@@ -99,8 +122,11 @@ class TestBinder:
                 self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False)
             except ApiException:
                 self.core.patch_namespaced_pod(
-                    name, namespace, {"metadata": {"annotations": handoff.rollback_annotations()}},
-                    _content_type=MERGE, _preload_content=False,
+                    name,
+                    namespace,
+                    {"metadata": {"annotations": handoff.rollback_annotations()}},
+                    _content_type=MERGE,
+                    _preload_content=False,
                 )
                 raise
             return a

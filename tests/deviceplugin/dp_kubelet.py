@@ -48,7 +48,9 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
         if request.version != API_VERSION:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported API version {request.version}")
         if "/" not in request.resource_name:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not an extended resource: {request.resource_name}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"not an extended resource: {request.resource_name}"
+            )
         try:
             self.kubelet._connect(request.resource_name, request.endpoint, request.options)
         except Exception as e:
@@ -154,7 +156,9 @@ class TestKubelet:
     def allocate(self, device_ids: list[str]) -> api_pb2.AllocateResponse:
         assert self._stub is not None, "no plugin registered"
         return self._stub.Allocate(
-            api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=device_ids)]),
+            api_pb2.AllocateRequest(
+                container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=device_ids)]
+            ),
             timeout=15,
         )
 
@@ -170,13 +174,20 @@ class TestKubelet:
                 continue
             free = [d for d in self.healthy_devices() if d not in in_use and d not in mine]
             if len(free) < n:
-                result.ok, result.error = False, f"container {c.name}: {n} {self.resource} wanted, {len(free)} free"
+                result.ok, result.error = (
+                    False,
+                    f"container {c.name}: {n} {self.resource} wanted, {len(free)} free",
+                )
                 break
             if self._options is not None and self._options.get_preferred_allocation_available:
                 pref = self._stub.GetPreferredAllocation(
-                    api_pb2.PreferredAllocationRequest(container_requests=[
-                        api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=n)
-                    ]),
+                    api_pb2.PreferredAllocationRequest(
+                        container_requests=[
+                            api_pb2.ContainerPreferredAllocationRequest(
+                                available_deviceIDs=free, allocation_size=n
+                            )
+                        ]
+                    ),
                     timeout=10,
                 )
                 ids = list(pref.container_responses[0].deviceIDs)[:n]
@@ -216,15 +227,22 @@ class TestKubelet:
         seen: set[str] = set()
         while not self._stop.is_set():
             try:
-                resp = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}", _preload_content=False)
+                resp = core.list_pod_for_all_namespaces(
+                    field_selector=f"spec.nodeName={node}", _preload_content=False
+                )
                 body = json.loads(resp.data)
                 for p in body.get("items", []):
                     self._offer(p, seen)
                 rv = body["metadata"].get("resourceVersion", "")
                 while not self._stop.is_set():
                     w = watch.Watch()
-                    for ev in w.stream(core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}",
-                                       resource_version=rv, timeout_seconds=2, allow_watch_bookmarks=True):
+                    for ev in w.stream(
+                        core.list_pod_for_all_namespaces,
+                        field_selector=f"spec.nodeName={node}",
+                        resource_version=rv,
+                        timeout_seconds=2,
+                        allow_watch_bookmarks=True,
+                    ):
                         obj = ev["raw_object"]
                         if ev["type"] == "ERROR":
                             raise RuntimeError("watch expired")
@@ -255,12 +273,19 @@ class TestKubelet:
             if not any(c.gpu_count() for c in view.containers):
                 continue
             res = self.admit(pod)
-            status = {"phase": "Running"} if res.ok else {
-                "phase": "Failed", "reason": "UnexpectedAdmissionError",
-                "message": f"Allocate failed due to {res.error}",
-            }
+            status = (
+                {"phase": "Running"}
+                if res.ok
+                else {
+                    "phase": "Failed",
+                    "reason": "UnexpectedAdmissionError",
+                    "message": f"Allocate failed due to {res.error}",
+                }
+            )
             with contextlib.suppress(Exception):
                 core.patch_namespaced_pod_status(
-                    view.name, view.namespace, {"status": status},
+                    view.name,
+                    view.namespace,
+                    {"status": status},
                     _content_type="application/merge-patch+json",
                 )

@@ -1,298 +1,353 @@
-"""The device plugin against the test kubelet (gRPC on unix sockets) and KubeAPIServer (HTTP)."""
+"""The real `gpupack device-plugin` process against the kubelet's real device manager
+(devicemanager-harness, Kubernetes v1.28.7) and the real API server.
+
+Each pod is created in the API server, assigned and bound as the extender does (assignment +
+`gpupack.io/handoff=pending`, then pods/binding), and only then admitted by the device manager
+with the same uid, name and namespace. What a container gets is read from the harness's
+"allocate" events: the env the container runtime would receive.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import urllib.request
-from pathlib import Path
 
-import grpc
 import pytest
-from dp_binder import TestBinder
-from dp_util import NODE, until
+import realk8s
+from conftest import DP
+from faultproxy import FaultProxy
+from harness import harness_pod
 
-from deviceplugin.api import HEALTHY, UNHEALTHY
 from gpupack import contract, handoff
-from gpupack.contract import ANN_ALLOCATED, ANN_HANDOFF, ANN_INVENTORY, RES_GPU, RES_GPU_MEM
+from gpupack.contract import ANN_ALLOCATED, ANN_HANDOFF, Assignment
 
-REPO = Path(__file__).resolve().parents[2]
 SLOTS = contract.SLOTS_PER_GPU
 
 
-def make_pod(core, name, containers=(("main", 1, 10000),), init=(), ns="default"):
-    def cs(lst):
-        out = []
-        for cname, n, mem in lst:
-            limits = {RES_GPU: str(n)}
-            if mem:
-                limits[RES_GPU_MEM] = str(mem)
-            out.append({"name": cname, "image": "busybox", "resources": {"limits": limits}})
-        return out
-
-    body = {"metadata": {"name": name, "namespace": ns},
-            "spec": {"schedulerName": contract.SCHEDULER_NAME, "containers": cs(containers)}}
-    if init:
-        body["spec"]["initContainers"] = cs(init)
-    return json.loads(core.create_namespaced_pod(ns, body, _preload_content=False).data)
+def gpu_of(device_id: str) -> str:
+    return device_id.split("::")[0]
 
 
-def read_pod(core, name, ns="default"):
-    return json.loads(core.read_namespaced_pod(name, ns, _preload_content=False).data)
+def ids(ev: dict) -> list[str]:
+    return ev["device_ids"].get(contract.RES_GPU, [])
 
 
-def node_inventory(core):
-    n = json.loads(core.read_node(NODE, _preload_content=False).data)
-    raw = n["metadata"].get("annotations", {}).get(ANN_INVENTORY)
-    return (contract.decode_inventory(raw, NODE) if raw else None), n["metadata"].get("labels", {})
-
-
-def test_registers_and_advertises_slots(kubelet, start_plugin, core):
-    plugin, nvml = start_plugin()
-    assert kubelet.wait_for(lambda: kubelet.registrations and len(kubelet.devices) == 8 * SLOTS, 10)
-    assert kubelet.registrations == ["gpupack.sock"]
-    assert all(h == HEALTHY for h in kubelet.devices.values())
-    assert kubelet.last_message_bytes < 8 * 1024
-    assert until(lambda: node_inventory(core)[0] is not None, 5)
-    inv, labels = node_inventory(core)
-    assert [g.mem_mib for g in inv.gpus] == [143771] * 8 and inv.slots_per_gpu == SLOTS
-    assert labels[contract.LABEL_GPU_COUNT] == "8" and labels[contract.LABEL_GPU_MODEL] == "NVIDIA-H200"
-
-
-def test_health_change_reaches_listandwatch_and_inventory(kubelet, start_plugin, core):
-    plugin, nvml = start_plugin()
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    bad = nvml.uuid(2)
-    nvml.inject_xid(3, 43)  # application error: ignored
-    nvml.inject_xid(2, 79)
-    assert kubelet.wait_for(lambda: kubelet.devices.get(f"{bad}::0") == UNHEALTHY, 5)
-    unhealthy = {d.split("::")[0] for d, h in kubelet.devices.items() if h == UNHEALTHY}
-    assert unhealthy == {bad}
-    assert until(lambda: not {g.uuid: g for g in node_inventory(core)[0].gpus}[bad].healthy, 5)
-    inv = node_inventory(core)[0]
-    assert [g.uuid for g in inv.gpus if not g.healthy] == [bad]
-    assert {g.uuid: g for g in inv.gpus}[bad].unhealthy_reason == "XID 79"
-    # a GPU that falls off the bus: reported, the plugin keeps serving
-    nvml.lose(5)
-    lost = nvml.gpus[5].uuid
-    assert kubelet.wait_for(lambda: kubelet.devices.get(f"{lost}::0") == UNHEALTHY, 5)
-    assert until(lambda: "lost" in {g.uuid: g for g in node_inventory(core)[0].gpus}[lost].unhealthy_reason, 5)
-
-
-def test_kubelet_restart_registers_again(kubelet, start_plugin):
-    plugin, _ = start_plugin()
-    assert kubelet.wait_for(lambda: len(kubelet.registrations) == 1 and kubelet.devices, 10)
-    kubelet.restart()  # removes our socket and re-creates kubelet.sock
-    assert kubelet.wait_for(lambda: len(kubelet.registrations) == 2 and len(kubelet.devices) == 8 * SLOTS, 5)
-    assert os.path.exists(plugin.socket_path)
-    kubelet.restart()
-    assert kubelet.wait_for(lambda: len(kubelet.registrations) == 3, 5)
-
-
-def test_allocate_multi_container_pod(kubelet, start_plugin, core):
-    plugin, nvml = start_plugin()
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    assert until(lambda: node_inventory(core)[0] is not None, 5)
-    make_pod(core, "multi", containers=[("a", 1, 20000), ("cpu", 0, 0), ("b", 2, 30000)], init=[("warm", 1, 5000)])
-    a = TestBinder(core).bind("default", "multi", NODE)
-    res = kubelet.admit(read_pod(core, "multi"))
-    assert res.ok, res.error
-    assert list(res.envs) == ["warm", "a", "b"]
-    for cname, env in res.envs.items():
-        shares = a.containers[cname]
-        assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(s.uuid for s in shares)
+def assert_env_is_assignment(env: dict[str, str], a: Assignment, container: str) -> None:
+    """The container's env is exactly its own assignment (GPUs, memory and SM limits)."""
+    shares = a.containers[container]
+    assert env == handoff.container_env(shares), container
+    assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(s.uuid for s in shares)
+    if not all(s.exclusive for s in shares):
         for i, s in enumerate(shares):
-            assert env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] == f"{s.mem_mib}m"
-    assert len(res.device_ids["b"]) == 2
-    # GetPreferredAllocation steered the kubelet to slots of the assigned GPUs (its NUMA view matches)
-    for cname, ids in res.device_ids.items():
-        assert [i.split("::")[0] for i in ids] == [s.uuid for s in a.containers[cname]]
-    ann = read_pod(core, "multi")["metadata"]["annotations"]
-    assert ann[ANN_HANDOFF] == "done" and json.loads(ann[ANN_ALLOCATED]) == ["warm", "a", "b"]
-    # A kubelet retry of the last container gets the same answer, not someone else's GPU.
-    again = kubelet.allocate(res.device_ids["b"])
-    assert dict(again.container_responses[0].envs) == res.envs["b"]
+            assert env[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] == f"{s.mem_mib}m", container
+        assert env["CUDA_DEVICE_SM_LIMIT"] == str(min(s.sm_pct for s in shares)), container
 
 
-def test_whole_gpu_gets_no_limits(kubelet, start_plugin, core):
-    start_plugin()
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    assert until(lambda: node_inventory(core)[0] is not None, 5)
-    make_pod(core, "whole", containers=[("train", 2, 0)])
-    a = TestBinder(core).bind("default", "whole", NODE)
-    res = kubelet.admit(read_pod(core, "whole"))
-    assert res.ok, res.error
-    env = res.envs["train"]
-    assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(s.uuid for s in a.containers["train"])
-    assert not [k for k in env if k.startswith("CUDA_")]
+def assert_done(dp: DP, name: str, containers: list[str]) -> None:
+    ann = dp.annotations(name)
+    assert ann[ANN_HANDOFF] == contract.HANDOFF_DONE, ann
+    assert json.loads(ann[ANN_ALLOCATED]) == containers
 
 
-def test_allocate_without_assignment_fails_with_a_reason_and_hands_out_nothing(kubelet, start_plugin, core):
-    plugin, _ = start_plugin(metrics_port=0, metrics_addr="127.0.0.1")
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    with pytest.raises(grpc.RpcError) as e:
-        kubelet.allocate(kubelet.healthy_devices()[:1])
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert f"no pending gpupack assignment for a pod on node {NODE}" in e.value.details()
-    assert "schedulerName" in e.value.details()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'gpupack_handoff_failures_total{reason="no_pending"} 1.0' in text
+def admit_ok(dp: DP, *pods: dict, **kw) -> None:
+    rc = dp.harness.run([harness_pod(p) for p in pods], **kw)
+    assert rc == 0, dp.harness.report()
 
 
-def test_twenty_pods_bound_at_once_each_get_their_own_assignment(kubelet, start_plugin, core, api):
-    plugin, _ = start_plugin(metrics_port=0, metrics_addr="127.0.0.1")
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    assert until(lambda: node_inventory(core)[0] is not None, 5)
-    kubelet.run_admission(core, NODE)
-    names = [f"p{i:02d}" for i in range(20)]
-    for i, n in enumerate(names):
-        make_pod(core, n, containers=[("main", 1, 5000 + 100 * i)])
-    binder = TestBinder(core)
-    assignments: dict[str, contract.Assignment] = {}
+# --- issue 10 and the init / app container cases -------------------------------------------------
+def test_init_container_with_the_same_count_reuses_its_ids_and_main_still_gets_its_own_limits(dp):
+    """The kubelet hands `main` the init container's device IDs again and still calls Allocate:
+    `main` must get its own 40000 MiB / 40 %, and the handoff must complete."""
+    pod = dp.make_pod("llm", containers=[("main", 1, 40000, 40)], init=[("download", 1, 8000, 10)])
+    a = dp.bind("llm")
+    admit_ok(dp, pod, plugin_cmd=dp.plugin_cmd())
+    got = dp.harness.allocations(pod["metadata"]["uid"])
+    assert list(got) == ["download", "main"]
+    assert ids(got["main"]) == ids(got["download"])  # what the real device manager does
+    assert_env_is_assignment(got["download"]["envs"], a, "download")
+    assert_env_is_assignment(got["main"]["envs"], a, "main")
+    assert got["main"]["envs"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "40000m"
+    assert got["main"]["envs"]["CUDA_DEVICE_SM_LIMIT"] == "40"
+    assert_done(dp, "llm", ["download", "main"])
+
+
+def test_init_containers_with_different_counts_than_the_app_containers(dp):
+    """init `prep` holds 2 GPUs; app `a` (1 GPU, elsewhere) gets one of prep's IDs again; app `b`
+    (3 GPUs) gets prep's other ID plus fresh slots, steered onto its assigned GPUs."""
+    pod = dp.make_pod(
+        "mixed",
+        init=[("prep", 2, 4000, 20), ("check", 1, 2000, 5)],
+        containers=[("a", 1, 30000, 30), ("b", 3, 20000, 25)],
+    )
+    a = dp.bind("mixed", gpus={"prep": [0, 1], "check": [0], "a": [2], "b": [1, 2, 3]})
+    admit_ok(dp, pod, plugin_cmd=dp.plugin_cmd())
+    got = dp.harness.allocations(pod["metadata"]["uid"])
+    assert list(got) == ["prep", "check", "a", "b"]
+    for c in got:
+        assert_env_is_assignment(got[c]["envs"], a, c)
+    prep = set(ids(got["prep"]))
+    assert {gpu_of(i) for i in prep} == {s.uuid for s in a.containers["prep"]}  # steered
+    assert set(ids(got["check"])) <= prep and set(ids(got["a"])) <= prep  # reused, not fresh
+    b = set(ids(got["b"]))
+    assert len(b) == 3 and prep - set(ids(got["a"])) <= b  # the init ID `a` left is reused by `b`
+    assert {gpu_of(i) for i in b - prep} <= {s.uuid for s in a.containers["b"]}
+    assert_done(dp, "mixed", ["prep", "check", "a", "b"])
+
+
+def test_several_gpu_containers_cpu_only_and_whole_gpus(dp):
+    pod = dp.make_pod(
+        "multi",
+        init=[("warm", 1, 5000, 10)],
+        containers=[("a", 1, 20000, 30), ("cpu", 0, 0, 0), ("b", 2, 30000, 20), ("train", 1, 0, 0)],
+    )
+    a = dp.bind("multi")
+    admit_ok(dp, pod, plugin_cmd=dp.plugin_cmd())
+    got = dp.harness.allocations(pod["metadata"]["uid"])
+    assert list(got) == ["warm", "a", "cpu", "b", "train"]
+    assert got["cpu"]["envs"] == {} and ids(got["cpu"]) == []
+    for c in ("warm", "a", "b", "train"):
+        assert_env_is_assignment(got[c]["envs"], a, c)
+    assert not [k for k in got["train"]["envs"] if k.startswith("CUDA_")]  # a whole GPU: no limits
+    # GetPreferredAllocation steered fresh IDs onto the assigned GPUs
+    for c in ("warm", "b", "train"):
+        fresh = set(ids(got[c])) - set(ids(got["warm"])) if c != "warm" else set(ids(got[c]))
+        assert {gpu_of(i) for i in fresh} <= {s.uuid for s in a.containers[c]}, c
+    assert len(ids(got["b"])) == 2
+    assert_done(dp, "multi", ["warm", "a", "b", "train"])
+
+
+# --- restarts --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["kubelet", "server"])
+def test_kubelet_restart_between_two_pods(dp, mode):
+    """`kubelet`: a brand-new device manager restored from the checkpoint; `server`: the
+    registration server goes away and comes back. The plugin registers again and serves the
+    second pod; the restored allocations of the first are not handed out again."""
+    first = dp.make_pod("first", containers=[("main", 1, 10000, 20)])
+    second = dp.make_pod("second", containers=[("main", 1, 12000, 30)])
+    a1 = dp.bind("first")
+    dp.harness.start(
+        [harness_pod(first)],
+        plugin_cmd=dp.plugin_cmd(),
+        restart=mode,
+        restart_delay=2,
+        pods_after_restart=True,
+    )
+    dp.harness.wait_event(
+        lambda e: e.get("event") == "restart" and e.get("phase") == "stopped", 60, "restart"
+    )
+    assert_done(dp, "first", ["main"])
+    a2 = dp.bind("second")  # the node is free again: the first handoff is done
+    dp.harness.write_pods_after_restart([harness_pod(second)])
+    assert dp.harness.finish() == 0, dp.harness.report()
+    assert [e["registration"] for e in dp.harness.of("registered")] == [1, 2]
+    assert dp.harness.of("reregistered")
+    g1 = dp.harness.allocations(first["metadata"]["uid"])["main"]
+    g2 = dp.harness.allocations(second["metadata"]["uid"])["main"]
+    assert_env_is_assignment(g1["envs"], a1, "main")
+    assert_env_is_assignment(g2["envs"], a2, "main")
+    assert not set(ids(g1)) & set(ids(g2))
+    assert_done(dp, "second", ["main"])
+
+
+def test_plugin_killed_and_restarted_between_two_pods(dp):
+    """The plugin process dies (SIGKILL: its socket is left behind) while the kubelet restarts;
+    a new plugin process registers and serves the next pod from the annotations alone."""
+    first = dp.make_pod("first")
+    second = dp.make_pod("second", init=[("init", 1, 3000, 10)], containers=[("main", 1, 9000, 15)])
+    a1 = dp.bind("first")
+    old = dp.start_plugin()
+    dp.harness.start([harness_pod(first)], restart="server", restart_delay=1, pods_after_restart=True)
+    dp.harness.wait_event(
+        lambda e: e.get("event") == "restart" and e.get("phase") == "stopped", 60, "restart"
+    )
+    os.killpg(old.pid, signal.SIGKILL)
+    old.wait(10)
+    a2 = dp.bind("second")
+    dp.harness.write_pods_after_restart([harness_pod(second)])
+    dp.start_plugin()
+    assert dp.harness.finish() == 0, dp.harness.report()
+    assert_env_is_assignment(dp.harness.allocations(first["metadata"]["uid"])["main"]["envs"], a1, "main")
+    got = dp.harness.allocations(second["metadata"]["uid"])
+    assert_env_is_assignment(got["init"]["envs"], a2, "init")
+    assert_env_is_assignment(got["main"]["envs"], a2, "main")
+    assert_done(dp, "second", ["init", "main"])
+
+
+# --- registration, devices, health -----------------------------------------------------------------
+def test_registration_devices_inventory_and_unhealthy_gpus(dp):
+    nvml = {
+        "gpus": 8, "numa_nodes": 2, "uuid_seed": dp.node,
+        "faults": {"xids": [{"gpu": 3, "xid": 43, "after_s": 0}, {"gpu": 2, "xid": 79, "after_s": 0}],
+                   "lost": [{"gpu": 5, "after_s": 0}]},
+    }  # fmt: skip
+    dp.start_plugin(nvml)
+    inv = dp.wait_inventory(lambda i: sum(not g.healthy for g in i.gpus) == 2)
+    bad = {g.index: g for g in inv.gpus if not g.healthy}
+    assert set(bad) == {2, 5} and bad[2].unhealthy_reason == "XID 79" and "lost" in bad[5].unhealthy_reason
+    assert [g.mem_mib for g in inv.gpus] == [143771] * 8 and inv.slots_per_gpu == SLOTS
+    labels = dp.core.read_node(dp.node).metadata.labels
+    assert labels[contract.LABEL_GPU_COUNT] == "8" and labels[contract.LABEL_GPU_MODEL] == "NVIDIA-H200"
+    for run in (1, 2):  # the second run is a restarted kubelet: the same plugin process registers again
+        assert dp.harness.run() == 0, dp.harness.report()
+        reg = dp.harness.of("registered")[0]
+        assert reg["endpoint"].endswith("gpupack.sock") and reg["get_preferred_allocation_available"] is True
+        assert reg["pre_start_required"] is False
+        dev = dp.harness.of("devices")[-1]
+        assert dev["healthy"] == 6 * SLOTS and dev["unhealthy"] == 2 * SLOTS, run
+        assert {gpu_of(i) for i in dev["unhealthy_ids"]} == {bad[2].uuid, bad[5].uuid}
+        assert dev["node_capacity"] == str(8 * SLOTS) and dev["node_allocatable"] == str(6 * SLOTS)
+        assert set(dev["numa"][f"{inv.gpus[7].uuid}::0"]) == {1}
+
+
+def test_process_sigterm_removes_its_socket(dp):
+    p = dp.start_plugin()
+    assert dp.harness.run() == 0, dp.harness.report()
+    sock = dp.kubelet_dir / "gpupack.sock"
+    realk8s.until(sock.exists, 10, "plugin socket served again after the harness ended")
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(15) == 0, dp.plugin_log()
+    assert not sock.exists()
+    assert "Traceback" not in dp.plugin_log()
+
+
+# --- Allocate refusals -----------------------------------------------------------------------------
+def _metrics(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def test_pod_without_a_gpupack_assignment_is_rejected_with_a_reason(dp):
+    """A pod bound by someone else (no assignment): the kubelet's Allocate fails, nothing is handed out."""
+    port = realk8s.free_port()
+    dp.start_plugin(None, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
+    pod = dp.make_pod("stray", scheduler="default-scheduler")
+    dp.core.create_namespaced_pod_binding(
+        "stray", dp.ns, {"metadata": {"name": "stray"}, "target": {"kind": "Node", "name": dp.node}},
+        _preload_content=False,
+    )  # fmt: skip
+    assert dp.harness.run([harness_pod(pod, expect_error=True)]) == 0, dp.harness.report()
+    assert not dp.harness.of("allocate")
+    err = dp.harness.errors()[0]
+    assert err["container"] == "main" and err["expected"] is True
+    assert f"no pending gpupack assignment for a pod on node {dp.node}" in err["error"]
+    assert "schedulerName" in err["error"]
+    assert 'gpupack_handoff_failures_total{reason="no_pending"} 1.0' in _metrics(port)
+
+
+def test_pod_of_another_scheduler_with_copied_annotations_is_not_served(dp):
+    pod = dp.make_pod("copycat", scheduler="default-scheduler")
+    dp.bind("copycat")
+    assert dp.harness.run([harness_pod(pod, expect_error=True)], plugin_cmd=dp.plugin_cmd()) == 0, (
+        dp.harness.report()
+    )
+    assert not dp.harness.of("allocate")
+    assert "schedulerName is 'default-scheduler'" in dp.harness.errors()[0]["error"]
+    assert dp.annotations("copycat")[ANN_HANDOFF] == contract.HANDOFF_FAILED
+
+
+def test_unhealthy_assigned_gpu_fails_allocate_and_releases_the_node(dp):
+    dp.start_plugin({**dp.nvml, "faults": {"xids": [{"gpu": 1, "xid": 79, "after_s": 0}]}})
+    dp.wait_inventory(lambda i: not i.gpus[1].healthy)
+    victim = dp.make_pod("victim")
+    a = dp.bind("victim", gpus={"main": [1]})
+    assert dp.harness.run([harness_pod(victim, expect_error=True)]) == 0, dp.harness.report()
+    assert f"assigned GPU {a.containers['main'][0].uuid} is unhealthy" in dp.harness.errors()[0]["error"]
+    assert dp.annotations("victim")[ANN_HANDOFF] == contract.HANDOFF_FAILED
+    after = dp.make_pod("after")
+    dp.binder.wait_s = 3
+    a2 = dp.bind("after")  # not blocked by the rejected pod
+    assert a2.containers["main"][0].uuid != a.containers["main"][0].uuid
+    assert dp.harness.run([harness_pod(after)]) == 0, dp.harness.report()
+    assert_env_is_assignment(dp.harness.allocations(after["metadata"]["uid"])["main"]["envs"], a2, "main")
+
+
+def test_pod_deleted_between_bind_and_allocate_leaves_nothing_stuck(dp):
+    """A graceful delete of a bound pod never completes without a kubelet: the pod stays, with a
+    deletionTimestamp. It must neither block the node nor be served."""
+    dp.make_pod("gone")
+    nxt = dp.make_pod("next", containers=[("main", 1, 7000, 15)])
+    dp.bind("gone")
+    dp.core.delete_namespaced_pod("gone", dp.ns, _preload_content=False)
+    assert dp.read_pod("gone")["metadata"].get("deletionTimestamp")
+    dp.binder.wait_s = 3
+    a = dp.bind("next")
+    admit_ok(dp, nxt, plugin_cmd=dp.plugin_cmd())
+    env = dp.harness.allocations(nxt["metadata"]["uid"])["main"]["envs"]
+    assert_env_is_assignment(env, a, "main")
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "7000m"
+
+
+# --- the API under contention ----------------------------------------------------------------------
+def test_pods_bound_at_once_are_served_one_by_one_each_with_its_own_assignment(dp):
+    """Binds race; the node's pending handoff serialises them; the (restarting) kubelet admits
+    each bound pod as it appears, and each container gets its own pod's size, not a peer's."""
+    port = realk8s.free_port()
+    dp.start_plugin(None, "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
+    names = [f"p{i}" for i in range(5)]
+    pods = {n: dp.make_pod(n, containers=[("main", 1, 5000 + 100 * i, 10)]) for i, n in enumerate(names)}
+    assignments: dict[str, Assignment] = {}
     errors: list[BaseException] = []
-    start = threading.Barrier(len(names))
+    barrier = threading.Barrier(len(names))
 
-    def bind(n):
+    def bind(n: str) -> None:
         try:
-            start.wait()
-            assignments[n] = binder.bind("default", n, NODE)
-        except BaseException as e:  # report in the main thread
+            barrier.wait()
+            assignments[n] = dp.bind(n)
+        except BaseException as e:  # reported by the main thread
             errors.append(e)
 
     threads = [threading.Thread(target=bind, args=(n,)) for n in names]
     for t in threads:
         t.start()
+    admitted: dict[str, dict] = {}
+    while len(admitted) < len(names):
+        pending = realk8s.until(
+            lambda: handoff.pending_pods_on_node(_pods(dp), dp.node), 30, "a bound pod with a pending handoff"
+        )
+        n = pending[0].name
+        assert dp.harness.run([harness_pod(pods[n])], keep_checkpoint=True) == 0, dp.harness.report()
+        admitted[n] = dp.harness.allocations(pods[n]["metadata"]["uid"])["main"]
     for t in threads:
-        t.join(60)
+        t.join(30)
     assert not errors, errors
-    assert kubelet.wait_for(lambda: len(kubelet.admissions) == 20, 30)
-    by_uid = {handoff.pod_view(read_pod(core, n)).uid: n for n in names}
-    for uid, adm in kubelet.admissions.items():
-        n = by_uid[uid]
-        assert adm.ok, (n, adm.error)
-        want = assignments[n].containers["main"][0]
-        assert adm.envs["main"]["NVIDIA_VISIBLE_DEVICES"] == want.uuid
-        assert adm.envs["main"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{want.mem_mib}m"  # this pod's size, not a peer's
-    for n in names:
-        assert read_pod(core, n)["metadata"]["annotations"][ANN_HANDOFF] == "done"
-    assert binder.waits > 0  # binds really were serialised behind pending handoffs
-    text = urllib.request.urlopen(f"http://127.0.0.1:{plugin.metrics_port}/metrics", timeout=5).read().decode()
+    for i, n in enumerate(names):
+        assert_env_is_assignment(admitted[n]["envs"], assignments[n], "main")
+        assert admitted[n]["envs"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{5000 + 100 * i}m"
+        assert_done(dp, n, ["main"])
+    assert dp.binder.waits > 0  # the binds really were serialised behind pending handoffs
+    text = _metrics(port)
     reserved = sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
         if line.startswith("gpupack_gpu_reserved_memory_mib{")
     )
-    assert reserved == sum(5000 + 100 * i for i in range(20))
-    assert "gpupack_allocate_seconds_count 20.0" in text
+    assert reserved == sum(5000 + 100 * i for i in range(len(names)))
+    assert f"gpupack_allocate_seconds_count {float(len(names))}" in text
 
 
-def test_pod_deleted_between_bind_and_allocate_leaves_nothing_stuck(kubelet, start_plugin, core):
-    start_plugin()
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    assert until(lambda: node_inventory(core)[0] is not None, 5)
-    binder = TestBinder(core, wait_s=3)
-    make_pod(core, "gone")
-    make_pod(core, "next", containers=[("main", 1, 7000)])
-    binder.bind("default", "gone", NODE)
-    core.delete_namespaced_pod("gone", "default", _preload_content=False)
-    # the node is not blocked by the deleted pod, and Allocate serves the next pod, not the ghost
-    a = binder.bind("default", "next", NODE)
-    res = kubelet.admit(read_pod(core, "next"))
-    assert res.ok, res.error
-    assert res.envs["main"]["NVIDIA_VISIBLE_DEVICES"] == a.containers["main"][0].uuid
-    assert res.envs["main"]["CUDA_DEVICE_MEMORY_LIMIT_0"] == "7000m"
+def _pods(dp: DP) -> list[dict]:
+    r = dp.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={dp.node}", _preload_content=False)
+    return json.loads(r.data)["items"]
 
 
-def test_a_pending_pod_blocks_the_next_bind_until_admitted(kubelet, start_plugin, core):
-    start_plugin()
-    assert until(lambda: node_inventory(core)[0] is not None, 10)
-    binder = TestBinder(core, wait_s=0.5)
-    make_pod(core, "first")
-    make_pod(core, "second")
-    binder.bind("default", "first", NODE)
-    from dp_binder import BindRefused
-
-    with pytest.raises(BindRefused, match="waiting for the kubelet to admit pod default/first"):
-        binder.bind("default", "second", NODE)
-    assert kubelet.wait_for(lambda: kubelet.devices, 10)
-    assert kubelet.admit(read_pod(core, "first")).ok
-    binder.bind("default", "second", NODE)
-
-
-def _kubeconfig(path: Path, url: str) -> None:
-    path.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
-        f"clusters:\n- name: t\n  cluster:\n    server: {url}\n"
-        "contexts:\n- name: t\n  context:\n    cluster: t\n    user: t\n"
-        "users:\n- name: t\n  user:\n    token: test\n"
-    )
-
-
-def test_process_registers_and_sigterm_removes_its_socket(kubelet, core, api, plugin_dir, tmp_path):
-    kc = tmp_path / "kubeconfig"
-    _kubeconfig(kc, api.url)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpupack", "device-plugin", "--node-name", NODE, "--kubelet-dir", plugin_dir,
-         "--kubeconfig", str(kc), "--fake-gpus", "2"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        assert kubelet.wait_for(lambda: len(kubelet.devices) == 2 * SLOTS, 20), "plugin did not register"
-        sock = os.path.join(plugin_dir, "gpupack.sock")
-        assert os.path.exists(sock)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=10)
-        assert proc.returncode == 0, out
-        assert not os.path.exists(sock)
-        assert "Traceback" not in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_unhealthy_assigned_gpu_fails_allocate_and_releases_the_node(kubelet, start_plugin, core):
-    plugin, nvml = start_plugin()
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    assert until(lambda: node_inventory(core)[0] is not None, 5)
-    binder = TestBinder(core, wait_s=2)
-    make_pod(core, "victim")
-    a = binder.bind("default", "victim", NODE)
-    bad = a.containers["main"][0]
-    nvml.inject_xid(bad.index, 79)
-    assert kubelet.wait_for(lambda: kubelet.devices.get(f"{bad.uuid}::0") == UNHEALTHY, 5)
-    res = kubelet.admit(read_pod(core, "victim"))
-    assert not res.ok and f"assigned GPU {bad.uuid} is unhealthy" in res.error
-    assert read_pod(core, "victim")["metadata"]["annotations"][ANN_HANDOFF] == "failed"
-    make_pod(core, "after")
-    a2 = binder.bind("default", "after", NODE)  # not blocked by the rejected pod
-    assert a2.containers["main"][0].uuid != bad.uuid
-    assert kubelet.admit(read_pod(core, "after")).ok
-
-
-def test_pod_changed_during_allocate_is_reread_not_overwritten(kubelet, start_plugin, core, api):
-    start_plugin()
-    assert kubelet.wait_for(lambda: len(kubelet.devices) == 8 * SLOTS, 10)
-    assert until(lambda: node_inventory(core)[0] is not None, 5)
-    make_pod(core, "busy")
-    a = TestBinder(core).bind("default", "busy", NODE)
-    # Hold the plugin's PATCH while someone else writes the pod: its resourceVersion goes stale.
-    api.delay(r"/pods/busy$", 0.5, method="PATCH", times=1)
-    api.clear_requests()
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.setdefault("res", kubelet.admit(read_pod(core, "busy"))))
-    t.start()
-    assert until(lambda: api.count_requests("PATCH", r"/pods/busy$") >= 1, 5)
-    core.patch_namespaced_pod("busy", "default", {"metadata": {"labels": {"touched": "yes"}}},
-                              _content_type="application/merge-patch+json", _preload_content=False)
-    t.join(15)
-    res = out["res"]
-    assert res.ok, res.error
-    assert res.envs["main"]["NVIDIA_VISIBLE_DEVICES"] == a.containers["main"][0].uuid
-    pod = read_pod(core, "busy")
-    assert pod["metadata"]["labels"]["touched"] == "yes"  # the other writer's change survived
-    assert pod["metadata"]["annotations"][ANN_HANDOFF] == "done"
-    assert api.count_requests("PATCH", r"/pods/busy$") >= 3  # ours (409), theirs, ours again
+def test_pod_changed_during_allocate_is_reread_not_overwritten(dp, tmp_path):
+    with FaultProxy(dp.cluster.url) as proxy:
+        kc = dp.cluster.write_kubeconfig(tmp_path / "proxied", server=proxy.url)
+        pod = dp.make_pod("busy")
+        a = dp.bind("busy")
+        # Hold the plugin's PATCH while someone else writes the pod: its resourceVersion goes stale.
+        proxy.delay(rf"/namespaces/{dp.ns}/pods/busy$", 1.0, method="PATCH", times=1)
+        dp.harness.start([harness_pod(pod)], plugin_cmd=dp.plugin_cmd(kubeconfig=kc))
+        realk8s.until(lambda: proxy.count("PATCH", r"/pods/busy$") >= 1, 60, "the plugin's PATCH")
+        dp.core.patch_namespaced_pod(
+            "busy", dp.ns, {"metadata": {"labels": {"touched": "yes"}}},
+            _content_type="application/merge-patch+json", _preload_content=False,
+        )  # fmt: skip
+        assert dp.harness.finish() == 0, dp.harness.report()
+        assert_env_is_assignment(dp.harness.allocations(pod["metadata"]["uid"])["main"]["envs"], a, "main")
+        p = dp.read_pod("busy")
+        assert p["metadata"]["labels"]["touched"] == "yes"  # the other writer's change survived
+        assert p["metadata"]["annotations"][ANN_HANDOFF] == contract.HANDOFF_DONE
+        assert proxy.count("PATCH", r"/pods/busy$") >= 2  # ours (409), then ours again

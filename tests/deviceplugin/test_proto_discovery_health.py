@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from fake_nvml import FakeConfigError, FakeNvml
 from google.protobuf import descriptor_pb2
 
 from deviceplugin.api import api_pb2, api_pb2_grpc
 from deviceplugin.api.generate import proto_descriptor
 from deviceplugin.discovery import NvmlUnavailable, discover, init_nvml
-from deviceplugin.fake_nvml import FakeConfigError, FakeNvml
 from deviceplugin.health import DeviceState, HealthWatcher
 from deviceplugin.publish import model_label, node_patch
 from deviceplugin.server import list_response
 from gpupack import contract
 
 REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`gpupack device-plugin` as a process, over the fake NVML of this folder."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
+    return subprocess.run([sys.executable, "-m", "gpupack", "device-plugin", *args],
+                          capture_output=True, text=True, cwd=REPO, timeout=60, env=env)  # fmt: skip
 
 
 def test_committed_stubs_match_the_proto():
@@ -43,7 +52,9 @@ UPSTREAM_FIELDS = {
     "PreStartContainerRequest": {"devices_ids": 1},
     "PreferredAllocationRequest": {"container_requests": 1},
     "ContainerPreferredAllocationRequest": {
-        "available_deviceIDs": 1, "must_include_deviceIDs": 2, "allocation_size": 3,
+        "available_deviceIDs": 1,
+        "must_include_deviceIDs": 2,
+        "allocation_size": 3,
     },
     "PreferredAllocationResponse": {"container_responses": 1},
     "ContainerPreferredAllocationResponse": {"deviceIDs": 1},
@@ -65,9 +76,16 @@ def test_wire_compatible_with_the_kubelet_api():
         assert got == fields, msg
     assert [m.name for m in d.services_by_name["Registration"].methods] == ["Register"]
     assert [m.name for m in d.services_by_name["DevicePlugin"].methods] == [
-        "GetDevicePluginOptions", "ListAndWatch", "GetPreferredAllocation", "Allocate", "PreStartContainer",
+        "GetDevicePluginOptions",
+        "ListAndWatch",
+        "GetPreferredAllocation",
+        "Allocate",
+        "PreStartContainer",
     ]
-    assert d.services_by_name["DevicePlugin"].methods_by_name["ListAndWatch"].output_type.name == "ListAndWatchResponse"
+    assert (
+        d.services_by_name["DevicePlugin"].methods_by_name["ListAndWatch"].output_type.name
+        == "ListAndWatchResponse"
+    )
     assert hasattr(api_pb2_grpc, "RegistrationStub") and hasattr(api_pb2_grpc, "DevicePluginServicer")
 
 
@@ -105,10 +123,7 @@ def test_no_driver_is_one_clear_error():
 def test_cli_without_driver_prints_one_line_and_exits_nonzero(tmp_path):
     cfg = tmp_path / "nodriver.yaml"
     cfg.write_text("gpus: 2\nfaults:\n  init: DriverNotLoaded\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "gpupack", "device-plugin", "--discover", "--fake", str(cfg)],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
-    )
+    r = cli("--discover", "--nvml-module", "fake_nvml", "--nvml-config", str(cfg))
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0 and "NVML is not available" in r.stderr
     assert "Traceback" not in r.stderr
@@ -117,12 +132,10 @@ def test_cli_without_driver_prints_one_line_and_exits_nonzero(tmp_path):
 def test_cli_discover_table_and_json(tmp_path):
     cfg = tmp_path / "node.yaml"
     cfg.write_text("gpus: 3\nmodel: NVIDIA H100 80GB HBM3\nmemory_mib: 81559\nsm_count: 132\nmig: [2]\n")
-    r = subprocess.run([sys.executable, "-m", "gpupack", "device-plugin", "--discover", "--fake", str(cfg)],
-                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    r = cli("--discover", "--nvml-module", "fake_nvml", "--nvml-config", str(cfg))
     assert r.returncode == 0, r.stderr
     assert "NVIDIA H100 80GB HBM3" in r.stdout and "81559" in r.stdout and "skipped:" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "gpupack", "device-plugin", "--discover", "--json", "--fake", str(cfg)],
-                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    r = cli("--discover", "--json", "--nvml-module", "fake_nvml", "--nvml-config", '{"gpus": 3, "mig": [2]}')
     import json
 
     out = json.loads(r.stdout)
@@ -146,6 +159,24 @@ def _until(pred, timeout=5.0):
     return False
 
 
+def test_cli_nvml_module_errors_are_one_line():
+    for args, msg in (
+        (("--nvml-module", "no_such_module"), "--nvml-module no_such_module: No module named"),
+        (("--nvml-module", "json"), "has no make_nvml(config) function"),
+        (("--nvml-module", "fake_nvml", "--nvml-config", "gpus: [oops"), "fake NVML config"),
+        (("--nvml-config", "x"), "--nvml-config needs --nvml-module"),
+    ):
+        r = cli("--discover", *args)
+        assert r.returncode == 1 and msg in r.stderr, (args, r.stderr)
+        assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+
+
+def test_fake_nvml_is_not_in_the_product_package():
+    assert not (REPO / "deviceplugin" / "fake_nvml.py").exists()
+    r = cli("--discover", "--help")
+    assert "--fake" not in r.stdout
+
+
 def test_xids_mark_unhealthy_except_application_errors():
     nvml = FakeNvml({"gpus": 3})
     init_nvml(nvml)
@@ -164,7 +195,12 @@ def test_xids_mark_unhealthy_except_application_errors():
 
 
 def test_gpu_falling_off_the_bus_is_reported_not_crashed_on():
-    nvml = FakeNvml({"gpus": 2, "faults": {"lost": [{"gpu": 1, "after_s": 0.2}], "xids": [{"gpu": 0, "xid": 48, "after_s": 0.1}]}})
+    nvml = FakeNvml(
+        {
+            "gpus": 2,
+            "faults": {"lost": [{"gpu": 1, "after_s": 0.2}], "xids": [{"gpu": 0, "xid": 48, "after_s": 0.1}]},
+        }
+    )
     init_nvml(nvml)
     state, w = _watch(nvml)
     try:
@@ -192,15 +228,18 @@ def test_inventory_labels_and_annotation_round_trip():
     init_nvml(nvml)
     state = DeviceState(discover(nvml).gpus, ("GPU-x: MIG",))
     labels, ann = node_patch(state, "hami-core")
-    assert labels == {contract.LABEL_GPU_NODE: "true", contract.LABEL_GPU_MODEL: "NVIDIA-H100-80GB-HBM3",
-                      contract.LABEL_GPU_COUNT: "2"}
+    assert labels == {
+        contract.LABEL_GPU_NODE: "true",
+        contract.LABEL_GPU_MODEL: "NVIDIA-H100-80GB-HBM3",
+        contract.LABEL_GPU_COUNT: "2",
+    }
     inv = contract.decode_inventory(ann[contract.ANN_INVENTORY], "n")
     assert [g.mem_mib for g in inv.gpus] == [143771, 143771] and inv.skipped == ("GPU-x: MIG",)
     assert model_label("  weird/model name!! ") == "weird-model-name"
 
 
 def test_example_fake_config_loads_and_describes_an_8_x_h200_node():
-    nvml = FakeNvml.from_file(REPO / "deviceplugin" / "fake-node.example.yaml")
+    nvml = FakeNvml.from_file(HERE / "fake-node.example.yaml")
     init_nvml(nvml)
     d = discover(nvml)
     assert len(d.gpus) == 8 and {g.mem_mib for g in d.gpus} == {143771}
@@ -211,14 +250,30 @@ def test_reservations_count_init_containers_as_running_alone():
     from gpupack.contract import ANN_ASSIGNMENT, Assignment, GPUShare
 
     def pod(uid, phase="Running", node="n"):
-        a = Assignment(uid, node, "online", {
-            "init": (GPUShare("G0", 0, 9000, 50),),
-            "a": (GPUShare("G0", 0, 3000, 20),),
-            "b": (GPUShare("G0", 0, 4000, 20), GPUShare("G1", 1, 4000, 20)),
-        })
-        return {"metadata": {"uid": uid, "name": uid, "namespace": "d", "annotations": {ANN_ASSIGNMENT: a.to_json()}},
-                "spec": {"nodeName": node, "initContainers": [{"name": "init"}], "containers": [{"name": "a"}, {"name": "b"}]},
-                "status": {"phase": phase}}
+        a = Assignment(
+            uid,
+            node,
+            "online",
+            {
+                "init": (GPUShare("G0", 0, 9000, 50),),
+                "a": (GPUShare("G0", 0, 3000, 20),),
+                "b": (GPUShare("G0", 0, 4000, 20), GPUShare("G1", 1, 4000, 20)),
+            },
+        )
+        return {
+            "metadata": {
+                "uid": uid,
+                "name": uid,
+                "namespace": "d",
+                "annotations": {ANN_ASSIGNMENT: a.to_json()},
+            },
+            "spec": {
+                "nodeName": node,
+                "initContainers": [{"name": "init"}],
+                "containers": [{"name": "a"}, {"name": "b"}],
+            },
+            "status": {"phase": phase},
+        }
 
     got = reserved_by_gpu([pod("1"), pod("2", phase="Succeeded"), pod("3", node="other")], "n")
     assert got == {"G0": (9000, 50), "G1": (4000, 20)}

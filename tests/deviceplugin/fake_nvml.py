@@ -1,5 +1,9 @@
 """A fake NVML for tests and the no-GPU demo, with the same interface as `PynvmlFacade`.
 
+Test code, never installed: the plugin process loads it with
+`PYTHONPATH=tests/deviceplugin gpupack device-plugin --nvml-module fake_nvml --nvml-config CONFIG`,
+where CONFIG is a YAML file or inline YAML/JSON (see :func:`make_nvml`).
+
 It raises the real `pynvml.NVMLError` subclasses, so the code above it runs exactly as on a
 real node. Configured from a small YAML/dict:
 
@@ -52,7 +56,9 @@ def nvml_error(name: str) -> pynvml.NVMLError:
     cls_name = name if name.startswith("NVMLError_") else f"NVMLError_{name}"
     cls = getattr(pynvml, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, pynvml.NVMLError)):
-        raise FakeConfigError(f"unknown NVML error {name!r} (use a pynvml.NVMLError_* name such as GpuIsLost)")
+        raise FakeConfigError(
+            f"unknown NVML error {name!r} (use a pynvml.NVMLError_* name such as GpuIsLost)"
+        )
     return cls()
 
 
@@ -132,6 +138,16 @@ class FakeNvml:
             raise FakeConfigError(f"fake NVML config {path}: {e}") from e
         if not isinstance(data, dict):
             raise FakeConfigError(f"fake NVML config {path}: expected a mapping")
+        return cls(data)
+
+    @classmethod
+    def from_text(cls, text: str) -> FakeNvml:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise FakeConfigError(f"fake NVML config: {e}") from e
+        if not isinstance(data, dict):
+            raise FakeConfigError("fake NVML config: expected a mapping")
         return cls(data)
 
     # --- run-time fault injection -----------------------------------------------------------------
@@ -228,3 +244,12 @@ class FakeNvml:
 
     def probe(self, index: int) -> None:
         self._call(index, "probe")
+
+
+def make_nvml(config: str | None) -> FakeNvml:
+    """`--nvml-module fake_nvml` entry point: CONFIG is a YAML file or inline YAML/JSON text."""
+    if not config:
+        return FakeNvml()
+    if not config.lstrip().startswith("{") and Path(config).is_file():
+        return FakeNvml.from_file(config)
+    return FakeNvml.from_text(config)
