@@ -93,6 +93,38 @@ def mutate(pod: dict[str, Any], cfg: WebhookConfig) -> list[dict[str, Any]]:
     return ops
 
 
+def _where(key: str, c: dict[str, Any]) -> str:
+    return f"{'init container' if key == 'initContainers' else 'container'} {c.get('name', '?')!r}"
+
+
+def requests_limits_errors(pod: dict[str, Any]) -> list[str]:
+    """gpupack resources whose requests are missing from, or differ from, their limits.
+
+    The mutating webhook refuses these too: the API server validates a pod only after mutating
+    admission and before validating admission, and its own message for a request without a
+    limit ("Limit must be set for non overcommitable resources") names neither the resource nor
+    the value, so the validating webhook's clearer one would never be seen."""
+    errors: list[str] = []
+    spec = pod.get("spec") or {}
+    for key, _, c in _containers(spec if isinstance(spec, dict) else {}):
+        where = _where(key, c)
+        limits, requests = _res(c, "limits"), _res(c, "requests")
+        for r in MANAGED_RESOURCES:
+            if r in requests and r not in limits:
+                errors.append(
+                    f"{where}: {r} must be set in limits (requests must equal limits); requests={requests[r]}"
+                )
+            elif r in requests and r in limits:
+                try:
+                    if parse_quantity(requests[r], r) != parse_quantity(limits[r], r):
+                        errors.append(
+                            f"{where}: requests must equal limits for {r}; requests={requests[r]} limits={limits[r]}"
+                        )
+                except ContractError as e:
+                    errors.append(f"{where}: {e}")
+    return errors
+
+
 def validate(pod: dict[str, Any], largest_gpu_mib: int) -> list[str]:
     """Rule violations, each naming the container, the rule and the value; empty when valid."""
     if not uses_gpupack(pod):
@@ -103,37 +135,28 @@ def validate(pod: dict[str, Any], largest_gpu_mib: int) -> list[str]:
     cls = labels.get(LABEL_CLASS) if isinstance(labels, dict) else None
     if cls is not None and cls not in CLASSES:
         errors.append(f"label {LABEL_CLASS} must be one of {', '.join(CLASSES)}; got {cls!r}")
+    errors += requests_limits_errors(pod)
     spec = pod.get("spec") or {}
     for key, _, c in _containers(spec if isinstance(spec, dict) else {}):
-        where = f"{'init container' if key == 'initContainers' else 'container'} {c.get('name', '?')!r}"
-        limits, requests = _res(c, "limits"), _res(c, "requests")
-        for r in MANAGED_RESOURCES:
-            if r in requests and r not in limits:
-                errors.append(f"{where}: {r} must be set in limits (requests must equal limits); requests={requests[r]}")
-            elif r in requests and r in limits:
-                try:
-                    if parse_quantity(requests[r], r) != parse_quantity(limits[r], r):
-                        errors.append(
-                            f"{where}: requests must equal limits for {r}; requests={requests[r]} limits={limits[r]}"
-                        )
-                except ContractError as e:
-                    errors.append(f"{where}: {e}")
+        where = _where(key, c)
+        limits = _res(c, "limits")
         if RES_GPU_SM in limits:
             try:
                 sm = parse_int_quantity(limits[RES_GPU_SM], f"{where} {RES_GPU_SM}")
                 if not 1 <= sm <= 100:
-                    errors.append(f"{where}: {RES_GPU_SM} must be a whole percent in 1..100; got {limits[RES_GPU_SM]}")
+                    errors.append(f"{where}: {RES_GPU_SM} must be a whole percent in 1..100; got {sm}")
             except ContractError as e:
                 errors.append(f"{where}: {RES_GPU_SM} must be a whole percent in 1..100; {e}")
         if RES_GPU_MEM in limits:
             try:
                 mem = parse_int_quantity(limits[RES_GPU_MEM], f"{where} {RES_GPU_MEM}")
+                # the parsed number, not the string: the API server hands us 30000 as "30k"
                 if mem <= 0:
-                    errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; got {limits[RES_GPU_MEM]}")
+                    errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; got {mem}")
                 elif largest_gpu_mib and mem > largest_gpu_mib:
                     errors.append(
                         f"{where}: {RES_GPU_MEM} must be at most the largest GPU in the cluster "
-                        f"({largest_gpu_mib} MiB); got {limits[RES_GPU_MEM]}"
+                        f"({largest_gpu_mib} MiB); got {mem} MiB"
                     )
             except ContractError as e:
                 errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; {e}")
@@ -154,12 +177,25 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
     if not isinstance(uid, str) or not uid:
         raise WireError("AdmissionReview request.uid must be a non-empty string")
     resp: dict[str, Any] = {"uid": uid, "allowed": True}
-    out = {"apiVersion": body.get("apiVersion") or "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}
+    out = {
+        "apiVersion": body.get("apiVersion") or "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": resp,
+    }
     obj = req.get("object")
     kind_ = (req.get("kind") or {}).get("kind") if isinstance(req.get("kind"), dict) else None
-    if req.get("operation") not in ("CREATE", None) or kind_ not in ("Pod", None) or not isinstance(obj, dict):
+    if (
+        req.get("operation") not in ("CREATE", None)
+        or kind_ not in ("Pod", None)
+        or not isinstance(obj, dict)
+    ):
         return out
     if kind == "mutate":
+        errors = requests_limits_errors(obj) if uses_gpupack(obj) else []
+        if errors:
+            resp["allowed"] = False
+            resp["status"] = {"code": 422, "reason": "Invalid", "message": "gpupack: " + "; ".join(errors)}
+            return out
         ops = mutate(obj, cfg)
         if ops:
             resp["patchType"] = "JSONPatch"

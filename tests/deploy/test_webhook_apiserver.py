@@ -1,0 +1,222 @@
+"""gpupack's admission webhooks registered in the real kube-apiserver (v1.28.7) and exercised with
+real pod creates and updates.
+
+The configurations are deploy/webhook/webhooks.yaml as shipped (rules, namespaceSelector, CEL
+matchConditions, failurePolicy), except that clientConfig is a URL to a `gpupack extender`
+started here (its HTTPS webhook port) instead of the in-cluster Service; the certificate and the
+caBundle are the ones `gpupack certs` writes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import deploy_objects
+import pytest
+import requests
+from kubernetes import client
+from processes import ExtenderProcess, free_port
+from realk8s import ControlPlane, until
+
+from gpupack import certs
+from gpupack.contract import ANN_INVENTORY, GPUInfo, NodeInventory
+
+L4_MIB = 24576
+
+
+class Webhook:
+    def __init__(self, cp: ControlPlane, url: str, ca: Path, ext: ExtenderProcess, sfx: str) -> None:
+        self.cp, self.url, self.ca, self.ext, self.sfx = cp, url, ca, ext, sfx
+        self.core = cp.core
+
+    def admissions(self) -> float:
+        """Admission reviews the webhook server answered so far (its own metric)."""
+        text = requests.get(self.url + "/metrics", verify=str(self.ca), timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("gpupack_webhook_admission_total{"))  # fmt: skip
+
+    def namespace(self, name: str, labels: dict[str, str] | None = None) -> str:
+        ns = f"{name}-{self.sfx}"
+        self.cp.ensure_namespace(ns, labels)
+        return ns
+
+    def create(
+        self, ns: str, name: str, containers: list[dict], labels: dict | None = None, **spec: Any
+    ) -> Any:
+        body = {
+            "metadata": {"name": name, "labels": labels or {}},
+            "spec": {"containers": containers, **spec},
+        }
+        return self.core.create_namespaced_pod(ns, body)
+
+    def denied(self, ns: str, name: str, containers: list[dict], labels: dict | None = None) -> str:
+        with pytest.raises(client.ApiException) as e:
+            self.create(ns, name, containers, labels)
+        assert e.value.status in (400, 422), e.value.body
+        return e.value.body
+
+
+def c(name: str, limits: dict[str, str] | None = None, requests_: dict[str, str] | None = None) -> dict:
+    res = {k: v for k, v in (("limits", limits), ("requests", requests_)) if v is not None}
+    return {"name": name, "image": "registry.invalid/x:1", **({"resources": res} if res else {})}
+
+
+@pytest.fixture(scope="module")
+def webhook(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webhook]:
+    """The shipped webhook configurations, pointing at a local `gpupack extender`, for this module.
+
+    Module-wide (one extender start instead of one per test); every test uses namespaces of its
+    own, and the cluster is reset when the module is done."""
+    tmp = tmp_path_factory.mktemp("webhook")
+    sfx = deploy_objects.suffix()
+    system = f"whsys-{sfx}"
+    k8s.ensure_namespace(system, {"gpupack.io/webhook": "skip"})
+    k8s.make_node(f"wh-{sfx}", extended={"gpupack.io/gpu": "16"}, annotations={ANN_INVENTORY: NodeInventory(
+        gpus=(GPUInfo(uuid=f"GPU-wh-{sfx}", index=0, model="NVIDIA-L4", mem_mib=L4_MIB, sm_count=58),)).to_json()})  # fmt: skip
+    port = free_port()
+    objs = deploy_objects.remap(deploy_objects.load("webhook/webhooks.yaml"), system)
+    for cfg in objs:
+        for hook in cfg["webhooks"]:
+            hook["clientConfig"] = {
+                "url": f"https://localhost:{port}{hook['clientConfig']['service']['path']}"
+            }
+    deploy_objects.apply(k8s, objs)
+    # the serving certificate is for the URL's host, the rest is what the init container does
+    kube = certs.Kube(k8s.new_api_client())
+    certs.ensure(kube, system, "gpupack-webhook-tls", "localhost", ["gpupack"], ["gpupack"], tmp / "tls",
+                 3650, 365, dt.timedelta(days=30))  # fmt: skip
+    ext = ExtenderProcess(k8s.kubeconfig, tmp / "extender.log", "--webhook-port", str(port),
+                          "--tls-cert", str(tmp / "tls" / "tls.crt"), "--tls-key", str(tmp / "tls" / "tls.key"),
+                          "--set-scheduler-name")  # fmt: skip
+    url = f"https://localhost:{port}"
+    try:
+        ext.wait_ready(60)
+
+        def ready() -> bool:
+            try:
+                return requests.get(url + "/readyz", verify=str(tmp / "tls" / "ca.crt"), timeout=2).ok
+            except requests.RequestException:
+                return False
+
+        until(ready, 60, "the webhook to serve HTTPS with the certificate gpupack certs issued")
+        yield Webhook(k8s, url, tmp / "tls" / "ca.crt", ext, sfx)
+    finally:
+        ext.stop()
+        k8s.reset()
+
+
+def test_gpu_mem_only_gets_a_gpu_count_and_the_scheduler_name(webhook):
+    ns = webhook.namespace("wh-mutate")
+    pod = webhook.create(ns, "p", [c("a", {"gpupack.io/gpu-mem": "1024"}), c("cpu", {"cpu": "1"})],
+                         initContainers=[c("i", {"gpupack.io/gpu-sm": "20"})])  # fmt: skip
+    a, cpu = pod.spec.containers
+    assert a.resources.limits == {"gpupack.io/gpu-mem": "1024", "gpupack.io/gpu": "1"}
+    # the API server defaults requests from limits after the patch, as the webhook relies on
+    assert a.resources.requests == a.resources.limits
+    assert cpu.resources.limits == {"cpu": "1"}
+    assert pod.spec.init_containers[0].resources.limits["gpupack.io/gpu"] == "1"
+    assert pod.spec.scheduler_name == "gpupack-scheduler"
+    # a pod that already names its GPUs and a scheduler is left as it is
+    pod = webhook.create(ns, "q", [c("a", {"gpupack.io/gpu": "2"})], schedulerName="my-scheduler")
+    assert pod.spec.containers[0].resources.limits == {"gpupack.io/gpu": "2"}
+    assert pod.spec.scheduler_name == "my-scheduler"
+
+
+def test_bad_requests_are_refused_with_a_readable_message(webhook):
+    ns = webhook.namespace("wh-deny")
+    body = webhook.denied(ns, "sm", [c("a", {"gpupack.io/gpu-mem": "1024", "gpupack.io/gpu-sm": "150"})])
+    assert 'admission webhook \\"validate.pods.gpupack.io\\" denied the request' in body
+    assert "container 'a': gpupack.io/gpu-sm must be a whole percent in 1..100; got 150" in body
+    body = webhook.denied(ns, "big", [c("a", {"gpupack.io/gpu-mem": "30000"})])
+    # the API server canonicalises 30000 to "30k" before the webhook sees it; the message must not
+    assert f"at most the largest GPU in the cluster ({L4_MIB} MiB); got 30000 MiB" in body
+    body = webhook.denied(
+        ns, "cls", [c("a", {"gpupack.io/gpu-mem": "1024"})], labels={"gpupack.io/class": "batch"}
+    )
+    assert "label gpupack.io/class must be one of online, offline; got 'batch'" in body
+    # requests != limits: refused by the mutating webhook already, since the API server validates
+    # the pod (with a message that names no resource) before the validating webhook would see it
+    body = webhook.denied(ns, "neq", [c("a", {"gpupack.io/gpu-mem": "1024"}, {"gpupack.io/gpu-mem": "2048"})])
+    assert 'admission webhook \\"mutate.pods.gpupack.io\\" denied the request' in body
+    assert (
+        "container 'a': requests must equal limits for gpupack.io/gpu-mem; requests=2048 limits=1024" in body
+    )
+    body = webhook.denied(ns, "req", [c("a", None, {"gpupack.io/gpu-sm": "10"})])
+    assert (
+        "container 'a': gpupack.io/gpu-sm must be set in limits (requests must equal limits); requests=10"
+        in body
+    )
+    assert webhook.core.list_namespaced_pod(ns).items == []
+
+
+def test_namespace_class_default_is_left_to_the_namespace(webhook):
+    """A pod without the class label in a namespace labelled offline is admitted without a label:
+    the namespace's default stays the one source of its class (the extender reads it at
+    scheduling), and a pod's own label still overrides it."""
+    ns = webhook.namespace("wh-offline", {"gpupack.io/class": "offline"})
+    pod = webhook.create(ns, "p", [c("a", {"gpupack.io/gpu-mem": "1024"})])
+    assert "gpupack.io/class" not in (pod.metadata.labels or {})
+    assert pod.spec.containers[0].resources.limits["gpupack.io/gpu"] == "1"
+    pod = webhook.create(
+        ns, "q", [c("a", {"gpupack.io/gpu-mem": "1024"})], labels={"gpupack.io/class": "online"}
+    )
+    assert pod.metadata.labels["gpupack.io/class"] == "online"
+
+
+def test_pods_outside_the_match_conditions_never_reach_the_webhook(webhook):
+    ns = webhook.namespace("wh-other")
+    skip = webhook.namespace("wh-skip", {"gpupack.io/webhook": "skip"})
+    before = webhook.admissions()
+    pod = webhook.create(
+        ns, "cpu", [c("a", {"cpu": "1", "nvidia.com/gpu": "1"})], schedulerName="default-scheduler"
+    )
+    assert pod.spec.scheduler_name == "default-scheduler"
+    assert "gpupack.io/gpu" not in pod.spec.containers[0].resources.limits
+    pod = webhook.create(ns, "bare", [c("a")])
+    assert pod.spec.scheduler_name == "default-scheduler"
+    # an opted-out namespace gets nothing, not even the checks (the namespaceSelector)
+    pod = webhook.create(skip, "sm", [c("a", {"gpupack.io/gpu-mem": "1024", "gpupack.io/gpu-sm": "150"})])
+    assert pod.spec.containers[0].resources.limits == {
+        "gpupack.io/gpu-mem": "1024",
+        "gpupack.io/gpu-sm": "150",
+    }
+    assert webhook.admissions() == before
+    # while a GPU pod costs exactly one mutating and one validating review
+    webhook.create(ns, "gpu", [c("a", {"gpupack.io/gpu-mem": "1024"})])
+    assert webhook.admissions() == before + 2
+
+
+def test_pod_updates_do_not_depend_on_the_webhook(webhook):
+    """The extender and the device plugin patch GPU pods' annotations at bind and Allocate: those
+    updates must never wait on (or fail with) the webhook, and the resources they would have to
+    re-check cannot change on a pod anyway."""
+    ns = webhook.namespace("wh-update")
+    webhook.create(ns, "p", [c("a", {"gpupack.io/gpu-mem": "1024"})])
+    before = webhook.admissions()
+    p = webhook.core.patch_namespaced_pod(
+        "p", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "pending"}, "labels": {"x": "y"}}}
+    )
+    assert p.metadata.annotations["gpupack.io/handoff"] == "pending"
+    p.metadata.labels["z"] = "w"
+    webhook.core.replace_namespaced_pod("p", ns, p)
+    assert webhook.admissions() == before
+    with pytest.raises(client.ApiException) as e:
+        webhook.core.patch_namespaced_pod(
+            "p",
+            ns,
+            {"spec": {"containers": [{"name": "a", "resources": {"limits": {"gpupack.io/gpu-sm": "150"}}}]}},
+        )
+    assert e.value.status == 422 and "pod updates may not change fields other than" in e.value.body
+
+
+def test_the_webhook_port_speaks_only_tls_and_refuses_garbage(webhook):
+    assert (
+        requests.post(webhook.url + "/validate", data=b"{", verify=str(webhook.ca), timeout=5).status_code
+        == 400
+    )
+    with pytest.raises(requests.RequestException):
+        requests.get(webhook.url.replace("https://", "http://") + "/healthz", timeout=2).raise_for_status()
+    assert requests.get(webhook.ext.url + "/healthz", timeout=5).status_code == 200
