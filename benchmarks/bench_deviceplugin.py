@@ -4,10 +4,11 @@
 
 - ListAndWatch bytes for 1, 8 and 16 H200-class GPUs (143,771 MiB each), next to what one
   device ID per MiB would cost (the approach that overflows the kubelet's 4 MiB gRPC limit).
-- Allocate p50/p99: the plugin runs as its own process (`gpupack device-plugin --fake-gpus 8`)
-  against an in-process Kubernetes API (gpupack.testing.kubeapi, real HTTP); each pod is annotated
-  and bound as the extender does, then Allocate is called over the plugin's unix socket. The
-  latency includes the plugin's pod list and annotation PATCH.
+- Allocate p50/p99: the plugin runs as its own process (`gpupack device-plugin` over the tests'
+  fake NVML, 8 GPUs) against a real kube-apiserver + etcd (v1.28.7, started by tests/realk8s.py
+  from ../shared/k8s or $GPUPACK_K8S_ASSETS); each pod is annotated and bound as the extender
+  does, then Allocate is called over the plugin's unix socket. The latency includes the plugin's
+  pod list and annotation PATCH.
 - Resident memory (VmRSS) of that plugin process, serving 8 GPUs, after the allocations.
 """
 
@@ -25,14 +26,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+FAKE_DIR = REPO / "tests" / "deviceplugin"  # the fake NVML is test code, not in the package
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(FAKE_DIR)]
 
 import grpc  # noqa: E402
+from fake_nvml import H200_MIB, FakeNvml  # noqa: E402
 from kubernetes import client  # noqa: E402
 
 from deviceplugin.api import api_pb2, api_pb2_grpc  # noqa: E402
 from deviceplugin.discovery import discover, init_nvml  # noqa: E402
-from deviceplugin.fake_nvml import H200_MIB, FakeNvml  # noqa: E402
 from deviceplugin.health import DeviceState  # noqa: E402
 from deviceplugin.server import list_response  # noqa: E402
 from gpupack import contract, handoff  # noqa: E402
@@ -47,11 +49,20 @@ def listandwatch_sizes() -> dict:
         init_nvml(nvml)
         msg = list_response(DeviceState(discover(nvml).gpus))
         # One ID per MiB: estimate from the average encoded size of such a device entry.
-        sample = api_pb2.ListAndWatchResponse(
-            devices=[api_pb2.Device(ID=f"{g.uuid}-{m}", health="Healthy",
-                                    topology=api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=g.numa_node)]))
-                     for g in discover(nvml).gpus[:1] for m in range(100000, 101000)]
-        ).ByteSize() / 1000
+        sample = (
+            api_pb2.ListAndWatchResponse(
+                devices=[
+                    api_pb2.Device(
+                        ID=f"{g.uuid}-{m}",
+                        health="Healthy",
+                        topology=api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=g.numa_node)]),
+                    )
+                    for g in discover(nvml).gpus[:1]
+                    for m in range(100000, 101000)
+                ]
+            ).ByteSize()
+            / 1000
+        )
         per_mib = int(sample * H200_MIB * n)
         out[n] = {
             "devices": len(msg.devices),
@@ -63,15 +74,6 @@ def listandwatch_sizes() -> dict:
     return out
 
 
-def _kubeconfig(path: Path, url: str) -> None:
-    path.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: b\n"
-        f"clusters:\n- name: b\n  cluster:\n    server: {url}\n"
-        "contexts:\n- name: b\n  context:\n    cluster: b\n    user: b\n"
-        "users:\n- name: b\n  user:\n    token: bench\n"
-    )
-
-
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -80,28 +82,50 @@ def _rss_kib(pid: int) -> int:
 
 
 def allocate_and_memory(pods: int) -> dict:
-    from gpupack.testing.kubeapi import KubeAPIServer
+    import realk8s
 
     node = "bench-node"
+    ns = "bench"
     tmp = tempfile.mkdtemp(prefix="dpb")
-    api = KubeAPIServer().start()
+    cp = realk8s.ControlPlane(Path(tmp) / "k8s")
     proc = None
     try:
-        core = client.CoreV1Api(api.api_client())
-        core.create_node({"metadata": {"name": node}})
-        kc = Path(tmp) / "kubeconfig"
-        _kubeconfig(kc, api.url)
+        cp.start(controller_manager=False)
+        core = cp.core
+        cp.make_node(node)
+        cp.ensure_namespace(ns)
+        kc = cp.write_kubeconfig(Path(tmp) / "kubeconfig")
         sock = os.path.join(tmp, "gpupack.sock")
+        nvml = json.dumps({"gpus": 8, "numa_nodes": 2})
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpupack", "device-plugin", "--node-name", node, "--kubelet-dir", tmp,
-             "--kubeconfig", str(kc), "--fake-gpus", "8"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "gpupack",
+                "device-plugin",
+                "--node-name",
+                node,
+                "--kubelet-dir",
+                tmp,
+                "--kubeconfig",
+                str(kc),
+                "--nvml-module",
+                "fake_nvml",
+                "--nvml-config",
+                nvml,
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_DIR), str(REPO)])},
         )
         inv = None
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (inv is None or not os.path.exists(sock)):
             time.sleep(0.1)
-            ann = json.loads(core.read_node(node, _preload_content=False).data)["metadata"].get("annotations", {})
+            ann = json.loads(core.read_node(node, _preload_content=False).data)["metadata"].get(
+                "annotations", {}
+            )
             if contract.ANN_INVENTORY in ann:
                 inv = contract.decode_inventory(ann[contract.ANN_INVENTORY], node)
         if inv is None:
@@ -112,22 +136,51 @@ def allocate_and_memory(pods: int) -> dict:
         lat = []
         for i in range(pods):
             name = f"b{i:04d}"
-            body = {"metadata": {"name": name, "namespace": "default"},
-                    "spec": {"containers": [{"name": "c", "image": "x",
-                                             "resources": {"limits": {contract.RES_GPU: "1",
-                                                                      contract.RES_GPU_MEM: "1000"}}}]}}
-            pod = json.loads(core.create_namespaced_pod("default", body, _preload_content=False).data)
+            body = {
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {
+                    "schedulerName": contract.SCHEDULER_NAME,
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "x",
+                            "resources": {"limits": {contract.RES_GPU: "1", contract.RES_GPU_MEM: "1000"}},
+                        }
+                    ],
+                },
+            }
+            pod = json.loads(core.create_namespaced_pod(ns, body, _preload_content=False).data)
             g = inv.gpus[i % len(inv.gpus)]
-            a = contract.Assignment(pod["metadata"]["uid"], node, "online",
-                                    {"c": (contract.GPUShare(g.uuid, g.index, 1000, 5),)})
-            core.patch_namespaced_pod(name, "default", {"metadata": {"annotations": handoff.handoff_annotations_for_bind(a)}},
-                                      _content_type="application/merge-patch+json", _preload_content=False)
-            core.create_namespaced_pod_binding(name, "default", client.V1Binding(
-                metadata=client.V1ObjectMeta(name=name), target=client.V1ObjectReference(kind="Node", name=node)),
-                _preload_content=False)
+            a = contract.Assignment(
+                pod["metadata"]["uid"], node, "online", {"c": (contract.GPUShare(g.uuid, g.index, 1000, 5),)}
+            )
+            core.patch_namespaced_pod(
+                name,
+                ns,
+                {"metadata": {"annotations": handoff.handoff_annotations_for_bind(a)}},
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+            )
+            core.create_namespaced_pod_binding(
+                name,
+                ns,
+                client.V1Binding(
+                    metadata=client.V1ObjectMeta(name=name),
+                    target=client.V1ObjectReference(kind="Node", name=node),
+                ),
+                _preload_content=False,
+            )
             t0 = time.perf_counter()
-            resp = stub.Allocate(api_pb2.AllocateRequest(container_requests=[
-                api_pb2.ContainerAllocateRequest(devices_ids=[f"{g.uuid}::{i % contract.SLOTS_PER_GPU}"])]), timeout=10)
+            resp = stub.Allocate(
+                api_pb2.AllocateRequest(
+                    container_requests=[
+                        api_pb2.ContainerAllocateRequest(
+                            devices_ids=[f"{g.uuid}::{i % contract.SLOTS_PER_GPU}"]
+                        )
+                    ]
+                ),
+                timeout=10,
+            )
             lat.append(time.perf_counter() - t0)
             assert resp.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == g.uuid
         channel.close()
@@ -150,7 +203,7 @@ def allocate_and_memory(pods: int) -> dict:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        api.stop()
+        cp.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -165,14 +218,20 @@ def main(argv: list[str]) -> int:
         return 0
     print("ListAndWatch message (H200-class GPUs, 143,771 MiB each):")
     for n, r in res["listandwatch"].items():
-        print(f"  {n:>2} GPU(s): {r['devices']:>4} device IDs, {r['bytes']:>6} bytes   "
-              f"(one ID per MiB: {r['per_mib_devices']:>9} IDs, ~{r['per_mib_bytes_est'] / 2**20:.1f} MiB"
-              f"{', over the 4 MiB gRPC limit' if r['per_mib_over_4MiB'] else ''})")
+        print(
+            f"  {n:>2} GPU(s): {r['devices']:>4} device IDs, {r['bytes']:>6} bytes   "
+            f"(one ID per MiB: {r['per_mib_devices']:>9} IDs, ~{r['per_mib_bytes_est'] / 2**20:.1f} MiB"
+            f"{', over the 4 MiB gRPC limit' if r['per_mib_over_4MiB'] else ''})"
+        )
     a = res["allocate"]
-    print(f"Allocate latency over {a['pods']} pods (plugin process, in-test API over HTTP): "
-          f"p50 {a['allocate_ms_p50']} ms, p99 {a['allocate_ms_p99']} ms, mean {a['allocate_ms_mean']} ms")
-    print(f"Plugin resident memory, 8 GPUs: {a['plugin_rss_mib_idle']} MiB at start, "
-          f"{a['plugin_rss_mib_after']} MiB after {a['pods']} allocations")
+    print(
+        f"Allocate latency over {a['pods']} pods (plugin process, real kube-apiserver): "
+        f"p50 {a['allocate_ms_p50']} ms, p99 {a['allocate_ms_p99']} ms, mean {a['allocate_ms_mean']} ms"
+    )
+    print(
+        f"Plugin resident memory, 8 GPUs: {a['plugin_rss_mib_idle']} MiB at start, "
+        f"{a['plugin_rss_mib_after']} MiB after {a['pods']} allocations"
+    )
     return 0
 
 
