@@ -2,8 +2,9 @@
 
 Per move: re-read the cluster and verify the move again on the live state (a plan is minutes
 old by then); reserve the target GPUs in the target Node's annotation so the replacement pod
-lands there (the extender honours it); evict through the Eviction API (HTTP 429 = a
-PodDisruptionBudget said no: skip the pod and the rest of its drain group, go on); wait until
+lands there (the extender honours it); evict through the Eviction API (HTTP 429 naming a
+PodDisruptionBudget: skip the pod and the rest of its drain group, go on; any other 429 is the
+API server shedding load: retry after its Retry-After); wait until
 the controller's replacement is bound, Running and Ready; drop the consumed reservation. A
 replacement that is not ready within the per-move timeout stops the run. Every reservation the
 run wrote is removed at the end, whatever happened.
@@ -123,6 +124,30 @@ def _owned_by(pod: dict[str, Any], kind: str, name: str) -> bool:
     return False
 
 
+EVICT_THROTTLE_RETRIES = 3
+
+
+def _budget_refusal(e: ApiException) -> str | None:
+    """Why a PodDisruptionBudget refused an eviction (the Eviction API's 429 names the budget in a
+    `DisruptionBudget` cause), or None when the 429 is not a budget's."""
+    try:
+        status = json.loads(e.body or "{}")
+    except (TypeError, ValueError):
+        return None
+    causes = (status.get("details") or {}).get("causes") if isinstance(status, dict) else None
+    for c in causes or []:
+        if isinstance(c, dict) and c.get("reason") == "DisruptionBudget":
+            return str(c.get("message") or status.get("message") or "DisruptionBudget")
+    return None
+
+
+def _retry_after(e: ApiException) -> float:
+    try:
+        return min(10.0, max(0.1, float((e.headers or {}).get("Retry-After") or 1)))
+    except (TypeError, ValueError):
+        return 1.0
+
+
 def _ready(pod: dict[str, Any]) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
@@ -158,6 +183,20 @@ class Executor:
             delete_options=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
         )
         self.core.create_namespaced_pod_eviction(name, namespace, body, _preload_content=False)
+
+    def _evict_retrying(self, namespace: str, name: str, uid: str) -> None:
+        """Evict; a 429 that is not a budget's refusal is the API server shedding load (priority
+        and fairness): wait as it asks and try again a few times."""
+        for attempt in range(EVICT_THROTTLE_RETRIES + 1):
+            try:
+                self._evict(namespace, name, uid)
+                return
+            except ApiException as e:
+                if e.status != 429 or _budget_refusal(e) is not None or attempt == EVICT_THROTTLE_RETRIES:
+                    raise
+                wait = _retry_after(e)
+                log.info("eviction of %s/%s throttled (429); retrying in %gs", namespace, name, wait)
+                time.sleep(wait)
 
     def _pods_of(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
         raw = json.loads(self.core.list_namespaced_pod(namespace, _preload_content=False).data)
@@ -283,15 +322,19 @@ class Executor:
             str((p.get("metadata") or {}).get("uid")) for p in self._pods_of(ns, m.owner_kind, m.owner_name)
         }
         try:
-            self._evict(ns, name, uid)
+            self._evict_retrying(ns, name, uid)
         except ApiException as e:
             self._release(m.to_node, {rid})
-            if e.status == 429:
+            budget = _budget_refusal(e) if e.status == 429 else None
+            if budget is not None:
                 self.metrics.evictions.labels("pdb-refused").inc()
-                msg = f"eviction refused by a PodDisruptionBudget; gpupack defrag skipped moving it to {m.to_node}"
+                msg = (
+                    f"eviction refused by a PodDisruptionBudget ({budget}); "
+                    f"gpupack defrag skipped moving it to {m.to_node}"
+                )
                 self.events.pod(ns, name, uid, "DefragEvictionRefused", msg, warning=True)
                 log.info("move %d %s: %s", m.step, m.pod, msg)
-                return MoveResult(m.step, m.pod, "pdb-refused", "429 TooManyRequests (PodDisruptionBudget)")
+                return MoveResult(m.step, m.pod, "pdb-refused", f"429 TooManyRequests: {budget}")
             if e.status in (404, 409):
                 self.metrics.evictions.labels("gone").inc()
                 return MoveResult(m.step, m.pod, "gone", f"{e.status} {e.reason}")

@@ -145,6 +145,8 @@ def test_pdb_refusal_skips_the_pod_and_the_run_goes_on(fleet, proxy, kubeconfig,
     assert rc == 0, err
     result = json.loads(out)["result"]
     assert [m["outcome"] for m in result["moves"]] == ["pdb-refused", "pdb-refused"]
+    # The real Eviction API names the budget; the detail passes it on.
+    assert "w1-pdb" in result["moves"][0]["detail"] and "w2-pdb" in result["moves"][1]["detail"]
     assert result["evictions"] == 0
     pods = fleet.pods(s.ns)
     assert {k: p["metadata"]["uid"] for k, p in pods.items()} == uids, "no pod was evicted or added"
@@ -329,3 +331,19 @@ def test_a_server_error_on_the_eviction_stops_the_run_and_cleans_up(fleet, proxy
     assert not any(p["metadata"].get("deletionTimestamp") for p in fleet.pods(s.ns).values())
     lease = fleet.lease()
     assert lease is not None and not lease["spec"].get("holderIdentity"), "the lease is given back"
+
+
+def test_a_throttled_eviction_is_retried_not_taken_for_a_pdb(fleet, proxy, kubeconfig, capsys, tmp_path):
+    """429 without a DisruptionBudget cause is the API server's load shedding (priority and
+    fairness), not a budget: the eviction is tried again after Retry-After."""
+    s = seed(fleet)
+    proxy.fail_next("POST", EVICTION, 429, retry_after=1, message="too many requests, please try again later")
+    metrics = tmp_path / "m.prom"
+    rc, out, err = run_cli(kubeconfig, fleet, "--apply", "--json", "--max-evictions", "1", "--move-timeout",
+                           "0.5", "--poll-interval", "0.05", "--metrics-file", str(metrics), capsys=capsys)  # fmt: skip
+    assert rc == 1, err  # evicted on the second try; nobody schedules the replacement
+    assert [m["outcome"] for m in json.loads(out)["result"]["moves"]] == ["timeout"]
+    assert proxy.count("POST", EVICTION) == 2
+    assert fleet.pods(s.ns)[f"{s.ns}/{s.w1}"]["metadata"].get("deletionTimestamp")
+    assert "DefragEvictionRefused" not in {e["reason"] for e in fleet.defrag_events(s.ns)}
+    assert 'gpupack_defrag_evictions_total{result="evicted"} 1.0' in metrics.read_text()
