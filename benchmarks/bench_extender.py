@@ -1,5 +1,6 @@
-"""Benchmark the scheduler extender over real HTTP: the gunicorn extender process against the
-in-test Kubernetes API server (gpupack.testing.kubeapi), nodeCacheCapable: true.
+"""Benchmark the scheduler extender over real HTTP: the gunicorn extender process against a real
+Kubernetes control plane (etcd + kube-apiserver v1.28.7, tests/realk8s.py; the binaries come from
+$GPUPACK_K8S_ASSETS or ../shared/k8s), nodeCacheCapable: true.
 
 Per cluster size (nodes x 8 GPUs of 80 GiB): a stream of GPU pods of mixed shapes is scheduled
 like the kube-scheduler does it: filter, prioritize (one pod at a time, the scheduling cycle),
@@ -37,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from processes import ExtenderProcess, write_kubeconfig  # noqa: E402
+import realk8s  # noqa: E402
+from processes import ExtenderProcess  # noqa: E402
 
 from gpupack.contract import (  # noqa: E402
     ANN_ASSIGNMENT,
@@ -45,13 +47,16 @@ from gpupack.contract import (  # noqa: E402
     ANN_INVENTORY,
     HANDOFF_DONE,
     LABEL_CLASS,
+    LABEL_GPU_COUNT,
+    LABEL_GPU_MODEL,
+    LABEL_GPU_NODE,
     LABEL_MANAGED,
+    RES_GPU,
     Assignment,
     GPUInfo,
     GPUShare,
     NodeInventory,
 )
-from gpupack.testing.kubeapi import KubeAPIServer  # noqa: E402
 
 GPU_MIB = 81559
 SHAPES = [  # (class, gpus, mem MiB or None, sm % or None)
@@ -74,22 +79,55 @@ def pct(values: list[float], q: float) -> float:
 
 
 def node_obj(name: str) -> dict[str, Any]:
-    inv = NodeInventory(
-        gpus=tuple(GPUInfo(f"GPU-{name}-{i}", i, "NVIDIA-H100-80GB-HBM3", GPU_MIB, 132) for i in range(8))
-    )
-    return {"metadata": {"name": name, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {}}
+    """A GPU node as the device plugin publishes it (labels, inventory), without status: the
+    extender reads only the inventory, and one API call per node keeps big clusters quick to build."""
+    model = "NVIDIA-H100-80GB-HBM3"
+    inv = NodeInventory(gpus=tuple(GPUInfo(f"GPU-{name}-{i}", i, model, GPU_MIB, 132) for i in range(8)))
+    labels = {"kubernetes.io/hostname": name, LABEL_GPU_NODE: "true", LABEL_GPU_MODEL: model, LABEL_GPU_COUNT: "8"}
+    return {"metadata": {"name": name, "labels": labels, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {}}
+
+
+class Cluster:
+    """One real control plane (etcd + kube-apiserver, no controller manager: nothing here needs
+    one) for the whole run, emptied between measurements."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.cp = realk8s.ControlPlane(workdir).start(controller_manager=False)
+        self.cp.ensure_namespace("default")  # its ServiceAccount: pods need it
+        self.core = self.cp.core
+        self.pool = ThreadPoolExecutor(16)
+
+    def create_nodes(self, names: list[str]) -> None:
+        list(self.pool.map(lambda n: self.core.create_node(node_obj(n), _preload_content=False), names))
+
+    def create_pods(self, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        def create(p: dict[str, Any]) -> dict[str, Any]:
+            return json.loads(self.core.create_namespaced_pod("default", p, _preload_content=False).data)
+
+        return list(self.pool.map(create, pods))
+
+    def empty(self) -> None:
+        self.core.delete_collection_namespaced_pod("default", grace_period_seconds=0)
+        self.core.delete_collection_node()
+
+    def stop(self) -> None:
+        self.pool.shutdown()
+        self.cp.stop()
 
 
 def pod_obj(name: str, shape: tuple) -> dict[str, Any]:
     cls, gpus, mem, sm = shape
-    limits = {"gpupack.io/gpu": str(gpus)}
+    limits = {RES_GPU: str(gpus)}
     if mem:
         limits["gpupack.io/gpu-mem"] = str(mem)
     if sm:
         limits["gpupack.io/gpu-sm"] = str(sm)
     return {
         "metadata": {"name": name, "namespace": "default", "labels": {LABEL_CLASS: cls}},
-        "spec": {"containers": [{"name": "main", "image": "x", "resources": {"limits": limits}}]},
+        "spec": {
+            "schedulerName": "gpupack-scheduler",
+            "containers": [{"name": "main", "image": "x", "resources": {"limits": limits}}],
+        },
     }
 
 
@@ -115,129 +153,129 @@ class Extender(ExtenderProcess):
         return total
 
 
-def kubeconfig_in(tmp: Path, url: str) -> Path:
-    return write_kubeconfig(tmp / "kubeconfig", url)
+def kubeconfig_in(tmp: Path, cluster: Cluster) -> Path:
+    return cluster.cp.write_kubeconfig(tmp / "kubeconfig")
 
 
-def bench_scheduling(n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: int) -> dict[str, Any]:
+def bench_scheduling(
+    cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: int
+) -> dict[str, Any]:
     rng = random.Random(seed)
-    with KubeAPIServer(record_requests=False, history_limit=200_000) as api:
-        names = [f"node-{i:05d}" for i in range(n_nodes)]
-        for n in names:
-            api.create("nodes", node_obj(n))
-        pods = []
-        for i in range(n_pods):
-            pods.append(api.create("pods", pod_obj(f"p{i:06d}", rng.choice(SHAPES))))
-        ext = Extender(kubeconfig_in(tmp, api.url), tmp / f"extender-{n_nodes}.log")
-        try:
-            ready_s = ext.wait_ready()
-            http = requests.Session()
+    cluster.empty()
+    names = [f"node-{i:05d}" for i in range(n_nodes)]
+    cluster.create_nodes(names)
+    pods = cluster.create_pods([pod_obj(f"p{i:06d}", rng.choice(SHAPES)) for i in range(n_pods)])
+    ext = Extender(kubeconfig_in(tmp, cluster), tmp / f"extender-{n_nodes}.log")
+    try:
+        ready_s = ext.wait_ready()
+        http = requests.Session()
 
-            server: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
+        server: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
 
-            def server_time(verb: str, r: requests.Response) -> None:
-                st = r.headers.get("Server-Timing", "")
-                if "dur=" in st:
-                    server[verb].append(float(st.split("dur=")[1]) / 1000)
+        def server_time(verb: str, r: requests.Response) -> None:
+            st = r.headers.get("Server-Timing", "")
+            if "dur=" in st:
+                server[verb].append(float(st.split("dur=")[1]) / 1000)
 
-            def post(verb: str, body: dict) -> tuple[float, Any]:
-                data = json.dumps(body)
-                t0 = time.perf_counter()
-                r = http.post(f"{ext.url}/{verb}", data=data, headers={"Content-Type": "application/json"})
-                dt = time.perf_counter() - t0
-                r.raise_for_status()
-                server_time(verb, r)
-                return dt, r.json()
+        def post(verb: str, body: dict) -> tuple[float, Any]:
+            data = json.dumps(body)
+            t0 = time.perf_counter()
+            r = http.post(f"{ext.url}/{verb}", data=data, headers={"Content-Type": "application/json"})
+            dt = time.perf_counter() - t0
+            r.raise_for_status()
+            server_time(verb, r)
+            return dt, r.json()
 
-            # cold: first filter of each shape over every node (the equivalence cache is empty)
-            cold = []
-            for j, shape in enumerate(SHAPES):
-                probe = pod_obj(f"cold{j}", shape)
-                probe["metadata"]["uid"] = f"cold-{j}"
-                cold.append(post("filter", {"Pod": probe, "NodeNames": names, "Nodes": None})[0])
+        # cold: first filter of each shape over every node (the equivalence cache is empty)
+        cold = []
+        for j, shape in enumerate(SHAPES):
+            probe = pod_obj(f"cold{j}", shape)
+            probe["metadata"]["uid"] = f"cold-{j}"
+            cold.append(post("filter", {"Pod": probe, "NodeNames": names, "Nodes": None})[0])
 
-            filt, prio, both, binds = [], [], [], []
-            bind_err = []
-            lock = threading.Lock()
-            bind_http = threading.local()
+        filt, prio, both, binds = [], [], [], []
+        bind_err = []
+        lock = threading.Lock()
+        bind_http = threading.local()
 
-            def kubelet(name: str) -> None:
-                api.patch("pods", name, {"metadata": {"annotations": {ANN_HANDOFF: HANDOFF_DONE}}}, "default")
+        def kubelet(name: str) -> None:
+            body = {"metadata": {"annotations": {ANN_HANDOFF: HANDOFF_DONE}}}
+            cluster.core.patch_namespaced_pod(name, "default", body, _preload_content=False)
 
-            def bind(p: dict, node: str) -> None:
-                s = getattr(bind_http, "s", None) or requests.Session()
-                bind_http.s = s
-                body = {"PodName": p["metadata"]["name"], "PodNamespace": "default",
-                        "PodUID": p["metadata"]["uid"], "Node": node}
-                t0 = time.perf_counter()
-                r = s.post(f"{ext.url}/bind", data=json.dumps(body), headers={"Content-Type": "application/json"})
-                dt = time.perf_counter() - t0
-                err = r.json().get("Error") if r.status_code == 200 else r.text
-                with lock:
-                    server_time("bind", r)
-                    binds.append(dt)
-                    if err:
-                        bind_err.append(err)
-                if not err:
-                    kubelet(p["metadata"]["name"])
+        def bind(p: dict, node: str) -> None:
+            s = getattr(bind_http, "s", None) or requests.Session()
+            bind_http.s = s
+            body = {"PodName": p["metadata"]["name"], "PodNamespace": "default",
+                    "PodUID": p["metadata"]["uid"], "Node": node}
+            t0 = time.perf_counter()
+            r = s.post(f"{ext.url}/bind", data=json.dumps(body), headers={"Content-Type": "application/json"})
+            dt = time.perf_counter() - t0
+            err = r.json().get("Error") if r.status_code == 200 else r.text
+            with lock:
+                server_time("bind", r)
+                binds.append(dt)
+                if err:
+                    bind_err.append(err)
+            if not err:
+                kubelet(p["metadata"]["name"])
 
-            unschedulable = 0
-            warm = {k: 0 for k in server}
-            warm_n = (0, 0, 0)
-            t_all = time.perf_counter()
-            with ThreadPoolExecutor(16) as pool:
-                for i, p in enumerate(pods):
-                    if i == warmup:
-                        # steady state from here: the policy has learned the mix, caches are warm
-                        warm = {k: len(v) for k, v in server.items()}
-                        warm_n = (len(filt), len(prio), len(both))
-                        t_all = time.perf_counter()
-                    body = {"Pod": p, "NodeNames": names, "Nodes": None}
-                    df, out = post("filter", body)
-                    ok = out["NodeNames"]
-                    if not ok:
-                        unschedulable += 1
-                        filt.append(df)
-                        continue
-                    dp, scores = post("prioritize", {"Pod": p, "NodeNames": ok, "Nodes": None})
+        unschedulable = 0
+        warm = {k: 0 for k in server}
+        warm_n = (0, 0, 0)
+        t_all = time.perf_counter()
+        with ThreadPoolExecutor(16) as pool:
+            for i, p in enumerate(pods):
+                if i == warmup:
+                    # steady state from here: the policy has learned the mix, caches are warm
+                    warm = {k: len(v) for k, v in server.items()}
+                    warm_n = (len(filt), len(prio), len(both))
+                    t_all = time.perf_counter()
+                body = {"Pod": p, "NodeNames": names, "Nodes": None}
+                df, out = post("filter", body)
+                ok = out["NodeNames"]
+                if not ok:
+                    unschedulable += 1
                     filt.append(df)
-                    prio.append(dp)
-                    both.append(df + dp)
-                    best = max(scores, key=lambda s: (s["Score"], rng.random()))["Host"]
-                    pool.submit(bind, p, best)
-            wall = time.perf_counter() - t_all
-            ms = lambda v: round(v * 1000, 2)  # noqa: E731
-            warmup_fp_max = max(both[: warm_n[2]], default=0.0)
-            filt, prio, both = filt[warm_n[0]:], prio[warm_n[1]:], both[warm_n[2]:]
-            for k in ("filter", "prioritize"):
-                server[k] = server[k][warm[k]:]
-            n_sv = min(len(server["filter"]), len(server["prioritize"]))
-            sv_both = [a + b for a, b in zip(server["filter"][-n_sv:], server["prioritize"][-n_sv:], strict=True)]
-            return {
-                "server_ms": {
-                    v: {"p50": ms(pct(server[v], 50)), "p99": ms(pct(server[v], 99))} for v in server
-                } | {"filter_plus_prioritize": {"p50": ms(pct(sv_both, 50)), "p99": ms(pct(sv_both, 99))}},
-                "load_avg_1m": round(os.getloadavg()[0], 2),
-                "nodes": n_nodes,
-                "gpus": n_nodes * 8,
-                "pods": n_pods,
-                "ready_s": round(ready_s, 2),
-                "filter_cold_ms": {"p50": ms(statistics.median(cold)), "max": ms(max(cold))},
-                "filter_ms": {"p50": ms(pct(filt, 50)), "p99": ms(pct(filt, 99))},
-                "prioritize_ms": {"p50": ms(pct(prio, 50)), "p99": ms(pct(prio, 99))},
-                "filter_plus_prioritize_ms": {"p50": ms(pct(both, 50)), "p99": ms(pct(both, 99))},
-                "bind_ms": {"p50": ms(pct(binds, 50)), "p99": ms(pct(binds, 99))},
-                "bound": len(binds) - len(bind_err),
-                "bind_errors": len(bind_err),
-                "bind_error_sample": bind_err[:3],
-                "unschedulable": unschedulable,
-                "pods_per_s": round((n_pods - warmup) / wall, 1),
-                "warmup_pods": warmup,
-                "warmup_filter_plus_prioritize_max_ms": ms(warmup_fp_max),
-                "extender_rss_mib": round(ext.worker_rss_mib(), 1),
-            }
-        finally:
-            ext.stop()
+                    continue
+                dp, scores = post("prioritize", {"Pod": p, "NodeNames": ok, "Nodes": None})
+                filt.append(df)
+                prio.append(dp)
+                both.append(df + dp)
+                best = max(scores, key=lambda s: (s["Score"], rng.random()))["Host"]
+                pool.submit(bind, p, best)
+        wall = time.perf_counter() - t_all
+        ms = lambda v: round(v * 1000, 2)  # noqa: E731
+        warmup_fp_max = max(both[: warm_n[2]], default=0.0)
+        filt, prio, both = filt[warm_n[0]:], prio[warm_n[1]:], both[warm_n[2]:]
+        for k in ("filter", "prioritize"):
+            server[k] = server[k][warm[k]:]
+        n_sv = min(len(server["filter"]), len(server["prioritize"]))
+        sv_both = [a + b for a, b in zip(server["filter"][-n_sv:], server["prioritize"][-n_sv:], strict=True)]
+        return {
+            "server_ms": {
+                v: {"p50": ms(pct(server[v], 50)), "p99": ms(pct(server[v], 99))} for v in server
+            } | {"filter_plus_prioritize": {"p50": ms(pct(sv_both, 50)), "p99": ms(pct(sv_both, 99))}},
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "nodes": n_nodes,
+            "gpus": n_nodes * 8,
+            "pods": n_pods,
+            "ready_s": round(ready_s, 2),
+            "filter_cold_ms": {"p50": ms(statistics.median(cold)), "max": ms(max(cold))},
+            "filter_ms": {"p50": ms(pct(filt, 50)), "p99": ms(pct(filt, 99))},
+            "prioritize_ms": {"p50": ms(pct(prio, 50)), "p99": ms(pct(prio, 99))},
+            "filter_plus_prioritize_ms": {"p50": ms(pct(both, 50)), "p99": ms(pct(both, 99))},
+            "bind_ms": {"p50": ms(pct(binds, 50)), "p99": ms(pct(binds, 99))},
+            "bound": len(binds) - len(bind_err),
+            "bind_errors": len(bind_err),
+            "bind_error_sample": bind_err[:3],
+            "unschedulable": unschedulable,
+            "pods_per_s": round((n_pods - warmup) / wall, 1),
+            "warmup_pods": warmup,
+            "warmup_filter_plus_prioritize_max_ms": ms(warmup_fp_max),
+            "extender_rss_mib": round(ext.worker_rss_mib(), 1),
+        }
+    finally:
+        ext.stop()
 
 
 def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int) -> dict[str, Any]:
@@ -291,46 +329,44 @@ def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int) -> dict[str,
     }
 
 
-def bench_memory(n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[str, Any]:
+def bench_memory(cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[str, Any]:
     """Extender worker RSS and resync time with n_pods GPU pods already assigned and bound."""
     rng = random.Random(seed)
-    with KubeAPIServer(record_requests=False, history_limit=1000) as api:
-        names = [f"node-{i:05d}" for i in range(n_nodes)]
-        for n in names:
-            api.create("nodes", node_obj(n))
-        t0 = time.monotonic()
-        for i in range(n_pods):
-            node = names[i % n_nodes]
-            gpu = (i // n_nodes) % 8
-            mem = rng.choice([4096, 8192, 10240])
-            a = Assignment(f"uid-{i}", node, "online", {"main": (GPUShare(f"GPU-{node}-{gpu}", gpu, mem, 10),)})
-            p = pod_obj(f"m{i:06d}", ("online", 1, mem, 10))
-            p["metadata"]["labels"][LABEL_MANAGED] = "true"
-            p["metadata"]["annotations"] = {ANN_ASSIGNMENT: a.to_json(), ANN_HANDOFF: HANDOFF_DONE}
-            p["spec"]["nodeName"] = node
-            api.create("pods", p)
-        build_s = time.monotonic() - t0
-        base = Extender(kubeconfig_in(tmp, api.url), tmp / "extender-empty.log")
-        # baseline: the same process with the nodes only would need another cluster; instead report
-        # the RSS of an extender on this cluster and of one with no pods listed (label mismatch).
-        try:
-            ready_s = base.wait_ready()
-            time.sleep(1.0)
-            rss = base.worker_rss_mib()
-            metrics = requests.get(base.url + "/metrics", timeout=30).text
-            pods_line = next(ln for ln in metrics.splitlines() if ln.startswith("gpupack_extender_pods "))
-        finally:
-            base.stop()
-    with KubeAPIServer(record_requests=False) as api:
-        for n in names:
-            api.create("nodes", node_obj(n))
-        empty = Extender(kubeconfig_in(tmp, api.url), tmp / "extender-nopods.log")
-        try:
-            empty.wait_ready()
-            time.sleep(1.0)
-            rss_nodes_only = empty.worker_rss_mib()
-        finally:
-            empty.stop()
+    cluster.empty()
+    names = [f"node-{i:05d}" for i in range(n_nodes)]
+    cluster.create_nodes(names)
+    t0 = time.monotonic()
+    todo = []
+    for i in range(n_pods):
+        node = names[i % n_nodes]
+        gpu = (i // n_nodes) % 8
+        mem = rng.choice([4096, 8192, 10240])
+        a = Assignment(f"uid-{i}", node, "online", {"main": (GPUShare(f"GPU-{node}-{gpu}", gpu, mem, 10),)})
+        p = pod_obj(f"m{i:06d}", ("online", 1, mem, 10))
+        p["metadata"]["labels"][LABEL_MANAGED] = "true"
+        p["metadata"]["annotations"] = {ANN_ASSIGNMENT: a.to_json(), ANN_HANDOFF: HANDOFF_DONE}
+        p["spec"]["nodeName"] = node
+        todo.append(p)
+    cluster.create_pods(todo)
+    build_s = time.monotonic() - t0
+    base = Extender(kubeconfig_in(tmp, cluster), tmp / "extender-empty.log")
+    # then the baseline: an extender on the same nodes once the pods are gone
+    try:
+        ready_s = base.wait_ready()
+        time.sleep(1.0)
+        rss = base.worker_rss_mib()
+        metrics = requests.get(base.url + "/metrics", timeout=30).text
+        pods_line = next(ln for ln in metrics.splitlines() if ln.startswith("gpupack_extender_pods "))
+    finally:
+        base.stop()
+    cluster.core.delete_collection_namespaced_pod("default", grace_period_seconds=0)
+    empty = Extender(kubeconfig_in(tmp, cluster), tmp / "extender-nopods.log")
+    try:
+        empty.wait_ready()
+        time.sleep(1.0)
+        rss_nodes_only = empty.worker_rss_mib()
+    finally:
+        empty.stop()
     return {
         "nodes": n_nodes,
         "gpu_pods": n_pods,
@@ -374,42 +410,50 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for n in args.nodes or [100, 1000, 5000]:
-            pods = args.pods or min(3000, max(300, 3 * n))
-            r = bench_scheduling(n, pods + args.warmup, args.seed, tmp, args.warmup)
-            results["scheduling"].append(r)
-            if not args.json:
-                print(
-                    f"{n:>5} nodes x 8 GPUs, {pods} pods after {args.warmup} warm-up: filter p50/p99 {r['filter_ms']['p50']}/{r['filter_ms']['p99']} ms"
-                    f" (cold {r['filter_cold_ms']['p50']} ms), prioritize {r['prioritize_ms']['p50']}/"
-                    f"{r['prioritize_ms']['p99']} ms, filter+prioritize {r['filter_plus_prioritize_ms']['p50']}/"
-                    f"{r['filter_plus_prioritize_ms']['p99']} ms, bind {r['bind_ms']['p50']}/{r['bind_ms']['p99']} ms,"
-                    f" {r['pods_per_s']} pods/s, bound {r['bound']}, unschedulable {r['unschedulable']},"
-                    f" RSS {r['extender_rss_mib']} MiB; warm-up filter+prioritize max"
-                    f" {r['warmup_filter_plus_prioritize_max_ms']} ms",
-                    flush=True,
-                )
-                sv = r["server_ms"]
-                print(
-                    f"       server side: filter {sv['filter']['p50']}/{sv['filter']['p99']} ms, prioritize "
-                    f"{sv['prioritize']['p50']}/{sv['prioritize']['p99']} ms, filter+prioritize "
-                    f"{sv['filter_plus_prioritize']['p50']}/{sv['filter_plus_prioritize']['p99']} ms, bind "
-                    f"{sv['bind']['p50']}/{sv['bind']['p99']} ms (load average {r['load_avg_1m']} on {os.cpu_count()} CPUs)",
-                    flush=True,
-                )
-        if args.memory_pods:
-            m = bench_memory(args.memory_nodes, args.memory_pods, args.seed, tmp)
-            results["memory"] = m
-            if not args.json:
-                print(
-                    f"memory: {m['gpu_pods']} GPU pods on {m['nodes']} nodes: extender RSS {m['extender_rss_mib']} MiB"
-                    f" ({m['extender_rss_nodes_only_mib']} MiB with nodes only, {m['kib_per_pod']} KiB/pod),"
-                    f" resync {m['resync_s']} s",
-                    flush=True,
-                )
+        cluster = Cluster(tmp / "k8s")
+        try:
+            run_http(args, results, cluster, tmp)
+        finally:
+            cluster.stop()
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
+
+
+def run_http(args: argparse.Namespace, results: dict[str, Any], cluster: Cluster, tmp: Path) -> None:
+    for n in args.nodes or [100, 1000, 5000]:
+        pods = args.pods or min(3000, max(300, 3 * n))
+        r = bench_scheduling(cluster, n, pods + args.warmup, args.seed, tmp, args.warmup)
+        results["scheduling"].append(r)
+        if not args.json:
+            print(
+                f"{n:>5} nodes x 8 GPUs, {pods} pods after {args.warmup} warm-up: filter p50/p99 {r['filter_ms']['p50']}/{r['filter_ms']['p99']} ms"
+                f" (cold {r['filter_cold_ms']['p50']} ms), prioritize {r['prioritize_ms']['p50']}/"
+                f"{r['prioritize_ms']['p99']} ms, filter+prioritize {r['filter_plus_prioritize_ms']['p50']}/"
+                f"{r['filter_plus_prioritize_ms']['p99']} ms, bind {r['bind_ms']['p50']}/{r['bind_ms']['p99']} ms,"
+                f" {r['pods_per_s']} pods/s, bound {r['bound']}, unschedulable {r['unschedulable']},"
+                f" RSS {r['extender_rss_mib']} MiB; warm-up filter+prioritize max"
+                f" {r['warmup_filter_plus_prioritize_max_ms']} ms",
+                flush=True,
+            )
+            sv = r["server_ms"]
+            print(
+                f"       server side: filter {sv['filter']['p50']}/{sv['filter']['p99']} ms, prioritize "
+                f"{sv['prioritize']['p50']}/{sv['prioritize']['p99']} ms, filter+prioritize "
+                f"{sv['filter_plus_prioritize']['p50']}/{sv['filter_plus_prioritize']['p99']} ms, bind "
+                f"{sv['bind']['p50']}/{sv['bind']['p99']} ms (load average {r['load_avg_1m']} on {os.cpu_count()} CPUs)",
+                flush=True,
+            )
+    if args.memory_pods:
+        m = bench_memory(cluster, args.memory_nodes, args.memory_pods, args.seed, tmp)
+        results["memory"] = m
+        if not args.json:
+            print(
+                f"memory: {m['gpu_pods']} GPU pods on {m['nodes']} nodes: extender RSS {m['extender_rss_mib']} MiB"
+                f" ({m['extender_rss_nodes_only_mib']} MiB with nodes only, {m['kib_per_pod']} KiB/pod),"
+                f" resync {m['resync_s']} s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
