@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import realk8s
 from dp_binder import TestBinder
-from fake_nvml import FakeNvml
+from fake_nvml import FakeNvml, fake_uuid
 from harness import HarnessDir, plugin_command
 
 from deviceplugin.discovery import discover, init_nvml
@@ -101,6 +101,9 @@ class DP:
         if self.inventory() is None:
             self.publish_inventory()
         return self.binder.bind(self.ns, name, self.node, gpus)
+
+    def nvml_uuid(self, index: int) -> str:
+        return fake_uuid(str(self.nvml["uuid_seed"]), index)
 
     def publish_inventory(self) -> None:
         """What the plugin publishes for `self.nvml`, as if it had run on this node before: the

@@ -23,6 +23,8 @@ real node. Configured from a small YAML/dict:
         - {gpu: 2, xid: 79, after_s: 1.5}
       lost:                    # GPUs that fall off the bus after a delay
         - {gpu: 4, after_s: 3}
+      xid_file: /tmp/x         # lines "GPU XID" appended to this file are delivered as XID events
+                               # (fault injection into a plugin running as its own process)
 
 Tests may also inject faults at run time with :meth:`FakeNvml.inject_xid` and :meth:`FakeNvml.lose`.
 """
@@ -124,6 +126,8 @@ class FakeNvml:
             self._timed.append((float(x.get("after_s", 0)), "xid", int(x["gpu"]), int(x["xid"])))
         for x in faults.get("lost", []) or []:
             self._timed.append((float(x.get("after_s", 0)), "lost", int(x["gpu"]), 79))
+        self._xid_file = str(faults.get("xid_file") or "")
+        self._xid_file_seen = 0  # lines of it already delivered
         self._events: queue.Queue[XidEvent] = queue.Queue()
         self._watch_started: float | None = None
         self._initialized = False
@@ -233,6 +237,7 @@ class FakeNvml:
 
     def _fire_timed(self) -> None:
         assert self._watch_started is not None
+        self._fire_file()
         elapsed = time.monotonic() - self._watch_started
         due = [t for t in self._timed if t[0] <= elapsed]
         self._timed = [t for t in self._timed if t[0] > elapsed]
@@ -241,6 +246,18 @@ class FakeNvml:
                 self.lose(gpu)
             else:
                 self.inject_xid(gpu, xid)
+
+    def _fire_file(self) -> None:
+        if not self._xid_file:
+            return
+        try:
+            lines = Path(self._xid_file).read_text().splitlines()
+        except FileNotFoundError:
+            return
+        for line in lines[self._xid_file_seen :]:
+            gpu, xid = line.split()
+            self.inject_xid(int(gpu), int(xid))
+        self._xid_file_seen = len(lines)
 
     def probe(self, index: int) -> None:
         self._call(index, "probe")

@@ -124,10 +124,12 @@ def test_several_gpu_containers_cpu_only_and_whole_gpus(dp):
 def test_kubelet_restart_between_two_pods(dp, mode):
     """`kubelet`: a brand-new device manager restored from the checkpoint; `server`: the
     registration server goes away and comes back. The plugin registers again and serves the
-    second pod; the restored allocations of the first are not handed out again."""
+    second pod. The first pod, admitted again after the restart (as a restarted kubelet does with
+    running pods), gets its checkpointed devices and env without any Allocate reaching the plugin:
+    had it reached it, the plugin would have handed it the pending second pod's GPU."""
     first = dp.make_pod("first", containers=[("main", 1, 10000, 20)])
     second = dp.make_pod("second", containers=[("main", 1, 12000, 30)])
-    a1 = dp.bind("first")
+    a1 = dp.bind("first", gpus={"main": [0]})
     dp.harness.start(
         [harness_pod(first)],
         plugin_cmd=dp.plugin_cmd(),
@@ -139,17 +141,24 @@ def test_kubelet_restart_between_two_pods(dp, mode):
         lambda e: e.get("event") == "restart" and e.get("phase") == "stopped", 60, "restart"
     )
     assert_done(dp, "first", ["main"])
-    a2 = dp.bind("second")  # the node is free again: the first handoff is done
-    dp.harness.write_pods_after_restart([harness_pod(second)])
+    a2 = dp.bind("second", gpus={"main": [1]})  # the node is free again: the first handoff is done
+    dp.harness.write_pods_after_restart([harness_pod(first), harness_pod(second)])
     assert dp.harness.finish() == 0, dp.harness.report()
     assert [e["registration"] for e in dp.harness.of("registered")] == [1, 2]
     assert dp.harness.of("reregistered")
-    g1 = dp.harness.allocations(first["metadata"]["uid"])["main"]
+    again = [e for e in dp.harness.of("allocate") if e["uid"] == first["metadata"]["uid"]]
+    assert len(again) == 2 and ids(again[0]) == ids(again[1])
+    for e in again:
+        assert_env_is_assignment(e["envs"], a1, "main")
     g2 = dp.harness.allocations(second["metadata"]["uid"])["main"]
-    assert_env_is_assignment(g1["envs"], a1, "main")
     assert_env_is_assignment(g2["envs"], a2, "main")
-    assert not set(ids(g1)) & set(ids(g2))
+    assert not set(ids(again[0])) & set(ids(g2))
+    assert_done(dp, "first", ["main"])
     assert_done(dp, "second", ["main"])
+    served = [line for f in sorted(dp.dirs.base.glob("plugin.*.log")) for line in f.read_text().splitlines()]
+    assert sum("Allocate: pod" in line for line in served) == 2, (
+        "the plugin was asked twice for one container"
+    )
 
 
 def test_plugin_killed_and_restarted_between_two_pods(dp):
@@ -351,3 +360,31 @@ def test_pod_changed_during_allocate_is_reread_not_overwritten(dp, tmp_path):
         assert p["metadata"]["labels"]["touched"] == "yes"  # the other writer's change survived
         assert p["metadata"]["annotations"][ANN_HANDOFF] == contract.HANDOFF_DONE
         assert proxy.count("PATCH", r"/pods/busy$") >= 2  # ours (409), then ours again
+
+
+def test_health_change_reaches_the_connected_kubelet_and_the_inventory(dp, tmp_path):
+    """An XID while the kubelet is connected: a ListAndWatch update marks that GPU's slots
+    unhealthy and lowers the node's allocatable; application XIDs are ignored. The kubelet is held
+    connected by a slow API answer during the pod's admission."""
+    trigger = tmp_path / "xids"
+    nvml = {**dp.nvml, "faults": {"xid_file": str(trigger)}}
+    with FaultProxy(dp.cluster.url) as proxy:
+        kc = dp.cluster.write_kubeconfig(tmp_path / "proxied", server=proxy.url)
+        pod = dp.make_pod("slow")
+        a = dp.bind("slow", gpus={"main": [0]})
+        proxy.delay(r"/api/v1/pods$", 4.0, method="GET", times=1)  # the plugin's pod list, once
+        dp.harness.start([harness_pod(pod)], plugin_cmd=dp.plugin_cmd(nvml, kubeconfig=kc))
+        dp.harness.wait_event(lambda e: e.get("event") == "devices", 60, "first device list")
+        realk8s.until(lambda: proxy.count("GET", r"/api/v1/pods$") >= 1, 30, "the plugin's pod list")
+        with trigger.open("a") as f:
+            f.write("3 43\n2 79\n")
+        dev = dp.harness.wait_event(
+            lambda e: e.get("event") == "devices" and e["unhealthy"], 10, "health update"
+        )
+        assert dev["unhealthy"] == SLOTS and {gpu_of(i) for i in dev["unhealthy_ids"]} == {dp.nvml_uuid(2)}
+        assert dev["node_allocatable"] == str(3 * SLOTS) and dev["node_capacity"] == str(4 * SLOTS)
+        assert not dp.harness.of("allocate")  # the admission was still in flight
+        assert dp.harness.finish() == 0, dp.harness.report()
+    assert_env_is_assignment(dp.harness.allocations(pod["metadata"]["uid"])["main"]["envs"], a, "main")
+    inv = dp.wait_inventory(lambda i: not i.gpus[2].healthy)
+    assert [g.index for g in inv.gpus if not g.healthy] == [2] and inv.gpus[2].unhealthy_reason == "XID 79"
