@@ -152,6 +152,16 @@ class Fleet:
         rs_name = until(rs, 30, f"the ReplicaSet of Deployment {ns}/{name}")
         return rs_name, self._wait_pods(ns, "ReplicaSet", rs_name, replicas)
 
+    def statefulset(self, ns: str, name: str, mem: int, sm: int, cls: str = "offline") -> str:
+        """A real StatefulSet of one replica; returns its pod's name (`name`-0; a replacement keeps
+        the name and gets a new UID, and only once the old pod is gone)."""
+        self.apps.create_namespaced_stateful_set(ns, {
+            "metadata": {"name": name},
+            "spec": {"replicas": 1, "serviceName": name, "selector": {"matchLabels": {"app": name}},
+                     "template": self.template(name, mem, sm, cls)},
+        })  # fmt: skip
+        return self._wait_pods(ns, "StatefulSet", name, 1)[0]
+
     def daemonset(self, ns: str, name: str, node: str, mem: int, sm: int, cls: str = "offline") -> str:
         """A real DaemonSet limited to `node`; returns its one pod's name."""
         tpl = self.template(name, mem, sm, cls)

@@ -36,11 +36,13 @@ def test_the_extender_places_each_replacement_on_its_reserved_gpu(
     fleet.place(ns, anchor, n1, 0, 50000, 50)
     rs1, (w1,) = fleet.deployment(ns, "w1", 8000, 10)
     fleet.place(ns, w1, n1, 1, 8000, 10)
-    rs2, (w2,) = fleet.deployment(ns, "w2", 8000, 10)
+    # A StatefulSet's replacement keeps the pod's name (new UID) and appears only once the old
+    # pod is gone.
+    w2 = fleet.statefulset(ns, "w2", 8000, 10)
     fleet.place(ns, w2, n2, 0, 8000, 10)
     lonely = fleet.bare_pod(ns, "lonely", 8000, 10)
     fleet.place(ns, lonely, n2, 1, 8000, 10)
-    lonely_uid = fleet.pods(ns)[f"{ns}/{lonely}"]["metadata"]["uid"]
+    uids = {k: p["metadata"]["uid"] for k, p in fleet.pods(ns).items()}
     metrics = tmp_path / "m.prom"
 
     sched = Scheduling(cluster, tmp_path, ns)
@@ -52,7 +54,7 @@ def test_the_extender_places_each_replacement_on_its_reserved_gpu(
         doc = json.loads(out)
         plan, result = doc["plan"], doc["result"]
         assert plan["evictions"] == 2 and plan["gpus_freed"] == 2
-        assert {m["owner"] for m in plan["moves"]} == {f"ReplicaSet/{rs1}", f"ReplicaSet/{rs2}"}
+        assert {m["owner"] for m in plan["moves"]} == {f"ReplicaSet/{rs1}", "StatefulSet/w2"}
         assert [m["outcome"] for m in result["moves"]] == ["done", "done"], sched.logs()
         assert all(m["on_reservation"] for m in result["moves"]), sched.logs()
         assert not sched.kubelets.errors, sched.logs()
@@ -68,13 +70,15 @@ def test_the_extender_places_each_replacement_on_its_reserved_gpu(
         assert a.reservation.endswith(f"-{move['step']}")
         assert ann[ANN_HANDOFF] == HANDOFF_DONE
         assert pod["status"]["phase"] == "Running" and ready(pod)
-        assert move["pod"] not in pods, "the kubelet finished the evicted pod"
+        assert pod["metadata"]["uid"] != uids[move["pod"]]
+        evicted = pods.get(move["pod"])
+        assert evicted is None or evicted["metadata"]["uid"] != uids[move["pod"]], "the evicted pod is gone"
     assert sorted(result["gpus_freed"]) == sorted(
         f"{g['node']}/{u}" for g in plan["groups"] for u in g["gpus_freed"]
     )
     for n in (n1, n2):
         assert ANN_RESERVATIONS not in fleet.node_annotations(n)
-    assert pods[f"{ns}/{lonely}"]["metadata"]["uid"] == lonely_uid, "the bare pod stayed"
+    assert pods[f"{ns}/{lonely}"]["metadata"]["uid"] == uids[f"{ns}/{lonely}"], "the bare pod stayed"
     reasons = [e["reason"] for e in fleet.defrag_events(ns)]
     assert reasons.count("DefragEvicted") == 2 and reasons.count("DefragMoved") == 2
     assert "DefragFreedGPUs" in reasons
