@@ -347,3 +347,16 @@ def test_a_throttled_eviction_is_retried_not_taken_for_a_pdb(fleet, proxy, kubec
     assert fleet.pods(s.ns)[f"{s.ns}/{s.w1}"]["metadata"].get("deletionTimestamp")
     assert "DefragEvictionRefused" not in {e["reason"] for e in fleet.defrag_events(s.ns)}
     assert 'gpupack_defrag_evictions_total{result="evicted"} 1.0' in metrics.read_text()
+
+
+def test_losing_the_lease_stops_the_run_before_the_next_move(fleet, proxy, kubeconfig, capsys):
+    """A 409 renewing the Lease (another writer changed it) means the run may no longer act."""
+    s = seed(fleet)
+    proxy.fail_next("PUT", f"/namespaces/{fleet.lease_ns}/leases/{LEASE}$", 409)
+    rc, out, err = run_cli(kubeconfig, fleet, "--apply", "--json", "--move-timeout", "0.5", "--poll-interval",
+                           "0.05", capsys=capsys)  # fmt: skip
+    assert rc == 1, err
+    result = json.loads(out)["result"]
+    assert "lost the run lease" in result["aborted"] and result["moves"] == []
+    assert proxy.count("POST", EVICTION) == 0
+    assert ANN_RESERVATIONS not in fleet.node_annotations(s.node)
