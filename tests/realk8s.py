@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,6 @@ HOW_TO_GET = (
     "SHA256SUMS (as ../shared/k8s has), or check out ../shared beside the repository"
 )
 SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
-
-urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
 
 # --- finding and unpacking the binaries ------------------------------------------------------------
@@ -173,6 +172,17 @@ def kubeconfig_dict(server: str, token: str, ca_file: Path | None) -> dict[str, 
     }
 
 
+def gpupack_scheduler_config(extender_url: str) -> dict[str, Any]:
+    """The KubeSchedulerConfiguration gpupack ships (deploy/scheduler/config.yaml, a ConfigMap) with
+    only the extender's urlPrefix changed; `ControlPlane.start_scheduler` sets kubeconfig and
+    leader election."""
+    cm = yaml.safe_load((REPO / "deploy" / "scheduler" / "config.yaml").read_text())
+    cfg = yaml.safe_load(cm["data"]["config.yaml"])
+    (ext,) = cfg["extenders"]
+    ext["urlPrefix"] = extender_url
+    return cfg
+
+
 class ControlPlane:
     """etcd + kube-apiserver (+ controller-manager, + kube-scheduler on demand) on 127.0.0.1."""
 
@@ -257,7 +267,10 @@ class ControlPlane:
             if not p.alive():
                 raise RuntimeError(f"{name} exited at start: {p.tail()}")
             try:
-                r = requests.get(url, headers=headers, verify=False, timeout=2)
+                # the serving certificate appears only once the API server runs: poll unverified
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+                    r = requests.get(url, headers=headers, verify=False, timeout=2)
                 if r.status_code == 200 and (expect is None or r.text == expect):
                     return
             except requests.RequestException:
@@ -430,7 +443,7 @@ class ControlPlane:
         for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
             with contextlib.suppress(requests.RequestException):
                 requests.delete(f"{self.url}/apis/admissionregistration.k8s.io/v1beta1/{kind}",
-                                headers={"Authorization": f"Bearer {self.token}"}, verify=False, timeout=10)  # fmt: skip
+                                headers={"Authorization": f"Bearer {self.token}"}, verify=str(self.ca_file), timeout=10)  # fmt: skip
         rbac = client.RbacAuthorizationV1Api(self.api_client())
         for b in rbac.list_cluster_role_binding().items:
             if not b.metadata.name.startswith("system:") and b.metadata.name != "cluster-admin":
