@@ -52,8 +52,11 @@ def fragmented_state(nodes: int, gpus: int, seed: int) -> ClusterState:
             c = ContainerRequest("main", 2 if r < 0.15 else 1, rng.choice(MEMS), rng.choice(MILLIS))
         ns = f"ns{i % 7}"
         pod = PodRequest(
-            f"{ns}/p{i}", "offline" if rng.random() < 0.5 else "online", (c,),
-            namespace=ns, owner=("ReplicaSet", f"rs{i // 4}"),
+            f"{ns}/p{i}",
+            "offline" if rng.random() < 0.5 else "online",
+            (c,),
+            namespace=ns,
+            owner=("ReplicaSet", f"rs{i // 4}"),
         )
         for _ in range(20):
             f = fit(s.nodes[rng.choice(names)], pod, rank)
@@ -115,15 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"fragmented state: {args.nodes} nodes x {args.gpus} GPUs, {result['pods']} pods, "
-          f"{result['used_gpus']}/{total} GPUs in use ({shared} shared), built in {gen:.1f}s (seed {args.seed})")
-    print(f"{'budget':>7} {'planner':>9} {'plan s':>8} {'evictions':>10} {'GPUs freed':>11} "
-          f"{'GPUs/evict':>11} {'nodes freed':>12}")
+    print(
+        f"fragmented state: {args.nodes} nodes x {args.gpus} GPUs, {result['pods']} pods, "
+        f"{result['used_gpus']}/{total} GPUs in use ({shared} shared), built in {gen:.1f}s (seed {args.seed})"
+    )
+    print(
+        f"{'budget':>7} {'planner':>9} {'plan s':>8} {'evictions':>10} {'GPUs freed':>11} "
+        f"{'GPUs/evict':>11} {'nodes freed':>12}"
+    )
     for b, r in result["budgets"].items():
         for name in ("defrag", "baseline"):
             x = r[name]
-            print(f"{b:>7} {name:>9} {x['plan_seconds']:>8.2f} {x['evictions']:>10} {x['gpus_freed']:>11} "
-                  f"{x['gpus_per_eviction']:>11.2f} {x['nodes_freed']:>12}")
+            print(
+                f"{b:>7} {name:>9} {x['plan_seconds']:>8.2f} {x['evictions']:>10} {x['gpus_freed']:>11} "
+                f"{x['gpus_per_eviction']:>11.2f} {x['nodes_freed']:>12}"
+            )
     return 0
 
 
