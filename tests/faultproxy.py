@@ -48,7 +48,9 @@ class Record:
 
 
 class FaultProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, tls: tuple[str, str] | None = None) -> None:
+        """`tls` = (certificate file, key file) serves HTTPS: Go clients (kube-scheduler, kubectl)
+        send a kubeconfig's credentials only over TLS, so plain HTTP would make them anonymous."""
         u = urlsplit(upstream)
         self._host, self._port = u.hostname or "127.0.0.1", u.port or 443
         self._ctx = ssl.create_default_context()
@@ -73,7 +75,13 @@ class FaultProxy:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        scheme = "http"
+        if tls is not None:
+            sctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            sctx.load_cert_chain(*tls)
+            self._server.socket = sctx.wrap_socket(self._server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="faultproxy")
 
     def start(self) -> FaultProxy:
