@@ -13,7 +13,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 MERGE_PATCH = "application/merge-patch+json"
-TIMEOUT_S = 10
+# Allocate makes a LIST and a PATCH: both bounded, so a slow API server fails the kubelet's Allocate
+# (it retries admission) instead of holding the node's handoff for minutes.
+TIMEOUT_S = 4
 
 
 class KubeError(RuntimeError):

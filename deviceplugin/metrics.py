@@ -11,9 +11,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
 from deviceplugin.health import DeviceState
@@ -123,6 +125,24 @@ class Metrics:
             "gpupack_kubelet_registrations", "Successful registrations with the kubelet", registry=self.registry
         )
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0", ready: Callable[[], str] | None = None) -> Any:
+        """/metrics, plus /healthz and /readyz for the kubelet's probes. The probes never touch
+        the API server (/metrics lists this node's pods): an API slowdown must not restart the
+        plugin on every GPU node. `ready` returns "" when ready, else why not."""
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path == "/healthz":
+                start_response("200 OK", [("Content-Type", "text/plain")])
+                return [b"ok\n"]
+            if path == "/readyz":
+                why = ready() if ready is not None else ""
+                status = "503 Service Unavailable" if why else "200 OK"
+                start_response(status, [("Content-Type", "text/plain")])
+                return [(why or "ok").encode() + b"\n"]
+            return metrics_app(environ, start_response)
+
+        server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=_SilentHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server

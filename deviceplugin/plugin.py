@@ -63,8 +63,16 @@ class DevicePlugin:
         self.publisher.start()
         self.watcher.start()
         if self.cfg.metrics_port is not None:
-            self._metrics_server = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
+            self._metrics_server = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr, self._not_ready)
             log.info("metrics on http://%s:%d/metrics", self.cfg.metrics_addr, self.metrics_port)
+
+    def _not_ready(self) -> str:
+        """Why the plugin is not ready ("" when it is): its socket must be there for the kubelet."""
+        if self.stopping.is_set():
+            return "stopping"
+        if not os.path.exists(self.socket_path):
+            return f"device plugin socket {self.socket_path} not there"
+        return ""
 
     @property
     def metrics_port(self) -> int | None:

@@ -23,6 +23,8 @@ from kubernetes.client.rest import ApiException
 from gpupack import handoff
 from gpupack.contract import (
     ANN_ASSIGNMENT,
+    ANN_HANDOFF,
+    HANDOFF_FAILED,
     LABEL_MANAGED,
     RES_GPU,
     Assignment,
@@ -38,7 +40,7 @@ from gpupack.core.request import RequestError, parse_pod
 from . import reservations as resv
 from .kube import Kube
 from .metrics import Metrics
-from .view import ClusterView, _init_names
+from .view import ClusterView, PodInfo, _init_names, pod_slots, request_slots
 from .wire import (
     BindArgs,
     ExtenderArgs,
@@ -56,6 +58,9 @@ CACHE_SHAPES = 32
 OBSERVE_WARMUP = 64  # up to this many pods seen, batches double: 1, 1, 2, 4, ... 64
 OBSERVE_BATCH_MAX = 4096  # after that: a flush per this many new pods ...
 OBSERVE_FLUSH_S = 60.0  # ... or per minute, whichever comes first
+# Written on pods kube-scheduler may have parked while the extender was away: an update of the
+# pod itself moves it from the scheduler's unschedulable pods back to its active queue.
+ANN_REQUEUED = "gpupack.io/requeued-at"
 
 
 def utcnow() -> datetime:
@@ -219,6 +224,81 @@ class BindError(Exception):
         self.reason = reason
 
 
+def _lease_time(text: str) -> float | None:
+    t = handoff.parse_rfc3339(text)
+    return None if t is None else t.timestamp()
+
+
+class LeaseFence:
+    """Exactly one writer of assignments: the extender beside the kube-scheduler that holds the
+    scheduler's leader-election Lease. kube-scheduler's holderIdentity is `<hostname>_<uuid>`, and
+    a sidecar shares its pod's hostname, so `identity` (default: this hostname) matches the holder
+    itself or its `<identity>_` prefix. The lease must also stay valid for `margin_s` more, longer
+    than one bounded API call: a write started under the fence ends before a new leader could
+    have taken over (a Lease changes hands only once it has expired, or is released)."""
+
+    def __init__(
+        self, kube: Kube, namespace: str, name: str, identity: str, margin_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
+        self.margin_s = margin_s
+        self.clock = clock
+
+    def problem(self) -> str:
+        """Why this extender may not write now ("" when it may)."""
+        try:
+            lease = self.kube.read_lease(self.namespace, self.name) or {}
+        except ApiException as e:
+            return f"cannot read Lease {self.namespace}/{self.name}: {api_reason(e)}"
+        spec = lease.get("spec") or {}
+        holder = str(spec.get("holderIdentity") or "")
+        if holder != self.identity and not holder.startswith(self.identity + "_"):
+            return (
+                f"this extender ({self.identity}) is not beside the leading kube-scheduler: Lease "
+                f"{self.namespace}/{self.name} is held by {holder or 'nobody'}"
+            )
+        renewed = _lease_time(str(spec.get("renewTime") or spec.get("acquireTime") or ""))
+        duration = spec.get("leaseDurationSeconds")
+        if renewed is None or not isinstance(duration, int):
+            return f"Lease {self.namespace}/{self.name} has no renewTime/leaseDurationSeconds"
+        left = renewed + duration - self.clock()
+        if left < self.margin_s:
+            return f"Lease {self.namespace}/{self.name} expires in {left:.1f} s; not writing under it"
+        return ""
+
+    def check(self) -> None:
+        why = self.problem()
+        if why:
+            raise BindError(why, "not-leader")
+
+
+class Janitor:
+    """Runs :meth:`Extender.requeue_waiting` once the view has synced, then :meth:`Extender.sweep`
+    every `interval_s`, in a daemon thread."""
+
+    def __init__(self, ext: Extender, interval_s: float = 5.0) -> None:
+        self.ext, self.interval_s = ext, interval_s
+        self.stop = threading.Event()
+
+    def start(self) -> Janitor:
+        threading.Thread(target=self.run, name="janitor", daemon=True).start()
+        return self
+
+    def run(self) -> None:
+        while not self.ext.view.synced.wait(0.5):
+            if self.stop.is_set():
+                return
+        try:
+            self.ext.requeue_waiting()
+        except Exception:
+            log.exception("requeue of waiting pods failed")
+        while not self.stop.wait(self.interval_s):
+            try:
+                self.ext.sweep()
+            except Exception:
+                log.exception("janitor pass failed")
+
+
 class Extender:
     def __init__(
         self,
@@ -229,7 +309,13 @@ class Extender:
         bind_wait_s: float = 10.0,
         stale_handoff_s: float = 120.0,
         clock: Callable[[], datetime] = utcnow,
+        fence: LeaseFence | None = None,
+        unbound_grace_s: float = 15.0,
+        scheduler_name: str = "gpupack-scheduler",
     ) -> None:
+        self.fence = fence
+        self.unbound_grace_s = unbound_grace_s
+        self.scheduler_name = scheduler_name
         self.view = view
         self.policy = policy
         self.kube = kube
@@ -320,6 +406,20 @@ class Extender:
                 "corrupt-inventory",
                 True,
             ), None
+        if info.slots <= 0:
+            return FitFailure(
+                f"node {name}: no {RES_GPU} slots allocatable (the gpupack device plugin is not registered "
+                "with its kubelet, or has gone)",
+                "no-slots",
+            ), None
+        need = request_slots(pod)
+        free = self.view.slots_free(name)
+        if need > free:
+            return FitFailure(
+                f"node {name}: {need} {RES_GPU} slot(s) needed, {max(free, 0)} of {info.slots} free "
+                "(the kubelet admits no more GPU containers)",
+                "slots",
+            ), None
         held = self.view.active_reservations(name, now)
         if not held:
             if table is not None:
@@ -378,6 +478,7 @@ class Extender:
             log.info("filter: %s", e)
             self.metrics.rejections.labels("invalid-request").inc(len(args.node_names))
             return unresolvable_result(args, f"gpupack cannot place this pod: {e}")
+        self._clean_own_stale(args.pod)
         now = self.clock()
         names = args.node_names
         with self.view.lock:
@@ -423,6 +524,17 @@ class Extender:
                     failed[n] = f"pod is steered to node {target} by defrag reservation {r.id}"
                     codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
             passed = steered
+        locked = self.view.locked_nodes(pod.uid)
+        if locked and any(n in locked for n in passed):
+            free = [n for n in passed if n not in locked]
+            if free:
+                # A bind there would wait for the kubelet to admit the other pod first; another
+                # node that fits is better than a bind that waits and maybe fails into back-off.
+                for n in passed:
+                    if n in locked:
+                        failed[n] = f"node {n}: GPU handoff of pod {locked[n]} still pending there (waiting for its kubelet)"
+                        codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
+                passed = free
         for code, k in codes.items():
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
@@ -485,7 +597,11 @@ class Extender:
             st.pos = pos
             if st.out is None:
                 st.out = _normalise(names, raw, steered)
-            return names, st.out
+            out = st.out
+        locked = self.view.locked_nodes(pod.uid)
+        if locked:
+            out = [0 if n in locked else v for n, v in zip(names, out, strict=True)]
+        return names, out
 
     def _signature(self, name: str, node: Node, version: int) -> tuple:
         hit = self._sigs.get(name)
@@ -553,6 +669,8 @@ class Extender:
         with self.view.lock:
             if args.node not in self.view.nodes:
                 raise WireError(f"node {args.node} is not known to gpupack", 404)
+        if self.fence is not None:
+            self.fence.check()  # a standby's extender answers no bind at all
         deadline = time.monotonic() + self.bind_wait_s
         # Read the pod before queueing: a missing pod is answered at once, not after the wait.
         # If it changes while we wait, the PATCH's resourceVersion precondition catches it.
@@ -560,6 +678,7 @@ class Extender:
         lock = self._node_lock(args.node)
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise BindError(f"node {args.node}: too many binds queued; try again", "node-busy")
+        key = f"{args.pod_namespace}/{args.pod_name}"
         try:
             self._wait_handoff(args.node, args.pod_uid, deadline)
             bound = (pod.get("spec") or {}).get("nodeName")
@@ -567,9 +686,15 @@ class Extender:
                 self._already_bound(args, pod, bound)
                 return
             req = self.pod_request(pod)
-            a = self._reserve_and_record(args, pod, req)
-            self._post_binding(args, req, a)
+            with self.view.lock:
+                self.view.inflight.add(key)
+            if self.fence is not None:
+                self.fence.check()  # leadership may have moved while this bind waited
+            a, rv = self._reserve_and_record(args, pod, req)
+            self._post_binding(args, req, a, rv)
         finally:
+            with self.view.lock:
+                self.view.inflight.discard(key)
             lock.release()
 
     def _already_bound(self, args: BindArgs, pod: dict[str, Any], bound: str) -> None:
@@ -579,7 +704,9 @@ class Extender:
             return
         raise BindError(f"pod {args.key} is already bound to node {bound}", "already-bound")
 
-    def _reserve_and_record(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> Assignment:
+    def _reserve_and_record(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> tuple[Assignment, str]:
+        """Assume the assignment and PATCH it on the pod; the assignment and the pod's new
+        resourceVersion."""
         assert self.kube is not None
         key = req.key
         uid = req.uid
@@ -594,16 +721,16 @@ class Extender:
                     node, req, f, now, reservation.id if reservation else "", self.view.nodes[args.node].gpu_indexes
                 )
                 try:
-                    self.view.assume(key, uid, a, _init_names(pod))
+                    self.view.assume(key, uid, a, _init_names(pod), pod_slots(pod))
                 except PlacementError as e:
                     raise BindError(f"node {args.node}: {e}", "conflict") from e
             rv = (pod.get("metadata") or {}).get("resourceVersion")
             try:
-                self.kube.patch_pod_metadata(
+                out = self.kube.patch_pod_metadata(
                     args.pod_namespace, args.pod_name, handoff.handoff_annotations_for_bind(a),
                     {LABEL_MANAGED: "true"}, rv,
                 )
-                return a
+                return a, str(((out or {}).get("metadata") or {}).get("resourceVersion") or "")
             except ApiException as e:
                 self.view.unassume(key, uid, a)
                 if e.status != 409:
@@ -613,8 +740,14 @@ class Extender:
                 raise BindError(f"pod {key} was bound by someone else meanwhile", "already-bound")
         raise BindError(f"pod {key} kept changing while recording its GPU assignment (409 x5)", "conflict")
 
-    def _post_binding(self, args: BindArgs, req: PodRequest, a: Assignment) -> None:
+    def _post_binding(self, args: BindArgs, req: PodRequest, a: Assignment, rv: str) -> None:
         assert self.kube is not None
+        why = self.fence.problem() if self.fence is not None else ""
+        if why:
+            # Leadership moved between the PATCH and now: the new leader's extender is the only
+            # writer; this pod gets no Binding from us, and loses the assignment it never used.
+            self._rollback(args, req, a, rv)
+            raise BindError(why, "not-leader")
         try:
             self.kube.bind(args.pod_namespace, args.pod_name, req.uid, args.node)
             self.view.mark_bound(req.key, args.node)
@@ -630,11 +763,145 @@ class Extender:
                     return  # our own earlier attempt went through
             except ApiException:
                 pass
+        self._rollback(args, req, a, rv)
+        raise BindError(f"Binding pod {req.key} to node {args.node} failed: {api_reason(err)}", "binding")
+
+    def _rollback(self, args: BindArgs, req: PodRequest, a: Assignment, rv: str) -> None:
+        """Take back an assignment whose Binding did not happen. With the resourceVersion of our
+        own PATCH as precondition: if anything changed the pod since, it is left for the janitor
+        (which looks again) rather than overwritten blindly."""
+        assert self.kube is not None
         try:
             self.kube.patch_pod_metadata(
-                args.pod_namespace, args.pod_name, handoff.rollback_annotations(), {LABEL_MANAGED: None}, None
+                args.pod_namespace, args.pod_name, handoff.rollback_annotations(), {LABEL_MANAGED: None}, rv or None
             )
+            self.view.forget(req.key, req.uid)
         except ApiException as e2:
-            log.warning("rollback of pod %s annotations failed: %s", req.key, api_reason(e2))
+            log.warning("rollback of pod %s annotations failed: %s; the janitor will clean it", req.key, api_reason(e2))
         self.view.unassume(req.key, req.uid, a)
-        raise BindError(f"Binding pod {req.key} to node {args.node} failed: {api_reason(err)}", "binding")
+
+    # --- stale state: whoever finds it cleans it -------------------------------------------------
+    def _clean_own_stale(self, pod: dict[str, Any]) -> None:
+        """The pod being filtered still carries an assignment from a bind that never posted its
+        Binding (failed Binding and failed rollback, or an extender killed between the two): it
+        must not count against the pod itself now, so it goes first."""
+        meta = pod.get("metadata") or {}
+        ann = meta.get("annotations") or {}
+        if ANN_ASSIGNMENT not in ann or (pod.get("spec") or {}).get("nodeName") or self.kube is None:
+            return
+        key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+        with self.view.lock:
+            if key in self.view.inflight:
+                return
+        if self.fence is not None and self.fence.problem():
+            return
+        self.clean_unbound(key, str(meta.get("uid") or ""), str(meta.get("resourceVersion") or ""))
+
+    def clean_unbound(self, key: str, uid: str, rv: str) -> bool:
+        """Remove the assignment of a pod that has none of a node, with a resourceVersion
+        precondition (what was judged stale is what is cleaned); True when it was removed."""
+        assert self.kube is not None
+        ns, name = key.split("/", 1)
+        for _attempt in range(2):
+            try:
+                self.kube.patch_pod_metadata(ns, name, handoff.rollback_annotations(), {LABEL_MANAGED: None}, rv)
+                self.view.forget(key, uid)
+                self.metrics.problems.labels("stale-assignment-cleaned").inc()
+                log.warning("pod %s: removed a GPU assignment left without a Binding (pod unbound)", key)
+                return True
+            except ApiException as e:
+                if e.status == 404:
+                    return False
+                if e.status != 409:
+                    log.warning("pod %s: cannot remove its stale GPU assignment: %s", key, api_reason(e))
+                    return False
+            try:  # 409: look again; clean only if it is still an unbound pod with an assignment
+                pod = self.kube.get_pod(ns, name)
+            except ApiException:
+                return False
+            meta = pod.get("metadata") or {}
+            if (
+                (pod.get("spec") or {}).get("nodeName")
+                or ANN_ASSIGNMENT not in (meta.get("annotations") or {})
+                or (uid and meta.get("uid") != uid)
+            ):
+                return False
+            rv = str(meta.get("resourceVersion") or "")
+        return False
+
+    def sweep(self) -> dict[str, int]:
+        """One janitor pass (the leader's extender, every few seconds): assignments of unbound
+        pods older than `unbound_grace_s` are removed, and a handoff pending on a bound pod for
+        longer than `stale_handoff_s` is reported and marked failed, so its node takes GPU pods
+        again (if that kubelet admits the pod after all, Allocate refuses it: no GPU is handed out
+        twice). Returns what it did."""
+        done = {"cleaned": 0, "failed": 0}
+        if self.kube is None or not self.view.synced.is_set():
+            return done
+        if self.fence is not None and self.fence.problem():
+            return done
+        now = self.clock()
+        for p in self.view.stale_unbound():
+            age = handoff.handoff_age_s(p.pod_view(), now)
+            if age is not None and age < self.unbound_grace_s:
+                continue
+            with self.view.lock:
+                if p.key in self.view.inflight:
+                    continue
+            done["cleaned"] += self.clean_unbound(p.key, p.uid, p.resource_version)
+        for p in self.view.pending_bound():
+            age = handoff.handoff_age_s(p.pod_view(), now)
+            if age is None or age <= self.stale_handoff_s:
+                continue
+            done["failed"] += self._fail_stale_handoff(p, age)
+        return done
+
+    def _fail_stale_handoff(self, p: PodInfo, age: float) -> bool:
+        assert self.kube is not None
+        ns, name = p.key.split("/", 1)
+        log.warning(
+            "node %s: GPU handoff of pod %s pending for %.0f s (limit %.0f s); marking it failed so the node "
+            "takes GPU pods again. Is gpupack's device plugin running there?",
+            p.node, p.key, age, self.stale_handoff_s,
+        )
+        self.metrics.problems.labels("stale-handoff").inc()
+        try:
+            self.kube.patch_pod_metadata(ns, name, {ANN_HANDOFF: HANDOFF_FAILED}, {}, p.resource_version or None)
+        except ApiException as e:
+            log.warning("pod %s: cannot mark its stale handoff failed: %s", p.key, api_reason(e))
+            return False
+        self.metrics.problems.labels("stale-handoff-resolved").inc()
+        return True
+
+    def requeue_waiting(self) -> int:
+        """Touch the pods kube-scheduler has not bound yet, once, after this extender (re)started:
+        attempts that hit the extender while it was away parked them in the scheduler's
+        unschedulable pods, which a v1.28 scheduler retries only on a cluster event or its 5-minute
+        flush. An update of the pod itself is such an event, for that pod alone."""
+        if self.kube is None:
+            return 0
+        if self.fence is not None and self.fence.problem():
+            return 0
+        stamp = handoff.rfc3339(self.clock())
+        n = 0
+        try:
+            pods = self.kube.unscheduled_pods(self.scheduler_name)
+        except ApiException as e:
+            log.warning("cannot list the pods waiting for %s: %s", self.scheduler_name, api_reason(e))
+            return 0
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") not in ("Pending", None):
+                continue
+            try:
+                self.kube.patch_pod_metadata(
+                    meta.get("namespace") or "default", meta["name"], {ANN_REQUEUED: stamp}, {},
+                    str(meta.get("resourceVersion") or "") or None,
+                )
+                n += 1
+            except ApiException as e:
+                if e.status not in (404, 409):  # gone, or updated anyway (which requeues it too)
+                    log.warning("cannot requeue pod %s/%s: %s", meta.get("namespace"), meta.get("name"), api_reason(e))
+        if n:
+            log.info("asked kube-scheduler to retry %d waiting pod(s) now", n)
+        return n

@@ -14,25 +14,44 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from urllib3.exceptions import HTTPError
 
 from gpupack.contract import LABEL_MANAGED
 
 MERGE_PATCH = "application/merge-patch+json"
+# Every call on the bind path is bounded: a bind makes at most a lease read, a pod read, a PATCH,
+# a lease read and a Binding, and must answer within kube-scheduler's extender httpTimeout (15 s).
+API_TIMEOUT_S = 3.0
 
 
 def api_client(kubeconfig: str | None = None) -> client.ApiClient:
     """In-cluster config when running in a pod, else the kubeconfig (or $KUBECONFIG)."""
+    cfg = client.Configuration()
     if kubeconfig:
-        cfg = client.Configuration()
         config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        return client.ApiClient(cfg)
-    try:
-        config.load_incluster_config()
-        return client.ApiClient()
-    except config.ConfigException:
-        cfg = client.Configuration()
-        config.load_kube_config(client_configuration=cfg)
-        return client.ApiClient(cfg)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=cfg)
+    # urllib3 would retry a timed-out GET three times on its own: a 3 s timeout would become 12 s.
+    # Callers retry (watch loops) or answer the scheduler, which retries.
+    cfg.retries = 0
+    return client.ApiClient(cfg)
+
+
+class _Bounded:
+    """A client call that fails as an ApiException (status 504) when the API server does not answer
+    in time or the connection fails, so that the bind path handles it like any API error."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        try:
+            return self.fn(*a, **kw)
+        except (HTTPError, OSError) as e:
+            raise ApiException(status=504, reason=f"API call failed or timed out: {type(e).__name__}: {e}") from e
 
 
 def _collect(pages: Iterator[tuple[list[dict[str, Any]], str]]) -> dict[str, Any]:
@@ -50,8 +69,12 @@ def _json(resp: Any) -> Any:
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient, ns_ttl_s: float = 60.0, page: int = 1000) -> None:
+    def __init__(
+        self, api: client.ApiClient, ns_ttl_s: float = 60.0, page: int = 1000, timeout_s: float = API_TIMEOUT_S
+    ) -> None:
         self.api = api
+        self.timeout_s = timeout_s
+        self.coordination = client.CoordinationV1Api(api)
         self.page = page
         self.core = client.CoreV1Api(api)
         self._ns_cache: dict[str, tuple[float, dict[str, str]]] = {}
@@ -60,7 +83,28 @@ class Kube:
 
     # --- reads ----------------------------------------------------------------------------------
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return _json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
+        return _json(
+            _Bounded(self.core.read_namespaced_pod)(
+                name, namespace, _preload_content=False, _request_timeout=self.timeout_s
+            )
+        )
+
+    def read_lease(self, namespace: str, name: str) -> dict[str, Any]:
+        return _json(
+            _Bounded(self.coordination.read_namespaced_lease)(
+                name, namespace, _preload_content=False, _request_timeout=self.timeout_s
+            )
+        )
+
+    def unscheduled_pods(self, scheduler_name: str) -> list[dict[str, Any]]:
+        """Pods of `scheduler_name` not bound to a node yet (all namespaces)."""
+        sel = f"spec.schedulerName={scheduler_name},spec.nodeName="
+        out: list[dict[str, Any]] = []
+        for items, _rv in self.pages(
+            self.core.list_pod_for_all_namespaces, field_selector=sel, _request_timeout=(10, 60)
+        ):
+            out.extend(items)
+        return out
 
     def pages(self, fn: Any, **kw: Any) -> Iterator[tuple[list[dict[str, Any]], str]]:
         """A full list in pages of `page` items, yielded as (items, resourceVersion) so a caller
@@ -114,7 +158,10 @@ class Kube:
             if hit is not None and now - hit[0] < self.ns_ttl_s:
                 return hit[1]
         try:
-            ns = _json(self.core.read_namespace(namespace, _preload_content=False)) or {}
+            ns = (
+                _json(_Bounded(self.core.read_namespace)(namespace, _preload_content=False, _request_timeout=self.timeout_s))
+                or {}
+            )
             labels = dict((ns.get("metadata") or {}).get("labels") or {})
         except ApiException:
             labels = {}
@@ -138,8 +185,9 @@ class Kube:
         if resource_version:
             meta["resourceVersion"] = resource_version
         return _json(
-            self.core.patch_namespaced_pod(
-                name, namespace, {"metadata": meta}, _content_type=MERGE_PATCH, _preload_content=False
+            _Bounded(self.core.patch_namespaced_pod)(
+                name, namespace, {"metadata": meta}, _content_type=MERGE_PATCH, _preload_content=False,
+                _request_timeout=self.timeout_s,
             )
         )
 
@@ -149,4 +197,6 @@ class Kube:
             target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
         )
         # The response is a Status the client's model cannot always deserialise; do not try.
-        self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False)
+        _Bounded(self.core.create_namespaced_pod_binding)(
+            name, namespace, body, _preload_content=False, _request_timeout=self.timeout_s
+        )

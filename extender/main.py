@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -63,6 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stale-handoff-s", type=float, default=120.0, help="pending handoff age reported as stale"
     )
+    p.add_argument(
+        "--unbound-grace-s", type=float, default=15.0,
+        help="age after which an assignment on a pod that was never bound is removed",
+    )
+    p.add_argument("--sweep-interval-s", type=float, default=5.0, help="how often stale handoffs are looked for")
+    p.add_argument(
+        "--api-timeout-s", type=float, default=3.0,
+        help="timeout of each API call on the bind path (a bind makes up to five; keep their sum "
+        "plus --bind-wait-s below kube-scheduler's extender httpTimeout)",
+    )
+    p.add_argument(
+        "--lease-namespace", default="",
+        help="namespace of kube-scheduler's leader-election Lease; with --lease-name, this extender "
+        "binds only while the scheduler beside it (same --identity) holds that Lease",
+    )
+    p.add_argument("--lease-name", default="", help="name of kube-scheduler's leader-election Lease")
+    p.add_argument(
+        "--identity", default="",
+        help="holder identity of the scheduler beside this extender, or its prefix before `_` "
+        "(default: this host name, which kube-scheduler uses as `<hostname>_<uuid>`)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
@@ -72,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
     def make() -> Any:
         from .app import create_extender_app
-        from .framework import Extender
+        from .framework import Extender, Janitor, LeaseFence
         from .kube import Kube, api_client
         from .metrics import Metrics
         from .sync import Sync
@@ -81,10 +103,22 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         metrics = Metrics()
         view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc())
         metrics.attach_view(view)
-        kube = Kube(api_client(args.kubeconfig))
+        kube = Kube(api_client(args.kubeconfig), timeout_s=args.api_timeout_s)
         policy = get_policy(args.policy or DEFAULT_POLICY)
-        ext = Extender(view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s)
+        fence = None
+        if args.lease_name:
+            identity = args.identity or socket.gethostname()
+            # the lease must outlast the longest write started under it
+            fence = LeaseFence(kube, args.lease_namespace or "kube-system", args.lease_name, identity,
+                               margin_s=args.api_timeout_s + 1.0)  # fmt: skip
+            log.info("extender binds only while Lease %s/%s is held by %s",
+                     fence.namespace, fence.name, identity)  # fmt: skip
+        ext = Extender(
+            view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s, fence=fence,
+            unbound_grace_s=args.unbound_grace_s, scheduler_name=args.scheduler_name,
+        )  # fmt: skip
         Sync(view, kube).start()
+        Janitor(ext, args.sweep_interval_s).start()
         log.info("extender policy=%s; syncing with the API server", policy.name)
         return create_extender_app(ext, args.max_body_bytes)
 

@@ -27,6 +27,7 @@ from gpupack.contract import (
     ANN_INVENTORY,
     ANN_RESERVATIONS,
     HANDOFF_PENDING,
+    RES_GPU,
     Assignment,
     ContractError,
     NodeInventory,
@@ -56,6 +57,9 @@ class NodeInfo:
     unschedulable: bool = False
     labels: dict[str, str] = field(default_factory=dict)
     gpu_indexes: list[int] = field(default_factory=list)  # position in Node.gpus -> NVML index
+    # `gpupack.io/gpu` slots the kubelet offers (status.allocatable): 0 when the device plugin is
+    # not registered there (never started, or gone), whatever the inventory annotation says.
+    slots: int = 0
     version: int = 0  # bumped on every change that can change a fit on this node
 
 
@@ -71,6 +75,8 @@ class PodInfo:
     deleting: bool
     assumed: bool = False
     bound_node: str = ""  # spec.nodeName
+    slots: int = 0  # `gpupack.io/gpu` slots the kubelet charges the pod (see pod_slots)
+    resource_version: str = ""
 
     @property
     def pending(self) -> bool:
@@ -148,6 +154,33 @@ def charged_from_assignment(
     return Placement(node.name, containers), charged, problems
 
 
+def pod_slots(obj: Any) -> int:
+    """`gpupack.io/gpu` slots the kubelet charges a pod: init containers run one at a time before
+    the app containers, so max(sum over app containers, largest init container)."""
+    try:
+        cs = handoff.pod_view(obj).containers
+        app = sum(c.gpu_count() for c in cs if not c.init)
+        init = max((c.gpu_count() for c in cs if c.init), default=0)
+    except ContractError:
+        return 0
+    return max(app, init)
+
+
+def request_slots(pod: PodRequest) -> int:
+    app = sum(c.gpus for c in pod.containers)
+    return max(app, max((c.gpus for c in pod.init_containers), default=0))
+
+
+def _allocatable_slots(obj: dict[str, Any]) -> int:
+    raw = ((obj.get("status") or {}).get("allocatable") or {}).get(RES_GPU)
+    if raw is None:
+        return 0
+    try:
+        return int(str(raw))
+    except ValueError:
+        return 0
+
+
 def _init_names(pod: dict[str, Any]) -> frozenset[str]:
     spec = pod.get("spec") or {}
     inits = spec.get("initContainers") or [] if isinstance(spec, dict) else []
@@ -176,6 +209,8 @@ class ClusterView:
         self.journal: list[str] = []
         self.journal_base = 0
         self.reserved: set[str] = set()  # nodes with defrag reservations: their answers depend on time
+        self.slot_use: dict[str, dict[str, int]] = {}  # node -> pod key -> `gpupack.io/gpu` slots
+        self.inflight: set[str] = set()  # pods this process is binding now (between PATCH and Binding)
 
     # --- nodes ---------------------------------------------------------------------------------
     def _problem(self, kind: str, obj: str, msg: str) -> None:
@@ -194,10 +229,12 @@ class ClusterView:
         unsched = bool((obj.get("spec") or {}).get("unschedulable"))
         inv_raw = ann.get(ANN_INVENTORY)
         res_raw = ann.get(ANN_RESERVATIONS)
+        slots = _allocatable_slots(obj)
         with self.lock:
             info = self.nodes.get(name)
             if (
                 info is not None
+                and info.slots == slots
                 and info.inventory_raw == inv_raw
                 and info.reservations_raw == res_raw
                 and info.unschedulable == unsched
@@ -208,7 +245,7 @@ class ClusterView:
                 info = NodeInfo(name)
                 self.nodes[name] = info
             rebuild = inv_raw != info.inventory_raw or name not in self.state.nodes
-            info.unschedulable, info.labels = unsched, labels
+            info.unschedulable, info.labels, info.slots = unsched, labels, slots
             if rebuild:
                 info.inventory_raw = inv_raw
                 inv = None
@@ -265,6 +302,7 @@ class ClusterView:
     # --- pods ----------------------------------------------------------------------------------
     def _charge(self, p: PodInfo) -> None:
         """Put a pod's assignment on its node; a conflict is reported and charged anyway."""
+        self.slot_use.setdefault(p.node, {})[p.key] = p.slots
         node = self.state.nodes.get(p.node)
         if node is None:
             return  # the node is not (yet) known; charged when it appears
@@ -327,6 +365,9 @@ class ClusterView:
         if p is None:
             return
         self.state.release(key)
+        use = self.slot_use.get(p.node)
+        if use is not None:
+            use.pop(key, None)
         if p.assignment.reservation:
             ids = self.consumed.get(p.node)
             if ids is not None:
@@ -380,12 +421,15 @@ class ClusterView:
                 handoff=str(ann.get(ANN_HANDOFF, "")),
                 deleting=meta.get("deletionTimestamp") is not None,
                 bound_node=bound,
+                slots=pod_slots(obj),
+                resource_version=str(meta.get("resourceVersion") or ""),
             )
             if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw:
                 return  # an event from before our bind's PATCH (an earlier assignment)
             if old is not None and old.uid == uid and old.assignment_raw == raw and key in self.state.pods:
                 old.handoff, old.deleting, old.assumed = info.handoff, info.deleting, False
                 old.bound_node = bound or old.bound_node
+                old.resource_version = info.resource_version
                 self._index_pending(old)
             else:
                 self._release(key)
@@ -430,7 +474,7 @@ class ClusterView:
                 self.delete_node(name)
 
     # --- the bind step's reservation -------------------------------------------------------------
-    def assume(self, key: str, uid: str, a: Assignment, init_names: frozenset[str]) -> None:
+    def assume(self, key: str, uid: str, a: Assignment, init_names: frozenset[str], slots: int = 0) -> None:
         """Hold an assignment this process is about to write; PlacementError if it no longer fits."""
         with self.lock:
             node = self.state.nodes.get(a.node)
@@ -444,8 +488,9 @@ class ClusterView:
             if problems:
                 raise PlacementError("; ".join(problems))
             self.state.place(PodRequest(key=key, pod_class=a.pod_class, uid=uid), placement, charged)
-            info = PodInfo(key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True)
+            info = PodInfo(key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True, slots=slots)
             self.pods[key] = info
+            self.inflight.add(key)  # until mark_bound, unassume or the bind's end
             if a.reservation:
                 self.consumed.setdefault(a.node, set()).add(a.reservation)
             self._index_pending(info)
@@ -458,6 +503,7 @@ class ClusterView:
             p = self.pods.get(key)
             if p is not None and p.uid == uid and p.assignment_raw == a.to_json():
                 self._release(key)
+            self.inflight.discard(key)
             self.changed.notify_all()
 
     def mark_bound(self, key: str, node: str) -> None:
@@ -465,6 +511,7 @@ class ClusterView:
             p = self.pods.get(key)
             if p is not None:
                 p.bound_node = node
+            self.inflight.discard(key)
 
     # --- queries -------------------------------------------------------------------------------
     def version(self, node: str) -> int:
@@ -478,9 +525,67 @@ class ClusterView:
         return resv.active(info.reservations, now, self.consumed.get(node, set()))
 
     def blocking_handoff(self, node: str, exclude_uid: str) -> handoff.PodView | None:
+        """The pending handoff that keeps another pod off `node`. Only a pod the kubelet may admit
+        there counts: one bound to it, or one this process is binding now. A pending pod with
+        no nodeName that no bind here is working on will never be admitted (its bind failed and the
+        rollback too, or its extender died between the PATCH and the Binding): it locks nothing,
+        and :meth:`stale_unbound` hands it to the janitor."""
         with self.lock:
-            views = [self.pods[k].pod_view() for k in self.pending_by_node.get(node, ()) if k in self.pods]
+            views = [
+                p.pod_view()
+                for k in self.pending_by_node.get(node, ())
+                if (p := self.pods.get(k)) is not None and (p.bound_node or k in self.inflight)
+            ]
         return handoff.blocking_handoff(views, node, exclude_uid=exclude_uid)
+
+    def locked_nodes(self, exclude_uid: str) -> dict[str, str]:
+        """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff)."""
+        out: dict[str, str] = {}
+        with self.lock:
+            for node, keys in self.pending_by_node.items():
+                for k in keys:
+                    p = self.pods.get(k)
+                    if p is not None and p.pending and p.uid != exclude_uid and (p.bound_node or k in self.inflight):
+                        out[node] = k
+                        break
+        return out
+
+    def slots_free(self, node: str) -> int:
+        info = self.nodes.get(node)
+        if info is None:
+            return 0
+        return info.slots - sum(self.slot_use.get(node, {}).values())
+
+    def stale_unbound(self) -> list[PodInfo]:
+        """Pods holding an assignment with handoff pending but no nodeName, bound by nobody here."""
+        with self.lock:
+            return [
+                replace(p)
+                for keys in self.pending_by_node.values()
+                for k in keys
+                if (p := self.pods.get(k)) is not None
+                and p.pending
+                and not p.bound_node
+                and k not in self.inflight
+            ]
+
+    def pending_bound(self) -> list[PodInfo]:
+        """Pods bound to a node whose handoff is still pending."""
+        with self.lock:
+            return [
+                replace(p)
+                for keys in self.pending_by_node.values()
+                for k in keys
+                if (p := self.pods.get(k)) is not None and p.pending and p.bound_node
+            ]
+
+    def forget(self, key: str, uid: str) -> None:
+        """Drop a pod's assignment from the view (its annotations were just removed by us)."""
+        with self.lock:
+            p = self.pods.get(key)
+            if p is not None and p.uid == uid:
+                self._release(key)
+            self.changed.notify_all()
 
     def largest_gpu_mib(self) -> int:
         with self.lock:

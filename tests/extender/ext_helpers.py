@@ -91,8 +91,8 @@ def node_obj(
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}, "annotations": ann},
         "spec": {},
         "status": {
-            "capacity": {"cpu": "64", "memory": "512Gi", "pods": "110"},
-            "allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110"},
+            "capacity": {"cpu": "64", "memory": "512Gi", "pods": "110", RES_GPU: str(SLOTS_PER_GPU * n)},
+            "allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110", RES_GPU: str(SLOTS_PER_GPU * n)},
         },
     }
 
