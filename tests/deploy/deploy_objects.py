@@ -38,3 +38,24 @@ def apply(cluster: Any, objs: list[dict[str, Any]]) -> str:
     """Server-side apply as the admin (what `kubectl apply --server-side` of the manifest does)."""
     text = yaml.safe_dump_all(objs)
     return cluster.kubectl("apply", "--server-side", "--field-manager=gpupack-test", "-f", "-", input=text)
+
+
+def container_args(
+    relpath: str, container: str, env: dict[str, str], drop: tuple[str, ...] = ()
+) -> list[str]:
+    """A shipped container's args, `$(VAR)` filled from `env`, without the flags in `drop` (those
+    a test sets itself: ports, file paths inside the image)."""
+    for o in load(relpath):
+        if o["kind"] in ("Deployment", "DaemonSet"):
+            for c in o["spec"]["template"]["spec"]["containers"]:
+                if c["name"] == container:
+                    out = []
+                    for a in c.get("args") or []:
+                        if a.split("=", 1)[0] in drop:
+                            continue
+                        for k, v in env.items():
+                            a = a.replace(f"$({k})", v)
+                        assert "$(" not in a, f"{relpath} {container}: no value for {a}"
+                        out.append(a)
+                    return out
+    raise KeyError(f"{relpath} has no container {container}")

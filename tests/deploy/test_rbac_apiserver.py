@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -124,14 +125,18 @@ class Flow:
 
 
 class _DevicePlugin:
-    """`gpupack device-plugin` over the tests' fake NVML, as a process."""
+    """`gpupack device-plugin` with the DaemonSet's flags, over the tests' fake NVML, as a process."""
 
     def __init__(self, kubeconfig: Path, node: str, log: Path) -> None:
         self.dir = tempfile.mkdtemp(prefix="dp")  # unix socket paths are short
+        self.metrics_port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "deviceplugin"), str(REPO)]))
+        shipped = deploy_objects.container_args("deviceplugin/daemonset.yaml", "device-plugin", {"NODE_NAME": node},
+                                                drop=("--kubelet-dir", "--metrics-port"))  # fmt: skip
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpupack", "device-plugin", "--node-name", node, "--kubelet-dir", self.dir,
-             "--kubeconfig", str(kubeconfig), "--nvml-module", "fake_nvml", "--nvml-config",
+            [sys.executable, "-m", "gpupack", "device-plugin", *shipped, "--node-name", node, "--kubelet-dir",
+             self.dir, "--metrics-port", str(self.metrics_port), "--kubeconfig", str(kubeconfig),
+             "--nvml-module", "fake_nvml", "--nvml-config",
              json.dumps({"gpus": 1, "model": "NVIDIA L4", "memory_mib": 23034, "sm_count": 58}),
              "--probe-interval", "0.5"],
             cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
@@ -200,9 +205,16 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
           f"the device plugin's inventory on the node; log: {dp.log}")  # fmt: skip
 
     # 3. the extender sidecar with its webhook, and kube-scheduler with the shipped configuration
+    # the sidecar's own flags as shipped; kube-scheduler (here, on this host) names itself by host name
+    shipped_args = deploy_objects.container_args(
+        "scheduler/deployment.yaml",
+        "extender",
+        {"POD_NAMESPACE": ns, "POD_NAME": socket.gethostname()},
+        drop=("--port", "--webhook-port", "--tls-cert", "--tls-key"),
+    )
     ext = ExtenderProcess(flow.kubeconfig("extender", SCHED_SA), tmp / "extender.log", "--webhook-port",
                           str(webhook_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
-                          "--set-scheduler-name")  # fmt: skip
+                          *shipped_args)  # fmt: skip
     flow.procs.append(ext)
     ext.wait_ready(60)
     until(lambda: _https_ok(f"https://localhost:{webhook_port}/readyz", tls / "ca.crt"), 60, "the webhook")
@@ -238,6 +250,8 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
     until(lambda: cluster.core.read_namespaced_pod("p", flow.work).metadata.annotations[ANN_HANDOFF] == "done",
           30, "handoff done")  # fmt: skip
+    # a Prometheus scrape of the plugin (it reads its node's pods for the per-pod series)
+    assert requests.get(f"http://127.0.0.1:{dp.metrics_port}/metrics", timeout=10).status_code == 200
     # kube-scheduler's port authenticates (TokenReview) and authorizes (SubjectAccessReview) a
     # scrape through the API server; a scraper outside system:masters, which it would wave through
     deploy_objects.apply(cluster, [
