@@ -19,14 +19,23 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from gpupack.core.defrag import Limits, Plan, plan_defrag
+from gpupack.core.defrag import Limits, Plan, plan_defrag, plan_nodes
 
 from ..kube import Kube, api_client
 from .eligibility import Eligibility, why_not
 from .events import EventRecorder
-from .executor import ExecOptions, Executor, RunResult
+from .executor import (
+    CA_SCALE_DOWN_DISABLED,
+    TAINT_KEY,
+    TAINT_VALUE,
+    ExecOptions,
+    Executor,
+    RunResult,
+    set_taint,
+)
 from .lease import LeaseHeld, RunLease
 from .metrics import RunMetrics
 from .snapshot import Snapshot, build_snapshot
@@ -45,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the plan (and results) as JSON")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    p.add_argument(
+        "--objective",
+        choices=("gpus", "nodes"),
+        default="gpus",
+        help="gpus: free whole GPUs (default); nodes: empty whole GPU nodes, cheapest first, for the "
+        "cluster autoscaler (or the operator) to remove",
+    )
     g = p.add_argument_group("safety")
     g.add_argument("--max-evictions", type=int, default=10, help="evictions per run (default 10)")
     g.add_argument(
@@ -80,6 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--poll-interval", type=float, default=2.0, help="seconds between replacement checks (default 2)"
+    )
+    g.add_argument(
+        "--budget-wait",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a PodDisruptionBudget to allow an eviction before skipping the pod "
+        "(default 300)",
+    )
+    g.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait at the end for evicted pods to be gone before counting freed GPUs (default 120)",
+    )
+    g.add_argument(
+        "--keep-taint",
+        action="store_true",
+        help="with --objective nodes: leave the NoSchedule taint on nodes the run emptied (default: removed)",
     )
     g.add_argument(
         "--reservation-ttl",
@@ -204,8 +238,17 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
         max_per_namespace=args.max_per_namespace,
         max_workload_share=args.max_workload_share,
     )
+    protected: list[str] = []
+    if args.objective == "nodes":
+        for name, obj in sorted(snap.nodes.items()):
+            ann = (obj.get("metadata") or {}).get("annotations") or {}
+            if str(ann.get(CA_SCALE_DOWN_DISABLED, "")).lower() == "true":
+                protected.append(name)
     t0 = time.perf_counter()
-    plan = plan_defrag(snap.state, movable, limits)
+    if args.objective == "nodes":
+        plan = plan_nodes(snap.state, movable, limits, protected=protected)
+    else:
+        plan = plan_defrag(snap.state, movable, limits)
     metrics.plan_seconds.set(time.perf_counter() - t0)
     metrics.planned_evictions.set(plan.evictions)
     metrics.planned_gpus.set(plan.gpus_freed)
@@ -221,6 +264,7 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
     out: dict[str, Any] = {
         "run": run_id,
         "dry_run": not args.apply,
+        "objective": args.objective,
         "plan": plan.to_dict(),
         "movable": len(movable),
         "excluded": dict(sorted(excluded.items())),
@@ -231,6 +275,10 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
             f"movable pods: {len(movable)}; not movable: "
             + (", ".join(f"{k} {v}" for k, v in sorted(excluded.items())) or "none")
         )
+    if protected:
+        out["protected_nodes"] = protected
+        if not args.json:
+            print(f"not emptied ({CA_SCALE_DOWN_DISABLED}=true): {', '.join(protected)}")
     if not args.apply:
         metrics.result.labels("dry-run").set(1)
         if args.json:
@@ -244,7 +292,19 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
         reservation_ttl_s=args.reservation_ttl,
         window=window,
         force=args.force,
+        budget_wait_s=args.budget_wait,
+        settle_s=args.settle_timeout,
+        objective=args.objective,
+        keep_taint=args.keep_taint,
     )
+    # A run that crashed while emptying a node left its taint: this run holds the lease now, so
+    # no other run is using it.
+    core = client.CoreV1Api(api)
+    for name, obj in sorted(snap.nodes.items()):
+        for t in (obj.get("spec") or {}).get("taints") or []:
+            if t.get("key") == TAINT_KEY and t.get("value") == TAINT_VALUE:
+                log.info("removing a stale %s taint from node %s (an earlier run stopped)", TAINT_KEY, name)
+                set_taint(core, name, None)
     ex = Executor(api, lambda: _snapshot(kube), opts, run_id, events, metrics, lease)
     result: RunResult = ex.run(plan)
     out["result"] = result.to_dict()
@@ -260,7 +320,14 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
             )
         print(
             f"evicted {result.evictions}; freed {len(result.gpus_freed)} GPU(s), "
-            f"{len(result.nodes_freed)} node(s)" + (f"; stopped: {result.aborted}" if result.aborted else "")
+            f"{len(result.nodes_freed)} node(s)"
+            + (f" ({', '.join(result.nodes_freed)})" if result.nodes_freed else "")
+            + (
+                f"; {len(result.still_terminating)} evicted pod(s) still terminating, not counted"
+                if result.still_terminating
+                else ""
+            )
+            + (f"; stopped: {result.aborted}" if result.aborted else "")
         )
     return 1 if result.aborted else 0
 
@@ -281,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         if v < 0:
             print(f"gpupack defrag: {name} must be >= 0", file=sys.stderr)
             return 2
+    if args.budget_wait < 0 or args.settle_timeout < 0:
+        print("gpupack defrag: --budget-wait and --settle-timeout must be >= 0", file=sys.stderr)
+        return 2
     if not 0 <= args.max_workload_share <= 1 or args.move_timeout <= 0 or args.poll_interval <= 0:
         print(
             "gpupack defrag: --max-workload-share must be in 0..1, --move-timeout and --poll-interval > 0",

@@ -2,12 +2,22 @@
 
 Per move: re-read the cluster and verify the move again on the live state (a plan is minutes
 old by then); reserve the target GPUs in the target Node's annotation so the replacement pod
-lands there (the extender honours it); evict through the Eviction API (HTTP 429 naming a
-PodDisruptionBudget: skip the pod and the rest of its drain group, go on; any other 429 is the
-API server shedding load: retry after its Retry-After); wait until
-the controller's replacement is bound, Running and Ready; drop the consumed reservation. A
-replacement that is not ready within the per-move timeout stops the run. Every reservation the
-run wrote is removed at the end, whatever happened.
+lands there (the extender honours it); wait until every PodDisruptionBudget covering the pod
+allows a disruption (bounded by the budget wait; a budget still at 0 then skips the pod and the
+rest of its drain group); evict through the Eviction API (a 429 naming a DisruptionBudget, a
+race with another disruption, goes back to waiting on the budget; any other 429 is the API server
+shedding load: retry after its Retry-After); wait until the controller's replacement is bound,
+Running and Ready; drop the consumed reservation. A replacement that is not ready within the
+per-move timeout stops the run. Every reservation the run wrote is removed at the end, whatever
+happened.
+
+With the nodes objective, a node is tainted (the cluster autoscaler's status-taint convention)
+before its first pod moves, so the scheduler does not refill it while the run lasts; the taint is
+removed at the end unless the node ended empty and the run was asked to keep it.
+
+Freed GPUs and nodes are counted once the evicted pods are really gone (bounded by the settle
+timeout), from a fresh read of the cluster: the run's output, its metric and its Events agree with
+what the cluster shows afterwards.
 """
 
 from __future__ import annotations
@@ -45,6 +55,10 @@ class ExecOptions:
     reservation_ttl_s: float = 0.0  # 0: move timeout + 120 s
     window: Window | None = None
     force: bool = False
+    budget_wait_s: float = 300.0  # longest wait for a PodDisruptionBudget to allow a disruption
+    settle_s: float = 120.0  # longest wait, at the end, for evicted pods to be gone before counting
+    objective: str = "gpus"  # "nodes": taint the nodes being emptied while the run lasts
+    keep_taint: bool = False  # leave the taint on nodes the run emptied
 
 
 @dataclass
@@ -68,6 +82,10 @@ class RunResult:
     aborted: str = ""
     gpus_freed: list[str] = field(default_factory=list)  # "node/uuid" confirmed idle at the end
     nodes_freed: list[str] = field(default_factory=list)
+    still_terminating: list[str] = field(default_factory=list)  # evicted pods not gone by the count
+    tainted: list[str] = field(default_factory=list)  # nodes tainted during the run
+    taint_kept: list[str] = field(default_factory=list)  # ... of which still tainted after it
+    budget_waits_s: float = 0.0  # time spent waiting for disruption budgets
     evictions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,6 +94,10 @@ class RunResult:
             "evictions": self.evictions,
             "gpus_freed": list(self.gpus_freed),
             "nodes_freed": list(self.nodes_freed),
+            "still_terminating": list(self.still_terminating),
+            "tainted": list(self.tainted),
+            "taint_kept": list(self.taint_kept),
+            "budget_waits_s": round(self.budget_waits_s, 3),
             "moves": [m.to_dict() for m in self.moves],
         }
 
@@ -153,6 +175,76 @@ def _ready(pod: dict[str, Any]) -> bool:
     return any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
+# The cluster autoscaler's "status taint" convention: a node carrying a taint with this prefix is
+# ready but must not take pods for now; CA keeps it out of scale-up (never copies the taint into a
+# node template) and may still remove it once it is empty.
+TAINT_KEY = "status-taint.cluster-autoscaler.kubernetes.io/gpupack-defrag"
+TAINT_VALUE = "emptying"  # while a run moves its pods; a later run removes a stale one
+TAINT_EMPTIED = "emptied"  # left by --keep-taint on a node the run emptied; the operator's to remove
+# A node the operator (or CA itself) says must never be scaled down: emptying it gains nothing.
+CA_SCALE_DOWN_DISABLED = "cluster-autoscaler.kubernetes.io/scale-down-disabled"
+
+
+def selector_matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector against a pod's labels; in policy/v1 an empty selector matches every
+    pod of the namespace, a null one none."""
+    if selector is None:
+        return False
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
+        if op == "In" and labels.get(key) not in vals:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in vals:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def _budget_state(pdb: dict[str, Any]) -> tuple[bool, str]:
+    """(allows a disruption now, a description) from a PodDisruptionBudget as the disruption
+    controller last computed it; a budget whose spec changed since is not trusted yet."""
+    meta, st = pdb.get("metadata") or {}, pdb.get("status") or {}
+    name = meta.get("name")
+    if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return False, f"{name}: not yet computed for its current spec"
+    allowed = int(st.get("disruptionsAllowed") or 0)
+    desc = (
+        f"{name}: {allowed} disruption(s) allowed, {st.get('currentHealthy', '?')} healthy of "
+        f"{st.get('expectedPods', '?')}, {st.get('desiredHealthy', '?')} desired"
+    )
+    return allowed >= 1, desc
+
+
+def set_taint(core: client.CoreV1Api, node: str, value: str | None) -> bool:
+    """Set the defrag status taint on `node` to `value` (NoSchedule), or remove it (None)."""
+    for _ in range(8):
+        raw = json.loads(core.read_node(node, _preload_content=False).data)
+        taints = list((raw.get("spec") or {}).get("taints") or [])
+        mine = [t for t in taints if t.get("key") == TAINT_KEY]
+        if (value is None and not mine) or (value is not None and [t.get("value") for t in mine] == [value]):
+            return False
+        taints = [t for t in taints if t.get("key") != TAINT_KEY]
+        if value is not None:
+            taints.append({"key": TAINT_KEY, "value": value, "effect": "NoSchedule"})
+        body = {
+            "metadata": {"resourceVersion": raw["metadata"]["resourceVersion"]},
+            "spec": {"taints": taints or None},
+        }
+        try:
+            core.patch_node(node, body, _content_type="application/merge-patch+json", _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    raise ApiException(status=409, reason=f"node {node} kept changing while setting its taint")
+
+
 class Executor:
     def __init__(
         self,
@@ -173,8 +265,11 @@ class Executor:
         self.metrics = metrics
         self.lease = lease
         self.now = now
+        self.policy = client.PolicyV1Api(api)
         self.writer = ReservationWriter(api)
         self.written: dict[str, set[str]] = {}  # node -> reservation ids this run holds
+        self.evicted: list[tuple[str, str, str, int]] = []  # (namespace, name, uid, group)
+        self.tainted: set[str] = set()
 
     # --- pieces --------------------------------------------------------------------------------
     def _evict(self, namespace: str, name: str, uid: str) -> None:
@@ -222,6 +317,82 @@ class Executor:
                 return None, last
             time.sleep(self.opts.poll_s)
 
+    def _budgets_for(self, pod: dict[str, Any]) -> list[dict[str, Any]]:
+        meta = pod.get("metadata") or {}
+        ns, labels = str(meta.get("namespace")), meta.get("labels") or {}
+        raw = json.loads(self.policy.list_namespaced_pod_disruption_budget(ns, _preload_content=False).data)
+        spec_of = lambda b: b.get("spec") or {}  # noqa: E731
+        return [b for b in raw.get("items") or [] if selector_matches(spec_of(b).get("selector"), labels)]
+
+    def _wait_budget(self, pod: dict[str, Any], deadline: float) -> str:
+        """Wait until every PodDisruptionBudget covering `pod` allows a disruption; '' when they do,
+        else why not once `deadline` (monotonic) passes. Waiting here, not collecting 429s, is what
+        lets a PDB-protected workload move one replica after another in one run: the budget comes
+        back as soon as the previous replacement is Ready and the disruption controller saw it."""
+        t0 = time.monotonic()
+        try:
+            while True:
+                blocked = [d for ok, d in (_budget_state(b) for b in self._budgets_for(pod)) if not ok]
+                if not blocked:
+                    return ""
+                if time.monotonic() >= deadline:
+                    return "; ".join(blocked)
+                time.sleep(min(self.opts.poll_s, max(0.0, deadline - time.monotonic())) or self.opts.poll_s)
+        finally:
+            self._budget_waited += time.monotonic() - t0
+
+    def _taint(self, node: str, value: str | None) -> bool:
+        """Set this run's NoSchedule status taint to `value`, or remove it (None); read-modify-write
+        with the Node's resourceVersion, so a concurrent writer is never overwritten. True when it
+        changed anything."""
+        return set_taint(self.core, node, value)
+
+    def _untaint_all(self, res: RunResult) -> None:
+        for node in sorted(self.tainted):
+            if self.opts.keep_taint and node in res.nodes_freed:
+                try:
+                    self._taint(node, TAINT_EMPTIED)
+                    res.taint_kept.append(node)
+                    continue
+                except ApiException as e:
+                    log.warning("could not mark node %s emptied: %s %s", node, e.status, e.reason)
+            try:
+                self._taint(node, None)
+            except ApiException as e:
+                log.warning(
+                    "could not remove taint %s from node %s: %s %s", TAINT_KEY, node, e.status, e.reason
+                )
+                res.taint_kept.append(node)
+
+    def _settle(self, res: RunResult, groups: set[int]) -> None:
+        """Wait (bounded) until every pod this run evicted is gone: until then it holds its GPUs."""
+        deadline = time.monotonic() + self.opts.settle_s
+        while True:
+            left = []
+            by_ns: dict[str, dict[str, str]] = {}
+            for ns, name, uid, grp in self.evicted:
+                if grp not in groups:
+                    continue
+                if ns not in by_ns:
+                    items = json.loads(self.core.list_namespaced_pod(ns, _preload_content=False).data)
+                    by_ns[ns] = {
+                        str((p.get("metadata") or {}).get("name")): str((p.get("metadata") or {}).get("uid"))
+                        for p in items.get("items") or []
+                    }
+                if by_ns[ns].get(name) == uid:
+                    left.append(f"{ns}/{name}")
+            if not left or time.monotonic() >= deadline:
+                res.still_terminating = left
+                if left:
+                    log.warning(
+                        "%d evicted pod(s) still terminating after %gs; their GPUs are not counted as freed: %s",
+                        len(left),
+                        self.opts.settle_s,
+                        " ".join(left),
+                    )
+                return
+            time.sleep(self.opts.poll_s)
+
     def _release(self, node: str, ids: set[str]) -> None:
         if not ids:
             return
@@ -238,8 +409,10 @@ class Executor:
     # --- the loop ------------------------------------------------------------------------------
     def run(self, plan: Plan) -> RunResult:
         res = RunResult()
+        self._budget_waited = 0.0
         broken: set[int] = set()
         done_per_group: dict[int, int] = {}
+        groups = {g.id: g for g in plan.groups}
         try:
             for m in plan.moves:
                 if m.group in broken:
@@ -253,6 +426,15 @@ class Executor:
                     res.aborted = why
                     self.metrics.moves_aborted.inc()
                     break
+                g = groups.get(m.group)
+                if self.opts.objective == "nodes" and g is not None and g.node not in self.tainted:
+                    # Keep the scheduler (and anything else) from refilling the node being emptied.
+                    self._taint(g.node, TAINT_VALUE)
+                    self.tainted.add(g.node)
+                    res.tainted.append(g.node)
+                    log.info(
+                        "tainted node %s %s=%s:NoSchedule while it is emptied", g.node, TAINT_KEY, TAINT_VALUE
+                    )
                 r = self._move(m, res)
                 res.moves.append(r)
                 if r.outcome == "done":
@@ -268,7 +450,15 @@ class Executor:
                     self.metrics.moves.labels("skipped").inc()
         finally:
             self.release_all()
-        self._tally(plan, res, done_per_group)
+            res.budget_waits_s = self._budget_waited
+            try:
+                whole = {g.id for g in plan.groups if done_per_group.get(g.id, 0) == len(g.pods)}
+                # Only groups that moved entirely free anything, so only their pods are waited for.
+                if any(grp in whole for *_, grp in self.evicted):
+                    self._settle(res, whole)
+                self._tally(plan, res, done_per_group)
+            finally:
+                self._untaint_all(res)
         return res
 
     def _gate(self) -> str:
@@ -321,25 +511,42 @@ class Executor:
         before = {
             str((p.get("metadata") or {}).get("uid")) for p in self._pods_of(ns, m.owner_kind, m.owner_name)
         }
-        try:
-            self._evict_retrying(ns, name, uid)
-        except ApiException as e:
+        budget_deadline = time.monotonic() + self.opts.budget_wait_s
+        while True:
+            why_not = self._wait_budget(obj, budget_deadline)
+            refusal = ""
+            if why_not:
+                refusal = f"waited {self.opts.budget_wait_s:g}s for a disruption budget: {why_not}"
+            else:
+                try:
+                    self._evict_retrying(ns, name, uid)
+                    break
+                except ApiException as e:
+                    budget = _budget_refusal(e) if e.status == 429 else None
+                    if budget is not None and time.monotonic() < budget_deadline:
+                        # Another disruption took the budget between our read and the eviction.
+                        log.info("move %d %s: %s; waiting for the budget again", m.step, m.pod, budget)
+                        continue
+                    if budget is not None:
+                        refusal = f"429 TooManyRequests: {budget}"
+                    elif e.status in (404, 409):
+                        self._release(m.to_node, {rid})
+                        self.metrics.evictions.labels("gone").inc()
+                        return MoveResult(m.step, m.pod, "gone", f"{e.status} {e.reason}")
+                    else:
+                        self._release(m.to_node, {rid})
+                        self.metrics.evictions.labels("error").inc()
+                        raise
             self._release(m.to_node, {rid})
-            budget = _budget_refusal(e) if e.status == 429 else None
-            if budget is not None:
-                self.metrics.evictions.labels("pdb-refused").inc()
-                msg = (
-                    f"eviction refused by a PodDisruptionBudget ({budget}); "
-                    f"gpupack defrag skipped moving it to {m.to_node}"
-                )
-                self.events.pod(ns, name, uid, "DefragEvictionRefused", msg, warning=True)
-                log.info("move %d %s: %s", m.step, m.pod, msg)
-                return MoveResult(m.step, m.pod, "pdb-refused", f"429 TooManyRequests: {budget}")
-            if e.status in (404, 409):
-                self.metrics.evictions.labels("gone").inc()
-                return MoveResult(m.step, m.pod, "gone", f"{e.status} {e.reason}")
-            self.metrics.evictions.labels("error").inc()
-            raise
+            self.metrics.evictions.labels("pdb-refused").inc()
+            msg = (
+                f"eviction refused by a PodDisruptionBudget ({refusal}); "
+                f"gpupack defrag skipped moving it to {m.to_node}"
+            )
+            self.events.pod(ns, name, uid, "DefragEvictionRefused", msg, warning=True)
+            log.info("move %d %s: %s", m.step, m.pod, msg)
+            return MoveResult(m.step, m.pod, "pdb-refused", refusal)
+        self.evicted.append((ns, name, uid, m.group))
         res.evictions += 1
         self.metrics.evictions.labels("evicted").inc()
         target = f"{m.to_node} GPU(s) {', '.join(m.to_gpus)}"
@@ -390,7 +597,12 @@ class Executor:
 
     def _tally(self, plan: Plan, res: RunResult, done_per_group: dict[int, int]) -> None:
         """GPUs and nodes freed, as the cluster shows them now (not as the plan hoped)."""
-        complete = [g for g in plan.groups if done_per_group.get(g.id, 0) == len(g.pods)]
+        terminating = set(res.still_terminating)
+        complete = [
+            g
+            for g in plan.groups
+            if done_per_group.get(g.id, 0) == len(g.pods) and not terminating.intersection(g.pods)
+        ]
         if not complete:
             return
         try:
@@ -416,5 +628,18 @@ class Executor:
             node = snap.state.nodes.get(name)
             if node is not None and node.gpus and all(gg.empty for gg in node.gpus):
                 res.nodes_freed.append(name)
+                uid = str(((snap.nodes.get(name) or {}).get("metadata") or {}).get("uid") or "")
+                after = (
+                    f"it keeps the taint {TAINT_KEY}:NoSchedule"
+                    if self.opts.keep_taint and name in self.tainted
+                    else "nothing keeps pods off it now"
+                )
+                self.events.node(
+                    name,
+                    uid,
+                    "DefragFreedNode",
+                    f"gpupack defrag moved every GPU pod off this node; {after}. A cluster autoscaler "
+                    "removes an empty node after its scale-down-unneeded-time",
+                )
         self.metrics.gpus_freed.set(len(res.gpus_freed))
         self.metrics.nodes_freed.set(len(res.nodes_freed))

@@ -272,7 +272,10 @@ class _Planner:
             return (g.milli_used / FULL + g.mem_used / max(1, g.mem_mib), node.name, idx)
         freed_set = set(freed)
         node_empties = all(gg.empty or i in freed_set for i, gg in enumerate(node.gpus))
-        load = sum(node.gpus[i].milli_used / FULL + node.gpus[i].mem_used / max(1, node.gpus[i].mem_mib) for i in freed)
+        load = sum(
+            node.gpus[i].milli_used / FULL + node.gpus[i].mem_used / max(1, node.gpus[i].mem_mib)
+            for i in freed
+        )
         used_on_node = sum(1 for gg in node.gpus if not gg.empty)
         return (len(pods) / len(freed), not node_empties, used_on_node, load, node.name, idx)
 
@@ -379,7 +382,9 @@ class _Planner:
         # A node-level limit (CPU, RAM) can refuse; the caller then falls back to the full scan.
         return f if isinstance(f, Fit) else None
 
-    def _find_two(self, pod: PodRequest, group: tuple[str, int], need_mem: int, need_milli: int) -> Fit | None:
+    def _find_two(
+        self, pod: PodRequest, group: tuple[str, int], need_mem: int, need_milli: int
+    ) -> Fit | None:
         """Two GPUs of one memory size on one node, least total room first, without a full scan.
 
         Walking GPUs by ascending room, a node's first two qualifying GPUs are its tightest two.
@@ -449,7 +454,9 @@ class _Planner:
             self._unblock(node.name, i)
         return None
 
-    def commit(self, node: Node, pods: list[str], freed: list[int], done: list[tuple[str, Fit]], originals) -> None:
+    def commit(
+        self, node: Node, pods: list[str], freed: list[int], done: list[tuple[str, Fit]], originals
+    ) -> None:
         gid = len(self.plan.groups)
         for k, f in done:
             pod, placement, charged = originals[k]
@@ -480,7 +487,9 @@ class _Planner:
                 self.evicted_per_workload[wl] += 1
         node_freed = all(g.empty for g in node.gpus)
         self.plan.groups.append(
-            Group(gid, node.name, tuple(node.gpus[i].uuid for i in freed), tuple(k for k, _ in done), node_freed)
+            Group(
+                gid, node.name, tuple(node.gpus[i].uuid for i in freed), tuple(k for k, _ in done), node_freed
+            )
         )
 
     # --- main loop ----------------------------------------------------------------------------
@@ -610,3 +619,240 @@ def verify_plan(state: ClusterState, plan: Plan, touched_only: bool = False) -> 
             if g is None or not g.empty:
                 raise PlanError(f"group {grp.id}: GPU {uuid} on {grp.node} is not idle after the plan")
     return s
+
+
+# --- objective "nodes": empty whole GPU nodes ---------------------------------------------------
+
+
+def _node_load(node: Node) -> float:
+    return sum(g.milli_used / FULL + g.mem_used / max(1, g.mem_mib) for g in node.gpus)
+
+
+def _used_gpus_on(node: Node) -> int:
+    return sum(1 for g in node.gpus if not g.empty)
+
+
+class _NodePlanner:
+    """Empty whole nodes, cheapest first; every pod of a drained node lands on a node that stays.
+
+    - A node can be drained when every pod on it may move (exclusive pods too: they may take an
+      idle GPU of a node that stays, which costs no extra node) and it is not `protected` (for
+      example annotated for the cluster autoscaler never to remove it: emptying it gains nothing).
+    - Cost of a node: its pods (evictions), then the load on its GPUs, then its name. `order=
+      "ratio"` (gpupack) drains in ascending cost; `order="emptiest"` (the baseline) in ascending
+      GPU utilisation, the measure a resource-utilisation autoscaler uses.
+    - Targets: only nodes that keep running (hold a used GPU at planning time, are not drained,
+      are schedulable, are not the pod's own node). gpupack picks, per pod, a used GPU before an
+      idle one, the busiest node first, then the tightest place; the baseline takes the first
+      node by name where the pod fits (what a drain followed by a default scheduler would do).
+    - A node that received a moved pod is kept: no pod moves twice in one plan.
+    - All or nothing per node: a node whose pods do not all find a verified place stays as is.
+    """
+
+    def __init__(
+        self, state: ClusterState, movable: set[str], limits: Limits, order: str, protected: set[str]
+    ) -> None:
+        self.orig = state
+        self.w = state.clone()
+        self.movable = movable
+        self.limits = limits
+        self.order = order
+        self.protected = protected
+        self.plan = Plan(used_gpus_before=used_gpus(state))
+        self.drained: set[str] = set()
+        self.kept: set[str] = set()
+        self.evicted_per_ns: Counter = Counter()
+        self.evicted_per_workload: Counter = Counter()
+        self.replicas: Counter = Counter()
+        for pod, _, _ in state.pods.values():
+            wl = workload_of(pod)
+            if wl is not None:
+                self.replicas[wl] += 1
+        self.pods_on: dict[str, list[str]] = {}
+        for k, (_, placement, _) in state.pods.items():
+            self.pods_on.setdefault(placement.node, []).append(k)
+
+    def cost(self, name: str) -> tuple:
+        node = self.w.nodes[name]
+        pods = len(self.pods_on.get(name, ()))
+        if self.order == "emptiest":
+            cap = max(1, len(node.gpus))
+            return (_node_load(node) / (2 * cap), pods, name)
+        return (pods, _node_load(node), name)
+
+    def candidates(self) -> list[str]:
+        out = []
+        for name, node in self.w.nodes.items():
+            if not node.gpus or _used_gpus_on(node) == 0:
+                continue
+            if name in self.protected:
+                self.plan.skipped["protected"] += 1
+                continue
+            pods = self.pods_on.get(name, [])
+            if any(k not in self.movable for k in pods):
+                self.plan.skipped["not-movable"] += 1
+                continue
+            out.append(name)
+        return sorted(out, key=self.cost)
+
+    def caps_allow(self, pods: list[str]) -> str | None:
+        lim = self.limits
+        if self.plan.evictions + len(pods) > lim.max_evictions:
+            return "cap:run"
+        if lim.max_per_node > 0 and len(pods) > lim.max_per_node:
+            return "cap:node"
+        per_ns = Counter(self.w.pods[k][0].namespace for k in pods)
+        if lim.max_per_namespace > 0 and any(
+            self.evicted_per_ns[ns] + n > lim.max_per_namespace for ns, n in per_ns.items()
+        ):
+            return "cap:namespace"
+        if lim.max_workload_share > 0:
+            per_wl = Counter(workload_of(self.w.pods[k][0]) for k in pods)
+            for wl, n in per_wl.items():
+                if wl is None:
+                    continue
+                allowed = max(1, math.floor(lim.max_workload_share * self.replicas[wl]))
+                if self.evicted_per_workload[wl] + n > allowed:
+                    return "cap:workload"
+        return None
+
+    def targets(self, source: str) -> list[Node]:
+        nodes = [
+            n
+            for name, n in self.w.nodes.items()
+            if name != source
+            and name not in self.drained
+            and n.schedulable
+            and _used_gpus_on(self.orig.nodes[name]) > 0
+        ]
+        if self.order == "emptiest":
+            return sorted(nodes, key=lambda n: n.name)
+        return sorted(nodes, key=lambda n: (-_used_gpus_on(n), -_node_load(n), n.name))
+
+    def find(self, pod: PodRequest, source: str) -> Fit | None:
+        best: tuple | None = None
+        best_fit: Fit | None = None
+        for node in self.targets(source):
+            f = fit(node, pod)
+            if not isinstance(f, Fit):
+                continue
+            if self.order == "emptiest":
+                return f
+            idle = sum(1 for i in f.charged if node.gpus[i].empty)
+            left = sum(
+                (node.gpus[i].free_mem - m) / max(1, node.gpus[i].mem_mib)
+                + (node.gpus[i].free_milli - k) / FULL
+                for i, (m, k, _) in f.charged.items()
+            )
+            key = (idle, -_used_gpus_on(node), left, node.name)
+            if best is None or key < best:
+                best, best_fit = key, f
+        return best_fit
+
+    def try_node(self, name: str) -> list[tuple[str, Fit]] | None:
+        pods = sorted(
+            self.pods_on.get(name, []),
+            key=lambda k: (-sum(m for m, _, _ in self.w.pods[k][2].values()), k),
+        )
+        originals = {k: self.w.pods[k] for k in pods}
+        done: list[tuple[str, Fit]] = []
+        self.drained.add(name)
+        for k in pods:
+            pod = originals[k][0]
+            f = self.find(pod, name)
+            if f is None:
+                break
+            self.w.release(k)
+            self.w.place(pod, f.placement, f.charged)
+            done.append((k, f))
+        if len(done) == len(pods):
+            return done
+        for k, _ in done:
+            self.w.release(k)
+            self.w.place(originals[k][0], originals[k][1], originals[k][2])
+        self.drained.discard(name)
+        return None
+
+    def run(self) -> Plan:
+        for name in self.candidates():
+            if (
+                self.plan.attempts >= self.limits.max_attempts
+                or self.plan.evictions >= self.limits.max_evictions
+            ):
+                break
+            if name in self.kept:
+                self.plan.skipped["kept-as-target"] += 1
+                continue
+            pods = self.pods_on.get(name, [])
+            why = self.caps_allow(pods)
+            if why is not None:
+                self.plan.skipped[why] += 1
+                continue
+            self.plan.attempts += 1
+            node = self.w.nodes[name]
+            freed = [i for i, g in enumerate(node.gpus) if not g.empty]
+            originals = {k: self.w.pods[k] for k in pods}
+            done = self.try_node(name)
+            if done is None:
+                self.plan.skipped["no-target"] += 1
+                continue
+            gid = len(self.plan.groups)
+            for k, f in done:
+                pod, placement, charged = originals[k]
+                dst = self.w.nodes[f.placement.node]
+                self.kept.add(f.placement.node)
+                self.plan.moves.append(
+                    Move(
+                        step=len(self.plan.moves),
+                        group=gid,
+                        pod=k,
+                        namespace=pod.namespace,
+                        owner_kind=pod.owner[0] if pod.owner else "",
+                        owner_name=pod.owner[1] if pod.owner else "",
+                        pod_class=pod.pod_class,
+                        from_node=placement.node,
+                        from_gpus=tuple(node.gpus[i].uuid for i in sorted(charged)),
+                        to_node=f.placement.node,
+                        to_gpus=tuple(dst.gpus[i].uuid for i in sorted(f.charged)),
+                        placement=f.placement,
+                        charged=dict(f.charged),
+                    )
+                )
+                self.evicted_per_ns[pod.namespace] += 1
+                wl = workload_of(pod)
+                if wl is not None:
+                    self.evicted_per_workload[wl] += 1
+            self.plan.groups.append(
+                Group(gid, name, tuple(node.gpus[i].uuid for i in freed), tuple(k for k, _ in done), True)
+            )
+        final = verify_plan(self.orig, self.plan, touched_only=True)
+        touched_before = sum(1 for n in final.nodes for g in self.orig.nodes[n].gpus if not g.empty)
+        self.plan.used_gpus_after = self.plan.used_gpus_before - touched_before + used_gpus(final)
+        self.plan.nodes_freed = sorted(g.node for g in self.plan.groups)
+        for g in self.plan.groups:
+            if any(not gg.empty for gg in final.nodes[g.node].gpus):
+                raise PlanError(f"group {g.id}: node {g.node} still holds pods after the plan")
+        return self.plan
+
+
+def plan_nodes(
+    state: ClusterState,
+    movable: Iterable[str] | Callable[[PodRequest], bool] | None = None,
+    limits: Limits | None = None,
+    order: str = "ratio",
+    protected: Iterable[str] = (),
+) -> Plan:
+    """Plan moves that empty whole GPU nodes (`gpupack defrag --objective nodes`), so that the
+    cluster autoscaler (or an operator) can remove them. Each drain group is one node; its
+    `gpus_freed` are every GPU that node had in use. `order="emptiest"`: the baseline (drain the
+    least utilised nodes first, first-fit targets). `protected`: nodes never drained."""
+    if order not in ("ratio", "emptiest"):
+        raise ValueError(f"unknown order {order!r}")
+    if movable is None:
+        keys = set(state.pods)
+    elif callable(movable):
+        keys = {k for k, (p, _, _) in state.pods.items() if movable(p)}
+    else:
+        keys = set(movable)
+    keys = {k for k in keys if k in state.pods and state.pods[k][0].containers}
+    return _NodePlanner(state, keys, limits or Limits(), order, set(protected)).run()
