@@ -5,13 +5,20 @@ Gradient Descent", USENIX ATC 2023.
 
 A node's *fragmentation* is the GPU capacity (milli) that a typical arriving pod could not use
 there, averaged over a target workload: the pod shapes that make up ~95% of the pods, each weighted
-by its popularity. For one shape, a node that cannot host it at all (too little CPU, too few GPUs
-with enough free milli) counts all of its free GPU milli as fragment; a node that can counts only
-the GPUs whose free milli is below the shape's per-GPU request. A node whose GPU model the shape
-does not allow (`gpu_spec`) contributes nothing to that shape's term: counting its free milli as
-fragment instead gives 4.85% unallocated GPUs on the gpuspec10 trace against the published 5.34%,
-leaving it out gives 5.32% (docs/simulate.md), so the published simulator evidently leaves it out. FGD places a pod where,
-and on the GPU where, that expected fragmentation grows least. Host RAM is ignored, as published.
+by its popularity. For one shape, a node that cannot host it at all (a GPU model the shape's
+`gpu_spec` does not allow, too little CPU, too few GPUs with enough free milli) counts all of its
+free GPU milli as fragment; a node that can counts only the GPUs whose free milli is below the
+shape's per-GPU request. FGD places a pod where, and on the GPU where, that expected fragmentation
+grows least. Host RAM is ignored, as published.
+
+Three details of the published simulator (hkust-adsl/kubernetes-scheduler-simulator,
+`pkg/utils/frag.go`) decide the figures on the GPU-model-constrained traces (docs/simulate.md):
+- a node whose model a shape may not use is "no access" for it and ALL its free milli counts;
+- a shape is keyed by the pod's `gpu_spec` text as written (`V100M16|V100M32` and
+  `V100M16|V100M32|V100M32` are two shapes), and shapes of equal count are ranked by
+  (CPU, per-GPU milli, GPU count, spec text), largest first, before the 95% cut;
+- the kept shapes' weights are renormalised to sum to one, so the score's scale is the kept
+  pods' count (:attr:`Workload.kept`), not all pods.
 
 Scores are integers 0..100, ``int(100 * sigmoid(decrease / 1000))`` as in the published simulator,
 so many nodes tie; :func:`gpupack.core.policies.schedule` breaks ties with the policy's seeded RNG.
@@ -42,6 +49,7 @@ class Shape:
     mem_mib: int = 0  # per GPU; 0 in the openb trace
     models: frozenset[str] | None = None
     pod_class: str | None = None
+    spec: str = ""  # the models as the trace writes them: the published simulator's shape key
 
 
 def shape_of(pod: PodRequest) -> Shape:
@@ -57,8 +65,9 @@ def shape_of(pod: PodRequest) -> Shape:
 class Workload:
     """Popularity of pod shapes; `typical()` keeps the most popular ones covering `coverage` of pods.
 
-    Weights stay integer counts and `total` counts every pod seen, as the published simulator
-    divides each shape's count by all pods without renormalising the kept ones.
+    Weights stay integer counts; `total` counts every pod seen and `kept` the pods of the typical
+    shapes, by which the published simulator renormalises their weights (FGD scales its score by
+    it).
     """
 
     def __init__(
@@ -81,6 +90,10 @@ class Workload:
     @property
     def total(self) -> int:
         return sum(self.weight(s, n) for s, n in self.counts.items())
+
+    @property
+    def kept(self) -> int:
+        return sum(self.typical()[1])
 
     def add(self, shape: Shape) -> None:
         self.counts[shape] += 1
@@ -123,9 +136,12 @@ def frag(
     total = sum(frees)
     out = 0
     for s, w in zip(shapes, weights, strict=True):
-        if s.gpus and s.models is not None and model not in s.models:
-            continue  # a model the shape may not use: no term (see the fgd module docstring)
-        if s.gpus and (cpu_left is None or cpu_left >= s.cpu_milli):
+        # A model the shape may not use ("no access") falls through: all free milli is fragment.
+        if (
+            s.gpus
+            and (s.models is None or model in s.models)
+            and (cpu_left is None or cpu_left >= s.cpu_milli)
+        ):
             fits = 0
             part = 0
             for f in frees:
@@ -191,7 +207,7 @@ class FGDPolicy:
         return hit
 
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
-        total = self.workload.total
+        total = self.workload.kept
         frees, cpu = node_state(node)
         model = node.model
         before = self._frag(frees, cpu, model)
@@ -210,4 +226,4 @@ class FGDPolicy:
         frees, cpu = node_state(node)
         before = self._frag(frees, cpu, node.model)
         a_frees, a_cpu = after(frees, cpu, pod, f.charged)
-        return sigmoid_score(before - self._frag(a_frees, a_cpu, node.model), self.workload.total)
+        return sigmoid_score(before - self._frag(a_frees, a_cpu, node.model), self.workload.kept)

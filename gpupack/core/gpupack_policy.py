@@ -9,8 +9,8 @@ place each pod where that grows least. gpupack generalises and extends it:
    SM share are enough; its free capacity is the scarcer of the two (normalised to milli), since a
    GPU with half its SMs but 5% of its memory free is 5% free in practice.
 2. **Models.** A node whose GPU model a shape may not use counts all its free capacity as fragment
-   for that shape (published FGD leaves such nodes out of the shape's term), which keeps
-   unconstrained pods off the models that constrained pods need.
+   for that shape (as the published FGD does), which keeps unconstrained pods off the models that
+   constrained pods need.
 3. **Classes.** `online` and `offline` pods never share a GPU, so a GPU holding one class is
    fragment for every shape of the other; shapes carry their class.
 4. **Stranding.** FGD sees host CPU only as a step: a node becomes fragmented for a shape once its
@@ -81,9 +81,8 @@ def fragmentation(
     total = sum(amounts)
     out = 0
     for s, w in zip(shapes, weights, strict=True):
-        # Unlike published FGD, a node whose GPU model the shape may not use counts all its free
-        # capacity as fragment for that shape: it steers unconstrained pods off the models that
-        # constrained pods need (gpuspec10: 4.14% unallocated, against 4.92% leaving it out).
+        # A node whose GPU model the shape may not use counts all its free capacity as fragment for
+        # that shape: it steers unconstrained pods off the models that constrained pods need.
         if (
             s.gpus
             and (s.models is None or model in s.models)
@@ -119,7 +118,6 @@ def cpu_gpu_ratio(workload: Workload) -> tuple[int, int]:
 
 class GpupackPolicy(Policy):
     name = "gpupack"
-    count_barred_models = True  # see `fragmentation`; the replay's fast path reads this
 
     def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
         super().__init__(seed)

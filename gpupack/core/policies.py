@@ -53,36 +53,35 @@ class RandomPolicy(Policy):
         return self.rng.random()
 
 
-def _gpu_free_after(node: Node, f: Fit) -> float:
-    """Free GPU milli on the node after placing `f`, as a share of the node's GPU capacity."""
-    total = len(node.gpus) * FULL
-    if not total:
-        return 0.0
+def _gpu_free_after(node: Node, f: Fit) -> int:
+    """Free GPU milli on the node after placing `f`."""
     free = sum(g.free_milli for g in node.gpus if g.healthy)
     for _, milli, ex in f.charged.values():
         free -= FULL if ex else milli
-    return max(0.0, free / total)
+    return max(0, free)
+
+
+# The published BestFit measures what a node has left against the largest node spec, not against
+# the node's own size (hkust-adsl/kubernetes-scheduler-simulator, best_fit_score.go).
+MAX_SPEC_CPU = 128_000
+MAX_SPEC_GPU = 8 * FULL
 
 
 class BestFitPolicy(Policy):
-    """The node left with the least room, averaged over normalised CPU and GPU; tightest GPU inside.
-
-    Integer score ``int(100 * (1 - leftover))`` as in the published simulator (openb-replay.md).
+    """The node left with the least room, CPU and GPU each over the largest node spec, averaged;
+    tightest GPU inside. Integer score ``int(100 * (1 - leftover))`` as in the published simulator.
     """
 
     name = "bestfit"
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
-        return bestfit_score(
-            _gpu_free_after(node, f),
-            (node.free_cpu - pod.cpu_milli) / node.cpu_milli if node.cpu_milli else None,
-        )
+        cpu_left = node.free_cpu - pod.cpu_milli if node.cpu_milli else 0
+        return bestfit_score(_gpu_free_after(node, f), cpu_left)
 
 
-def bestfit_score(gpu_left: float, cpu_left: float | None) -> int:
+def bestfit_score(gpu_left: float, cpu_left: float) -> int:
     """Shared by the policy and the replay's fast path so both compute the same float expression."""
-    left = gpu_left if cpu_left is None else (gpu_left + cpu_left) / 2
-    return int(100 * (1 - left))
+    return int((1.0 - (cpu_left / MAX_SPEC_CPU * 0.5 + gpu_left / MAX_SPEC_GPU * 0.5)) * 100)
 
 
 @dataclass

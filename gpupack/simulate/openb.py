@@ -51,6 +51,8 @@ class PodList:
     num_gpu: np.ndarray
     gpu_milli: np.ndarray  # per GPU, clamped to FULL
     spec: list[frozenset[str] | None]  # allowed models; None = any
+    # The allowed models as written ("" = any): FGD's target workload keys shapes by this text.
+    spec_text: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -68,6 +70,7 @@ class PodList:
             self.num_gpu[idx],
             self.gpu_milli[idx],
             [self.spec[i] for i in idx],
+            None if self.spec_text is None else [self.spec_text[i] for i in idx],
         )
 
 
@@ -144,7 +147,7 @@ def read_nodes(path: str | Path) -> NodeList:
 
 def read_pods(path: str | Path) -> PodList:
     path = Path(path)
-    names, cpu, ram, num, milli, spec = [], [], [], [], [], []
+    names, cpu, ram, num, milli, spec, text = [], [], [], [], [], [], []
     for line, row in _rows(path, POD_COLUMNS):
         names.append(row["name"].strip())
         cpu.append(_int(path, line, row, "cpu_milli"))
@@ -163,8 +166,9 @@ def read_pods(path: str | Path) -> PodList:
             )
         num.append(n)
         milli.append(m)
-        raw = (row.get("gpu_spec") or "").strip()
-        spec.append(frozenset(s.strip() for s in raw.split("|") if s.strip()) or None)
+        parts = [s.strip() for s in (row.get("gpu_spec") or "").split("|") if s.strip()]
+        spec.append(frozenset(parts) or None)
+        text.append("|".join(parts) if n else "")
     if not names:
         raise TraceError(f"{path}: no pods")
     return PodList(
@@ -174,4 +178,5 @@ def read_pods(path: str | Path) -> PodList:
         np.array(num, np.int64),
         np.array(milli, np.int64),
         spec,
+        text,
     )

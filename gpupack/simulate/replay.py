@@ -13,6 +13,7 @@ Both break score ties with the policy's seeded `random.Random` (one draw, only w
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from gpupack.core.fgd import SIGMOID_STEPS, Shape, Workload
 from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
-from gpupack.core.policies import Policy, get_policy, schedule
+from gpupack.core.policies import MAX_SPEC_CPU, MAX_SPEC_GPU, Policy, get_policy, schedule
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList
 
 INFLATE_TO = 1.30  # arrived GPU request, as a share of capacity
@@ -56,14 +57,22 @@ def arrival_order(pods: PodList, capacity: int, seed: int) -> np.ndarray:
 
 
 def trace_workload(pods: PodList, coverage: float = 0.95) -> Workload:
-    """The target workload FGD uses: shapes of the ORIGINAL trace (before inflation)."""
-    return Workload.of(
-        (
-            Shape(int(c), int(n), int(m), 0, s)
-            for c, n, m, s in zip(pods.cpu, pods.num_gpu, pods.gpu_milli, pods.spec, strict=True)
-        ),
-        coverage,
+    """The target workload FGD uses: shapes of the ORIGINAL trace (before inflation).
+
+    As the published simulator builds it: a shape is keyed by the `gpu_spec` text, and shapes of
+    equal count rank by (CPU, per-GPU milli, GPU count, spec text), largest first.
+    """
+    text = pods.spec_text or ["|".join(sorted(s)) if s else "" for s in pods.spec]
+    counts: Counter[Shape] = Counter(
+        Shape(int(c), int(n), int(m), 0, s, None, t if n else "")
+        for c, n, m, s, t in zip(pods.cpu, pods.num_gpu, pods.gpu_milli, pods.spec, text, strict=True)
     )
+    ranked = sorted(
+        counts.items(),
+        key=lambda kv: (kv[1], kv[0].cpu_milli, kv[0].milli, kv[0].gpus, kv[0].spec),
+        reverse=True,
+    )
+    return Workload(Counter(dict(ranked)), coverage)
 
 
 @dataclass
@@ -116,7 +125,7 @@ class _Curve:
 class FastCluster:
     """The openb cluster as arrays, with per-shape fragmentation aggregates cached per node."""
 
-    def __init__(self, nodes: NodeList, workload: Workload, count_barred: bool = False) -> None:
+    def __init__(self, nodes: NodeList, workload: Workload) -> None:
         self.n = len(nodes)
         self.g = max(1, int(nodes.gpus.max()))
         self.models = sorted(set(nodes.model))
@@ -132,6 +141,7 @@ class FastCluster:
         self.gpu_cap = self.ngpu * FULL
         shapes, weights = workload.typical()
         self.total_w = workload.total
+        self.kept_w = sum(weights)  # FGD's score scale: the typical shapes' weights renormalised
         self.s_cpu = np.array([s.cpu_milli for s in shapes], np.int64)
         self.s_num = np.array([s.gpus for s in shapes], np.int64)
         # A CPU-only shape never "fits" in the fragmentation sense (all free GPU milli is fragment).
@@ -141,9 +151,6 @@ class FastCluster:
         allowed = allowed.reshape(len(self.models), len(shapes))
         gpu_shape = self.s_num > 0
         self.access = allowed & gpu_shape  # the shape can use this model's GPUs
-        # A GPU shape barred from the model has no term (published FGD), unless the policy counts
-        # such nodes' free capacity as fragment (gpupack).
-        self.counted = np.ones_like(allowed) if count_barred else allowed | ~gpu_shape
         self.cnt = np.zeros((self.n, len(shapes)), np.int64)
         self.part = np.zeros((self.n, len(shapes)), np.int64)
         self.tot = np.zeros(self.n, np.int64)
@@ -164,7 +171,8 @@ class FastCluster:
     def _frag(self, idx, cnt, part, tot, cpu) -> np.ndarray:
         m = self.model[idx]
         q3 = self.access[m] & (cnt >= self.s_num) & (cpu[:, None] >= self.s_cpu)
-        return (np.where(q3, part, tot[:, None]) * (self.w * self.counted[m])).sum(1)
+        # A shape that may not use this model ("no access") counts all free milli, as published.
+        return (np.where(q3, part, tot[:, None]) * self.w).sum(1)
 
     def frag_after(
         self, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int, cpu: int
@@ -229,16 +237,17 @@ Scorer = Callable[..., "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 
 def _fgd_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray:
     dec = cl.frag[idx] - cl.frag_after(idx, f, milli, whole, cpu)
-    if cl.total_w <= 0:
+    if cl.kept_w <= 0:
         return np.full(len(idx), 50, np.int64)
-    return np.searchsorted(SIGMOID_STEPS, dec / (cl.total_w * 1000), side="right").astype(np.int64)
+    return np.searchsorted(SIGMOID_STEPS, dec / (cl.kept_w * 1000), side="right").astype(np.int64)
 
 
 def _bestfit_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray:
     req = milli if f is not None else whole * FULL
-    gpu_left = np.maximum(0.0, (cl.tot[idx] - req) / cl.gpu_cap[idx])
-    cpu_left = (cl.cpu[idx] - cpu) / cl.cpu_cap[idx]
-    score = (100 * (1 - (gpu_left + cpu_left) / 2)).astype(np.int64)
+    gpu_left = np.maximum(0, cl.tot[idx] - req) / MAX_SPEC_GPU
+    cpu_left = (cl.cpu[idx] - cpu) / MAX_SPEC_CPU
+    # The same float expression, in the same order, as gpupack.core.policies.bestfit_score.
+    score = ((1.0 - (cpu_left * 0.5 + gpu_left * 0.5)) * 100).astype(np.int64)
     # Inside a node: the tightest GPU that fits (least free milli), as the generic `tightest` rank.
     return (score, -f) if f is not None else score
 
@@ -347,9 +356,7 @@ def replay(
     rng: random.Random = policy.rng
     policy.rank_nodes(nodes.names)
     tie_key = np.array([policy.tie_key[n] for n in nodes.names])
-    cl = FastCluster(
-        nodes, getattr(policy, "workload", workload), getattr(policy, "count_barred_models", False)
-    )
+    cl = FastCluster(nodes, getattr(policy, "workload", workload))
     scorer = _fast_scorer(policy_name, policy)
     spec_mask: dict[frozenset[str] | None, np.ndarray] = {}
     caches: dict[tuple, _ShapeCache] = {}
