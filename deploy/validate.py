@@ -16,7 +16,7 @@ per problem otherwise, 2 on bad usage.
      real argparse parser; `--*port` values are declared container ports; absolute paths in
      args lie under a volumeMount;
    - the KubeSchedulerConfiguration in the ConfigMap: known fields only, the scheduler name,
-     managed resources and extender port/verbs that gpupack's code uses, httpTimeout > bind wait;
+     managed resources and extender port/verbs that gpupack's code uses, httpTimeout > worst bind;
    - webhook paths are routes the extender serves; Services, probes, selectors, ServiceAccounts,
      RBAC role references, volumes, HPA/PDB targets all point at something that exists;
    - gpupack resources are spelled as in gpupack.contract, requests == limits, gpu-sm 1..100;
@@ -409,6 +409,7 @@ def container_errors(o: Obj, c: Obj, ps: Obj) -> list[str]:
 
 
 # --- cross-object checks ------------------------------------------------------------------------
+BIND_API_CALLS = 5  # lease read, pod read, PATCH, lease read, Binding
 BUILTIN_ROLES = {"system:kube-scheduler", "system:volume-scheduler", "system:auth-delegator",
                  "extension-apiserver-authentication-reader", "view", "edit", "admin", "cluster-admin"}
 
@@ -484,10 +485,18 @@ def semantic_errors(objs: list[Obj]) -> list[str]:
                         errs.append(f"{where}: {verb} {e[verb]!r}: the extender serves no /{e[verb]} "
                                     f"(routes: {sorted(routes)})")
                 try:
-                    wait = float(ext_args.get("--bind-wait-s", "10"))
-                    if _duration_s(e.get("httpTimeout", "30s")) <= wait:
+                    # a bind waits for the node's pending handoff, then makes up to BIND_API_CALLS
+                    # API calls, each bounded by --api-timeout-s (extender/main.py's help says so)
+                    from extender.main import build_parser
+
+                    dflt = build_parser().parse_args([])
+                    wait = float(ext_args.get("--bind-wait-s", dflt.bind_wait_s))
+                    api = float(ext_args.get("--api-timeout-s", getattr(dflt, "api_timeout_s", 0.0)))
+                    worst = wait + BIND_API_CALLS * api
+                    if _duration_s(e.get("httpTimeout", "30s")) <= worst:
                         errs.append(f"{where}: httpTimeout {e.get('httpTimeout')} must exceed the extender's "
-                                    f"--bind-wait-s {wait}")
+                                    f"worst bind: --bind-wait-s {wait:g} + {BIND_API_CALLS} x --api-timeout-s "
+                                    f"{api:g} = {worst:g} s")
                 except ValueError:
                     pass
     for svc in by_kind.get("Service", []):

@@ -29,9 +29,10 @@ def load(relpath: str) -> list[dict[str, Any]]:
 
 
 def remap(objs: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
-    """A deep copy of `objs` with every `gpupack-system` replaced by `namespace`."""
-    text = json.dumps(copy.deepcopy(objs))
-    return json.loads(text.replace(f'"{SHIPPED_NS}"', json.dumps(namespace)))
+    """A deep copy of `objs` with every `gpupack-system` (also inside strings: flags, DNS names)
+    replaced by `namespace`."""
+    assert namespace.replace("-", "").isalnum(), namespace
+    return json.loads(json.dumps(copy.deepcopy(objs)).replace(SHIPPED_NS, namespace))
 
 
 def apply(cluster: Any, objs: list[dict[str, Any]]) -> str:
@@ -41,11 +42,11 @@ def apply(cluster: Any, objs: list[dict[str, Any]]) -> str:
 
 
 def container_args(
-    relpath: str, container: str, env: dict[str, str], drop: tuple[str, ...] = ()
+    relpath: str, container: str, namespace: str, env: dict[str, str], drop: tuple[str, ...] = ()
 ) -> list[str]:
-    """A shipped container's args, `$(VAR)` filled from `env`, without the flags in `drop` (those
-    a test sets itself: ports, file paths inside the image)."""
-    for o in load(relpath):
+    """A shipped container's args moved into `namespace`, `$(VAR)` filled from `env`, without the
+    flags in `drop` (those a test sets itself: ports, file paths inside the image)."""
+    for o in remap(load(relpath), namespace):
         if o["kind"] in ("Deployment", "DaemonSet"):
             for c in o["spec"]["template"]["spec"]["containers"]:
                 if c["name"] == container:

@@ -145,7 +145,7 @@ BREAKAGES = [
     ("scheduler/deployment.yaml", "--webhook-port=8443", "--webhook-port=9443", "is not a declared containerPort"),
     ("deviceplugin/daemonset.yaml", "port: metrics\n", "port: metric\n", "is not a named container port"),
     ("scheduler/config.yaml", "- name: gpupack.io/gpu-sm", "- name: gpupack.io/gpu-smx", "MANAGED_RESOURCES"),
-    ("scheduler/config.yaml", "httpTimeout: 15s", "httpTimeout: 5s", "must exceed the extender's --bind-wait-s"),
+    ("scheduler/config.yaml", "httpTimeout: 15s", "httpTimeout: 5s", "must exceed the extender's worst bind: --bind-wait-s 4 + 5 x --api-timeout-s 2 = 14 s"),
     ("scheduler/config.yaml", "urlPrefix: http://127.0.0.1:8888", "urlPrefix: http://127.0.0.1:8080", "urlPrefix port"),
     ("scheduler/config.yaml", "bindVerb: bind", "bindVerb: bnd", "serves no /bnd"),
     ("scheduler/config.yaml", "nodeCacheCapable: true", "nodeCacheCapable: true\n        nodeCache: true",

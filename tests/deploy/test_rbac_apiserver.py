@@ -131,7 +131,8 @@ class _DevicePlugin:
         self.dir = tempfile.mkdtemp(prefix="dp")  # unix socket paths are short
         self.metrics_port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "deviceplugin"), str(REPO)]))
-        shipped = deploy_objects.container_args("deviceplugin/daemonset.yaml", "device-plugin", {"NODE_NAME": node},
+        shipped = deploy_objects.container_args("deviceplugin/daemonset.yaml", "device-plugin", "gpupack-system",
+                                                {"NODE_NAME": node},
                                                 drop=("--kubelet-dir", "--metrics-port"))  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpupack", "device-plugin", *shipped, "--node-name", node, "--kubelet-dir",
@@ -209,6 +210,7 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     shipped_args = deploy_objects.container_args(
         "scheduler/deployment.yaml",
         "extender",
+        ns,
         {"POD_NAMESPACE": ns, "POD_NAME": socket.gethostname()},
         drop=("--port", "--webhook-port", "--tls-cert", "--tls-key"),
     )
@@ -225,8 +227,7 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     )
     sched_cfg = yaml.safe_load(cm["data"]["config.yaml"])
     sched_cfg["extenders"][0]["urlPrefix"] = ext.url
-    assert sched_cfg["leaderElection"]["resourceNamespace"] == "gpupack-system"
-    sched_cfg["leaderElection"]["resourceNamespace"] = ns
+    assert sched_cfg["leaderElection"]["resourceNamespace"] == ns  # moved with everything else
     sched_kc = flow.kubeconfig("kube-scheduler", SCHED_SA)
     secure = free_port()
     sched = cluster.start_scheduler(
