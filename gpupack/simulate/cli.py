@@ -10,6 +10,11 @@
         and seed. Prints mean unallocated GPUs at 100% arrival per policy; DIR/replay.png charts
         unallocated GPUs against arrived load. --json prints one object (see docs/simulate.md).
 
+    gpupack simulate --tidal [--trace PODS.csv --nodes NODES.csv] [--swing 4] [--json]
+        A day of replicas following demand on an autoscaled pool, night consolidation (gpupack
+        defrag --objective nodes) against none and an emptiest-node-first baseline
+        (gpupack.simulate.tidal, docs/defrag.md). Writes DIR/tidal.png.
+
 Bad input (a malformed CSV row, an unknown policy) is one line on stderr and exit status 2.
 """
 
@@ -68,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
         "--churn",
         action="store_true",
         help="replay with departures and periodic defrag instead (options: gpupack simulate --churn --help)",
+    )
+    p.add_argument(
+        "--tidal",
+        action="store_true",
+        help="a tidal day with and without night consolidation (options: gpupack simulate --tidal --help)",
     )
     p.add_argument(
         "--policy",
@@ -264,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         from gpupack.simulate import churn
 
         return churn.main(argv)
+    if "--tidal" in argv:
+        # A day of replicas following demand, an autoscaled pool, night consolidation on and off.
+        from gpupack.simulate import tidal
+
+        return tidal.main(argv)
     try:
         args = _parser().parse_args(argv)
         if args.jobs < 0:
