@@ -119,6 +119,12 @@ def test_gpu_mem_only_gets_a_gpu_count_and_the_scheduler_name(webhook):
     assert cpu.resources.limits == {"cpu": "1"}
     assert pod.spec.init_containers[0].resources.limits["gpupack.io/gpu"] == "1"
     assert pod.spec.scheduler_name == "gpupack-scheduler"
+    # only an init container asks for a GPU: the matchConditions see it too
+    pod = webhook.create(
+        ns, "init", [c("cpu", {"cpu": "1"})], initContainers=[c("i", {"gpupack.io/gpu-mem": "512"})]
+    )
+    assert pod.spec.init_containers[0].resources.limits["gpupack.io/gpu"] == "1"
+    assert pod.spec.scheduler_name == "gpupack-scheduler"
     # a pod that already names its GPUs and a scheduler is left as it is
     pod = webhook.create(ns, "q", [c("a", {"gpupack.io/gpu": "2"})], schedulerName="my-scheduler")
     assert pod.spec.containers[0].resources.limits == {"gpupack.io/gpu": "2"}
