@@ -115,3 +115,18 @@ def test_whole_gpu_pod_gets_idle_gpus_in_index_order():
         n = node("a", 4)
         f = p.fit(n, pod("ns/w", gpus=2))
         assert isinstance(f, Fit) and sorted(f.charged) == [0, 1]
+
+
+def test_gpupack_charges_added_stranding_but_does_not_reward_removing_it():
+    from gpupack.core.gpupack_policy import gain
+
+    assert gain((100, 1600), (100, 800), 10) == 0  # stranding removed: no reward
+    assert gain((100, 0), (100, 200), 10) == -2000  # stranding added: charged
+    assert gain((500, 0), (300, 0), 10) == 200  # fragmentation removed counts as before
+    # A CPU-poor node (1 core for 2 GPUs, the workload runs 1 core per GPU) strands a GPU from the
+    # start; a GPU pod there removes that stranding but must not score above a CPU-rich node.
+    wl = Workload.of([Shape(1000, 1, 1000)] * 4)
+    p = get_policy("gpupack", workload=wl)
+    poor, rich = node("poor", 2, cpu=1000), node("rich", 2, cpu=100_000)
+    q = pod("ns/q", gpus=1)
+    assert p.node_score(poor, q, p.fit(poor, q)) == p.node_score(rich, q, p.fit(rich, q))
