@@ -306,7 +306,7 @@ class Extender:
         policy: Policy,
         kube: Kube | None,
         metrics: Metrics | None = None,
-        bind_wait_s: float = 10.0,
+        bind_wait_s: float = 4.0,
         stale_handoff_s: float = 120.0,
         clock: Callable[[], datetime] = utcnow,
         fence: LeaseFence | None = None,
@@ -715,7 +715,8 @@ class Extender:
                 now = self.clock()
                 f, reservation = self.node_fit(args.node, req, now, None)
                 if isinstance(f, FitFailure):
-                    raise BindError(f"node {args.node}: {f.reason}", f"fit-{f.code}")
+                    reason = f.reason if f.reason.startswith(f"node {args.node}") else f"node {args.node}: {f.reason}"
+                    raise BindError(reason, f"fit-{f.code}")
                 node = self.view.state.nodes[args.node]
                 a = assignment_from_fit(
                     node, req, f, now, reservation.id if reservation else "", self.view.nodes[args.node].gpu_indexes

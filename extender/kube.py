@@ -21,7 +21,7 @@ from gpupack.contract import LABEL_MANAGED
 MERGE_PATCH = "application/merge-patch+json"
 # Every call on the bind path is bounded: a bind makes at most a lease read, a pod read, a PATCH,
 # a lease read and a Binding, and must answer within kube-scheduler's extender httpTimeout (15 s).
-API_TIMEOUT_S = 3.0
+API_TIMEOUT_S = 2.0
 
 
 def api_client(kubeconfig: str | None = None) -> client.ApiClient:

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="webhook sets spec.schedulerName of GPU pods that use the default scheduler",
     )
     p.add_argument("--threads", type=int, default=32, help="request threads of the extender worker")
-    p.add_argument("--bind-wait-s", type=float, default=10.0, help="how long a bind waits for a pending handoff")
+    p.add_argument("--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff")
     p.add_argument(
         "--stale-handoff-s", type=float, default=120.0, help="pending handoff age reported as stale"
     )
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sweep-interval-s", type=float, default=5.0, help="how often stale handoffs are looked for")
     p.add_argument(
-        "--api-timeout-s", type=float, default=3.0,
+        "--api-timeout-s", type=float, default=2.0,
         help="timeout of each API call on the bind path (a bind makes up to five; keep their sum "
         "plus --bind-wait-s below kube-scheduler's extender httpTimeout)",
     )

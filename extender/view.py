@@ -490,6 +490,7 @@ class ClusterView:
             self.state.place(PodRequest(key=key, pod_class=a.pod_class, uid=uid), placement, charged)
             info = PodInfo(key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True, slots=slots)
             self.pods[key] = info
+            self.slot_use.setdefault(a.node, {})[key] = slots
             self.inflight.add(key)  # until mark_bound, unassume or the bind's end
             if a.reservation:
                 self.consumed.setdefault(a.node, set()).add(a.reservation)

@@ -1,0 +1,454 @@
+"""Issue 10, the extender's side of the bind -> Allocate handoff, against the real kube-apiserver and
+(where the case is about the scheduler) the real kube-scheduler with gpupack's shipped profile:
+
+- case 3: a pod left with an assignment and handoff=pending but no nodeName (failed Binding and failed
+  rollback; extender killed between the PATCH and the Binding) locks no node, does not count against
+  itself on its next filter, and is cleaned; a bound handoff older than the limit is resolved;
+- case 4: the extender binds only while the scheduler beside it holds the leader Lease, and an
+  in-flight bind that loses it writes no Binding;
+- case 5: no node gets more GPU pods than its `gpupack.io/gpu` slots; zero allocatable, none;
+- case 6: a node with a pending handoff is steered around, not waited for;
+- case 7: a hung API call ends the bind within the bounded timeout;
+- case 9: after an extender restart, pods parked by kube-scheduler are scheduled within seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import realk8s
+from ext_helpers import (
+    DevicePluginEmulator,
+    annotations,
+    container,
+    create_pod,
+    get_pod,
+    gpu_node,
+    list_pods,
+    pod_obj,
+)
+from faultproxy import FaultProxy
+from processes import ExtenderProcess, free_port
+from test_extender_scheduler import events, scheduler_config
+
+from gpupack import handoff
+from gpupack.contract import (
+    ANN_ASSIGNMENT,
+    ANN_HANDOFF,
+    HANDOFF_FAILED,
+    HANDOFF_PENDING,
+    LABEL_MANAGED,
+    RES_GPU,
+    Assignment,
+    GPUShare,
+)
+
+until = realk8s.until
+
+
+def bind_body(pod: dict, node: str) -> dict:
+    m = pod["metadata"]
+    return {"PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node}
+
+
+def filter_body(pod: dict, nodes: list[str]) -> dict:
+    return {"Pod": pod, "NodeNames": nodes}
+
+
+def small(name: str, mem: int = 10000, sm: int = 10) -> dict:
+    return pod_obj(name, [container("c", 1, mem, sm)])
+
+
+def metric(ext: ExtenderProcess, line_start: str) -> float:
+    for line in ext.http.get(ext.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def write_stale_assignment(core, ns: str, pod: dict, node: str, age_s: float) -> dict:
+    """What an extender killed between its PATCH and its Binding leaves on the pod."""
+    bound_at = datetime.now(UTC) - timedelta(seconds=age_s)
+    a = Assignment(
+        pod_uid=pod["metadata"]["uid"], node=node, pod_class="online",
+        containers={"c": (GPUShare(uuid=f"GPU-{node}-0", index=0, mem_mib=60000, sm_pct=60),)},
+        bound_at=handoff.rfc3339(bound_at),
+    )  # fmt: skip
+    body = {
+        "metadata": {
+            "annotations": handoff.handoff_annotations_for_bind(a),
+            "labels": {LABEL_MANAGED: "true"},
+        }
+    }
+    core.patch_namespaced_pod(pod["metadata"]["name"], ns, body)
+    return get_pod(core, ns, pod["metadata"]["name"])
+
+
+# --- case 3 -------------------------------------------------------------------------------------
+def test_failed_binding_and_failed_rollback_lock_nothing_and_are_cleaned_on_the_next_filter(
+    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
+):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 1)
+    with FaultProxy(cluster.url) as proxy:
+        ext = start_extender(
+            "--bind-wait-s",
+            "3",
+            kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url),
+        )
+        p = create_pod(cluster.core, small("p", 60000, 60), ns)
+        proxy.fail_next("POST", r"/pods/p/binding$", 500)
+        proxy.fail_next("PATCH", r"/pods/p$", 500, skip=1)  # the assignment goes through, the rollback not
+        r = ext.post("bind", bind_body(p, node))
+        assert "Binding pod" in r.json()["Error"], r.text
+        left = get_pod(cluster.core, ns, "p")
+        assert annotations(left).get(ANN_HANDOFF) == HANDOFF_PENDING and not left["spec"].get("nodeName")
+
+        # the node is not locked by a pod that will never be admitted there: another pod binds at once
+        q = create_pod(cluster.core, small("q", 10000, 10), ns)
+        t0 = time.monotonic()
+        r = ext.post("bind", bind_body(q, node))
+        assert r.json() == {"Error": ""} and time.monotonic() - t0 < 2.5, (r.text, ext.tail())
+
+        # the stale assignment does not count against the pod itself: with q's 10000 MiB on the one GPU,
+        # p's own 60000 would leave no room for p; the filter removes it (precondition: p's version)
+        out = ext.post("filter", filter_body(left, [node])).json()
+        assert out["NodeNames"] == [node], out
+        cleaned = get_pod(cluster.core, ns, "p")
+        assert ANN_ASSIGNMENT not in annotations(cleaned) and ANN_HANDOFF not in annotations(cleaned)
+        assert metric(ext, 'gpupack_extender_annotation_problems_total{kind="stale-assignment-cleaned"}') == 1
+
+
+def test_extender_killed_between_patch_and_binding_leaves_no_locked_node(
+    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
+):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 1)
+    with FaultProxy(cluster.url) as proxy:
+        kc = cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
+        first = start_extender("--api-timeout-s", "8", kubeconfig_path=kc)
+        p = create_pod(cluster.core, small("p", 60000, 60), ns)
+        proxy.delay(r"/pods/p/binding$", 6, method="POST")
+        proxy.fail_next("POST", r"/pods/p/binding$", 500)  # never reaches the API server
+        threading.Thread(target=lambda: _quiet(first.post, "bind", bind_body(p, node)), daemon=True).start()
+        until(lambda: ANN_ASSIGNMENT in annotations(get_pod(cluster.core, ns, "p")), 10, "assignment PATCHed",
+              interval=0.02)  # fmt: skip
+        kill_tree(first.proc)  # SIGKILL while the Binding is in flight
+    stale = get_pod(cluster.core, ns, "p")
+    assert annotations(stale)[ANN_HANDOFF] == HANDOFF_PENDING and not stale["spec"].get("nodeName")
+
+    second = start_extender("--unbound-grace-s", "2", "--sweep-interval-s", "0.3")
+    q = create_pod(cluster.core, small("q", 10000, 10), ns)
+    t0 = time.monotonic()
+    r = second.post("bind", bind_body(q, node))
+    assert r.json() == {"Error": ""} and time.monotonic() - t0 < 2.5, (r.text, second.tail())
+    # nobody filters p again here: the janitor finds the stale assignment and removes it
+    until(
+        lambda: ANN_ASSIGNMENT not in annotations(get_pod(cluster.core, ns, "p")),
+        15,
+        "stale assignment removed",
+    )
+    assert LABEL_MANAGED not in (get_pod(cluster.core, ns, "p")["metadata"].get("labels") or {})
+    # and its GPU share is free again: p (60000 MiB) fits beside q (10000 MiB)
+    out = second.post("filter", filter_body(get_pod(cluster.core, ns, "p"), [node])).json()
+    assert out["NodeNames"] == [node], out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL gunicorn's arbiter and its worker (a lone SIGKILL of the arbiter leaves the worker
+    serving until it notices)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                children.append(int(stat.parent.name))
+    proc.kill()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _quiet(fn, *a) -> None:
+    with contextlib.suppress(Exception):  # the extender was killed under this request
+        fn(*a, timeout=30)
+
+
+def test_a_bound_handoff_older_than_the_limit_is_reported_and_resolved(cluster, ns, sfx, start_extender):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 1)
+    ext = start_extender("--stale-handoff-s", "2", "--sweep-interval-s", "0.3", "--bind-wait-s", "1")
+    p = create_pod(cluster.core, small("p"), ns)
+    assert ext.post("bind", bind_body(p, node)).json() == {"Error": ""}
+    # no kubelet ever admits p (no KubeletEmulator here): the node is locked while p is pending
+    q = create_pod(cluster.core, small("q"), ns)
+    assert "waiting for the kubelet to admit pod" in ext.post("bind", bind_body(q, node)).json()["Error"]
+    until(lambda: annotations(get_pod(cluster.core, ns, "p")).get(ANN_HANDOFF) == HANDOFF_FAILED, 15,
+          "stale handoff marked failed")  # fmt: skip
+    assert metric(ext, 'gpupack_extender_annotation_problems_total{kind="stale-handoff-resolved"}') >= 1
+    assert "pending for" in ext.log.read_text()
+    until(
+        lambda: ext.post("bind", bind_body(q, node)).json() == {"Error": ""}, 10, "q bound after p resolved"
+    )
+
+
+# --- case 4 -------------------------------------------------------------------------------------
+def _lease(cluster, ns: str, name: str, holder: str, renewed_ago_s: float = 0.0, duration: int = 15) -> None:
+    now = datetime.now(UTC) - timedelta(seconds=renewed_ago_s)
+    t = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": duration, "acquireTime": t, "renewTime": t}}  # fmt: skip
+    from kubernetes import client
+
+    api = client.CoordinationV1Api(cluster.api_client())
+    for _ in range(10):  # a running kube-scheduler renews it concurrently: 409, read again
+        try:
+            cur = api.read_namespaced_lease(name, ns)
+            body["metadata"]["resourceVersion"] = cur.metadata.resource_version
+            api.replace_namespaced_lease(name, ns, body)
+            return
+        except client.ApiException as e:
+            if e.status == 404:
+                api.create_namespaced_lease(ns, body)
+                return
+            if e.status != 409:
+                raise
+    raise AssertionError(f"could not write Lease {ns}/{name}")
+
+
+def test_only_the_lease_holders_extender_binds_and_an_inflight_bind_that_loses_it_writes_nothing(
+    cluster, ns, sfx, tmp_path, start_extender
+):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 2)
+    with FaultProxy(cluster.url) as proxy:
+        kc = cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
+        ext = start_extender(
+            "--lease-namespace", ns, "--lease-name", "sched", "--identity", "me", kubeconfig_path=kc
+        )
+        p = create_pod(cluster.core, small("p"), ns)
+
+        def refused(holder_text: str) -> None:
+            r = ext.post("bind", bind_body(p, node)).json()
+            assert holder_text in r["Error"], r
+            assert ANN_ASSIGNMENT not in annotations(get_pod(cluster.core, ns, "p"))
+
+        refused("cannot read Lease")  # no Lease at all
+        _lease(cluster, ns, "sched", "standby-pod_1234")
+        refused("is held by standby-pod_1234")
+        _lease(cluster, ns, "sched", "me_5678", renewed_ago_s=14)  # ours, but about to expire
+        refused("expires in")
+        assert proxy.count("PATCH", r"/pods/p$") == 0 and proxy.count("POST", r"/binding$") == 0
+
+        _lease(cluster, ns, "sched", "me_5678")
+        assert ext.post("bind", bind_body(p, node)).json() == {"Error": ""}
+
+        # an in-flight bind whose scheduler loses the Lease while the assignment is being written
+        node2 = f"gpu-2-{sfx}"  # p's handoff is pending on `node` (no kubelet here)
+        gpu_node(cluster, node2, 1)
+        q = create_pod(cluster.core, small("q"), ns)
+        until(lambda: ext.post("filter", filter_body(q, [node2])).json()["NodeNames"], 30, "node2 known")
+        proxy.delay(r"/pods/q$", 1.0, method="PATCH")
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(ext.post("bind", bind_body(q, node2)).json()))
+        t.start()
+        until(lambda: proxy.count("PATCH", r"/pods/q$") == 1, 10, "q's assignment PATCH sent", interval=0.02)
+        _lease(cluster, ns, "sched", "new-leader_9")
+        t.join(30)
+        assert "is held by new-leader_9" in out.get("Error", ""), out
+        assert proxy.count("POST", r"/pods/q/binding$") == 0
+        qq = get_pod(cluster.core, ns, "q")
+        assert not qq["spec"].get("nodeName") and ANN_ASSIGNMENT not in annotations(qq), qq["metadata"]
+        assert metric(ext, 'gpupack_extender_bind_failures_total{reason="not-leader"}') >= 4
+
+
+def test_real_scheduler_with_leader_election_binds_through_its_fenced_extender(
+    cluster, ns, sfx, tmp_path, start_extender
+):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 2)
+    # --identity defaults to the host name, which kube-scheduler writes as `<hostname>_<uuid>`
+    ext = start_extender("--lease-namespace", ns, "--lease-name", "gpupack-scheduler")
+    le = {"leaderElect": True, "resourceNamespace": ns, "resourceName": "gpupack-scheduler",
+          "resourceLock": "leases", "leaseDuration": "15s", "renewDeadline": "10s", "retryPeriod": "2s"}  # fmt: skip
+    sched = cluster.start_scheduler(
+        scheduler_config(ext.url), name="gpupack-scheduler-le", leader_election=le
+    )
+    try:
+        with realk8s.KubeletEmulator(cluster, ns, on_admit=DevicePluginEmulator(cluster)):
+            create_pod(cluster.core, small("p"), ns)
+            until(lambda: get_pod(cluster.core, ns, "p")["spec"].get("nodeName"), 30,
+                  f"p bound by the leader\n{sched.tail()}\n{ext.tail()}")  # fmt: skip
+            # another replica takes over (as after this one's lease expired): this extender stops
+            _lease(cluster, ns, "gpupack-scheduler", "other-replica_1")
+            create_pod(cluster.core, small("q"), ns)
+            until(lambda: metric(ext, 'gpupack_extender_bind_failures_total{reason="not-leader"}') >= 1, 30,
+                  f"bind of q refused\n{sched.tail()}")  # fmt: skip
+            assert not get_pod(cluster.core, ns, "q")["spec"].get("nodeName")
+            assert ANN_ASSIGNMENT not in annotations(get_pod(cluster.core, ns, "q"))
+    finally:
+        sched.stop()
+
+
+# --- case 7 -------------------------------------------------------------------------------------
+def test_a_hung_api_call_ends_the_bind_within_its_timeout_and_holds_no_lock(
+    cluster, ns, sfx, tmp_path, start_extender
+):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 1)
+    with FaultProxy(cluster.url) as proxy:
+        kc = cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
+        ext = start_extender("--api-timeout-s", "1.5", kubeconfig_path=kc)
+        p = create_pod(cluster.core, small("p"), ns)
+        proxy.delay(r"/pods/p/binding$", 30, method="POST")
+        proxy.fail_next("POST", r"/pods/p/binding$", 500)  # if it ever got there
+        t0 = time.monotonic()
+        r = ext.post("bind", bind_body(p, node)).json()
+        took = time.monotonic() - t0
+        # far below kube-scheduler's 15 s httpTimeout; the API call's timeout ends it
+        assert took < 6 and "timed out" in r["Error"], (took, r)
+        q = create_pod(cluster.core, small("q"), ns)
+        assert ext.post("bind", bind_body(q, node)).json() == {"Error": ""}
+
+
+# --- cases 5, 6, 9: the real kube-scheduler ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def sched(k8s: realk8s.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    tmp = tmp_path_factory.mktemp("sched-handoff")
+    kc = k8s.write_kubeconfig(tmp / "kubeconfig")
+    port = free_port()
+    flags = ("--bind-wait-s", "3")
+    ext = ExtenderProcess(kc, tmp / "extender-0.log", *flags, port=port)
+    st = SimpleNamespace(ext=ext, kc=kc, tmp=tmp, port=port, flags=flags, proc=None)
+    try:
+        ext.wait_ready()
+        st.proc = k8s.start_scheduler(scheduler_config(ext.url), name="gpupack-scheduler-handoff")
+        yield st
+    finally:
+        if st.proc is not None:
+            st.proc.stop()
+        st.ext.stop()
+
+
+def _bound(cluster, ns: str) -> dict[str, str]:
+    return {
+        p["metadata"]["name"]: p["spec"]["nodeName"]
+        for p in list_pods(cluster.core, ns)
+        if p["spec"].get("nodeName")
+    }
+
+
+def test_no_node_gets_more_gpu_pods_than_its_slots_and_a_node_without_slots_gets_none(
+    cluster, ns, sfx, sched
+):
+    full, gone = f"gpu-few-slots-{sfx}", f"gpu-plugin-gone-{sfx}"
+    gpu_node(cluster, full, 1)
+    realk8s.set_node_status(cluster.core, full, {"cpu": "64", "memory": "512Gi", "pods": "250", RES_GPU: "3"})
+    gpu_node(cluster, gone, 1)  # the device plugin died: the kubelet reports 0 allocatable
+    realk8s.set_node_status(cluster.core, gone, {"cpu": "64", "memory": "512Gi", "pods": "250", RES_GPU: "0"})
+    with realk8s.KubeletEmulator(cluster, ns, on_admit=DevicePluginEmulator(cluster)):
+        for i in range(5):
+            create_pod(cluster.core, small(f"p{i}", 1000, 1), ns)
+        until(lambda: len(_bound(cluster, ns)) == 3, 30, "three pods bound")
+        # binds raced past the filter are refused by the bind itself (it fits again under the
+        # view's lock); the pods stay Pending with the reason
+        for name in [f"p{i}" for i in range(5) if f"p{i}" not in _bound(cluster, ns)]:
+            until(lambda n=name: [m for m in events(cluster, ns, n) if "0 of 3 free" in m], 30,
+                  f"{name}: FailedScheduling naming the slots")  # fmt: skip
+        create_pod(cluster.core, small("late", 1000, 1), ns)
+        msgs = until(lambda: [m for m in events(cluster, ns, "late") if "0 of 3 free" in m], 30,
+                     "late: FailedScheduling naming the slots")  # fmt: skip
+        assert "no gpupack.io/gpu slots allocatable" in msgs[0], msgs
+        assert set(_bound(cluster, ns).values()) == {full}
+        time.sleep(1)
+        assert len(_bound(cluster, ns)) == 3
+
+
+def test_a_node_with_a_pending_handoff_is_steered_around_not_waited_for(cluster, ns, sfx, sched):
+    a, b = f"gpu-a-{sfx}", f"gpu-b-{sfx}"
+    gpu_node(cluster, a, 1)
+    gpu_node(cluster, b, 1)
+    # no kubelet admits anything here: a bound pod's handoff stays pending, its node locked
+    create_pod(cluster.core, small("first"), ns)
+    first = until(lambda: _bound(cluster, ns).get("first"), 30, "first bound")
+    t0 = time.monotonic()
+    create_pod(cluster.core, small("second"), ns)  # packing would put it beside `first`
+    second = until(lambda: _bound(cluster, ns).get("second"), 30, "second bound", interval=0.05)
+    took = time.monotonic() - t0
+    assert second != first and took < 3.0, (first, second, took)
+
+
+def test_pods_parked_while_the_extender_was_down_are_scheduled_seconds_after_it_is_back(
+    cluster, ns, sfx, sched
+):
+    gpu_node(cluster, f"gpu-{sfx}", 4)
+    kill_tree(sched.ext.proc)  # SIGKILL, as a crashed sidecar
+    names = [f"w{i}" for i in range(3)]
+    for n in names:
+        create_pod(cluster.core, small(n, 1000, 1), ns)
+    for n in names:  # each attempt ended in an extender error: kube-scheduler parks the pod
+        until(lambda n=n: [m for m in events(cluster, ns, n) if "/filter" in m], 30,
+              f"{n} failed scheduling with the extender down")  # fmt: skip
+    time.sleep(1)
+    sched.ext = ExtenderProcess(sched.kc, sched.tmp / "extender-1.log", *sched.flags, port=sched.port)
+    t0 = time.monotonic()
+    sched.ext.wait_ready()
+    with realk8s.KubeletEmulator(cluster, ns, on_admit=DevicePluginEmulator(cluster)):
+        until(lambda: len(_bound(cluster, ns)) == 3, 30,
+              f"the parked pods bound\n{sched.proc.tail(3000)}\n{sched.ext.tail()}")  # fmt: skip
+    took = time.monotonic() - t0
+    assert took < 15, took  # kube-scheduler's own flush of parked pods comes after 5 minutes
+
+
+def test_device_plugin_probes_do_not_touch_the_api_server():
+    """Case 7's other half: /healthz and /readyz answer at once while /metrics waits on a hung
+    API server, and the shipped DaemonSet probes those, not /metrics."""
+    import urllib.request
+
+    import yaml
+
+    from deviceplugin.health import DeviceState
+    from deviceplugin.metrics import Metrics
+
+    hung = threading.Event()
+    m = Metrics("n", DeviceState([], []), list_pods=lambda: hung.wait(20) and [], ttl_s=0)
+    server = m.serve(0, "127.0.0.1", ready=lambda: "")
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for path in ("/healthz", "/readyz"):
+            t0 = time.monotonic()
+            assert urllib.request.urlopen(url + path, timeout=5).read() == b"ok\n"
+            assert time.monotonic() - t0 < 1
+    finally:
+        hung.set()
+        server.shutdown()
+        server.server_close()
+    repo = Path(__file__).resolve().parents[2]
+    ds = yaml.safe_load((repo / "deploy" / "deviceplugin" / "daemonset.yaml").read_text())
+    (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c.get("livenessProbe")]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_shipped_extender_is_fenced_by_the_schedulers_lease():
+    repo = Path(__file__).resolve().parents[2]
+    import yaml
+
+    dep = yaml.safe_load((repo / "deploy" / "scheduler" / "deployment.yaml").read_text())
+    (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "extender"]
+    cm = yaml.safe_load((repo / "deploy" / "scheduler" / "config.yaml").read_text())
+    le = yaml.safe_load(cm["data"]["config.yaml"])["leaderElection"]
+    assert f"--lease-namespace={le['resourceNamespace']}" in c["args"]
+    assert f"--lease-name={le['resourceName']}" in c["args"]
+    assert json.dumps(c["args"]).count("--identity") == 0  # the pod's host name, as kube-scheduler's
