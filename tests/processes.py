@@ -46,8 +46,8 @@ def write_kubeconfig(path: Path, url: str) -> Path:
 class ExtenderProcess:
     """`gpupack extender` on a free loopback port, logging to `log`; `extra` are more flags."""
 
-    def __init__(self, kubeconfig: Path, log: Path, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, kubeconfig: Path, log: Path, *extra: str, port: int | None = None) -> None:
+        self.port = port or free_port()  # a fixed port: a restarted extender behind the same URL
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [
