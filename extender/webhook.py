@@ -4,19 +4,29 @@ Mutating: a container that sets gpupack.io/gpu-mem or gpu-sm without gpupack.io/
 gpupack.io/gpu: 1 (the kubelet only calls the device plugin for a resource the container names);
 with `set_scheduler_name`, the pod gets gpupack's scheduler name.
 Validating: requests equal limits; gpu-sm in 1..100; gpu-mem positive and no larger than the
-largest GPU in the cluster; a known class label. A denial names the rule and the value.
+largest GPU in the cluster; a known class label; placed by gpupack's scheduler (no preset
+spec.nodeName, no other scheduler). A denial names the rule and the value.
+State: on CREATE and UPDATE of any pod, gpupack's own annotations and the managed label may be
+written by gpupack's ServiceAccounts only (deploy/webhook/webhooks.yaml sends only requests that
+change them, so gpupack's own patches never wait on this webhook).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpupack.contract import (
+    ANN_ALLOCATED,
+    ANN_GPU_MODELS,
+    ANN_HANDOFF,
     CLASSES,
+    DOMAIN,
     LABEL_CLASS,
+    LABEL_MANAGED,
     MANAGED_RESOURCES,
     RES_GPU,
     RES_GPU_MEM,
@@ -30,11 +40,25 @@ from gpupack.core.request import RequestError, parse_pod
 
 from .wire import WireError
 
+EXTENDER_SA = "gpupack-scheduler"
+DEVICE_PLUGIN_SA = "gpupack-device-plugin"
+# The device plugin's whole say in a pod's state: it records Allocate, nothing else.
+PLUGIN_KEYS = frozenset({ANN_HANDOFF, ANN_ALLOCATED})
+
+
+def _own_namespace() -> str:
+    # the namespace gpupack runs in: its ServiceAccounts are the trusted writers
+    return os.environ.get("POD_NAMESPACE") or "gpupack-system"
+
 
 @dataclass(frozen=True)
 class WebhookConfig:
     scheduler_name: str = SCHEDULER_NAME
     set_scheduler_name: bool = False
+    namespace: str = field(default_factory=_own_namespace)
+
+    def user(self, sa: str) -> str:
+        return f"system:serviceaccount:{self.namespace}:{sa}"
 
 
 def _esc(s: str) -> str:
@@ -125,11 +149,76 @@ def requests_limits_errors(pod: dict[str, Any]) -> list[str]:
     return errors
 
 
-def validate(pod: dict[str, Any], largest_gpu_mib: int) -> list[str]:
-    """Rule violations, each naming the container, the rule and the value; empty when valid."""
+def _str_map(obj: Any, key: str) -> dict[str, Any]:
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    d = meta.get(key) if isinstance(meta, dict) else None
+    return d if isinstance(d, dict) else {}
+
+
+def is_state_key(key: str) -> bool:
+    """A gpupack.io/ pod annotation only gpupack writes (all but the user-facing gpu-models)."""
+    return isinstance(key, str) and key.startswith(f"{DOMAIN}/") and key != ANN_GPU_MODELS
+
+
+def changed_state(pod: Any, old: Any) -> list[str]:
+    """gpupack state keys that `pod` adds, changes or removes relative to `old` (None on CREATE)."""
+    new_a, old_a = _str_map(pod, "annotations"), _str_map(old, "annotations")
+    keys = sorted(k for k in set(new_a) | set(old_a) if is_state_key(k) and new_a.get(k) != old_a.get(k))
+    new_l, old_l = _str_map(pod, "labels"), _str_map(old, "labels")
+    if new_l.get(LABEL_MANAGED) != old_l.get(LABEL_MANAGED):
+        keys.append(f"label {LABEL_MANAGED}")
+    return keys
+
+
+def state_errors(pod: Any, old: Any, username: Any, cfg: WebhookConfig) -> list[str]:
+    """Why this user may not make this change to gpupack's state; empty when it may."""
+    if username == cfg.user(EXTENDER_SA):
+        return []
+    changed = changed_state(pod, old)
+    if username == cfg.user(DEVICE_PLUGIN_SA) and old is not None:
+        changed = [k for k in changed if k not in PLUGIN_KEYS]
+    if not changed:
+        return []
+    return [
+        f"{', '.join(changed)} may be set, changed or removed by gpupack only (its scheduler and device "
+        "plugin write them); remove them from the pod or its template and let "
+        f"{cfg.scheduler_name} place the pod"
+    ]
+
+
+def placement_errors(pod: dict[str, Any], scheduler_name: str) -> list[str]:
+    """A GPU pod must be placed by gpupack's scheduler: only it writes the assignment the device
+    plugin serves, so a preset node or another scheduler would get no GPU (or, before the device
+    plugin checked, any GPU)."""
+    spec = pod.get("spec") or {}
+    if not isinstance(spec, dict):
+        return []
+    errors = []
+    node = spec.get("nodeName")
+    if node:
+        errors.append(
+            f"spec.nodeName is preset ({str(node)[:253]!r}): pods that request gpupack resources are placed "
+            f"by {scheduler_name}; remove spec.nodeName and use a nodeSelector or node affinity on "
+            "kubernetes.io/hostname to pin a node"
+        )
+    sched = spec.get("schedulerName")
+    if sched not in (None, "", scheduler_name):
+        errors.append(
+            f"spec.schedulerName is {str(sched)[:253]!r}: pods that request gpupack resources must set "
+            f"schedulerName: {scheduler_name}"
+        )
+    return errors
+
+
+def validate(pod: dict[str, Any], largest_gpu_mib: int, scheduler_name: str | None = None) -> list[str]:
+    """Rule violations, each naming the container, the rule and the value; empty when valid.
+
+    With `scheduler_name`, a pod that presets spec.nodeName or names another scheduler is refused."""
     if not uses_gpupack(pod):
         return []
     errors: list[str] = []
+    if scheduler_name:
+        errors += placement_errors(pod, scheduler_name)
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {} if isinstance(meta, dict) else {}
     cls = labels.get(LABEL_CLASS) if isinstance(labels, dict) else None
@@ -184,25 +273,31 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
     }
     obj = req.get("object")
     kind_ = (req.get("kind") or {}).get("kind") if isinstance(req.get("kind"), dict) else None
-    if (
-        req.get("operation") not in ("CREATE", None)
-        or kind_ not in ("Pod", None)
-        or not isinstance(obj, dict)
-    ):
+    op = req.get("operation")
+    if op not in ("CREATE", "UPDATE", None) or kind_ not in ("Pod", None) or not isinstance(obj, dict):
         return out
     if kind == "mutate":
+        if op == "UPDATE":
+            return out
         errors = requests_limits_errors(obj) if uses_gpupack(obj) else []
         if errors:
-            resp["allowed"] = False
-            resp["status"] = {"code": 422, "reason": "Invalid", "message": "gpupack: " + "; ".join(errors)}
-            return out
+            return _deny(out, errors)
         ops = mutate(obj, cfg)
         if ops:
             resp["patchType"] = "JSONPatch"
             resp["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
         return out
-    errors = validate(obj, largest_gpu_mib)
-    if errors:
-        resp["allowed"] = False
-        resp["status"] = {"code": 422, "reason": "Invalid", "message": "gpupack: " + "; ".join(errors)}
+    user = req.get("userInfo").get("username") if isinstance(req.get("userInfo"), dict) else None
+    old = req.get("oldObject") if op == "UPDATE" else None
+    errors = state_errors(obj, old if isinstance(old, dict) else {}, user, cfg) if op == "UPDATE" else []
+    if op != "UPDATE":
+        errors = state_errors(obj, None, user, cfg) + validate(obj, largest_gpu_mib, cfg.scheduler_name)
+    return _deny(out, errors) if errors else out
+
+
+def _deny(out: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+    out["response"]["allowed"] = False
+    out["response"]["status"] = {"code": 422 if "gpupack only" not in errors[0] else 403,
+                                 "reason": "Invalid" if "gpupack only" not in errors[0] else "Forbidden",
+                                 "message": "gpupack: " + "; ".join(errors)}  # fmt: skip
     return out

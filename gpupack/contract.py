@@ -88,26 +88,48 @@ _SUFFIX = {
 }
 
 
+# Bounds checked BEFORE any conversion: int() of a Decimal like 1e300000 is quadratic in its digits
+# and holds the GIL for seconds, so a single request body could stall every verb. Kubernetes
+# itself caps quantities well inside these (int64 scaled values, at most 63 bits).
+QUANTITY_MAX_LEN = 64
+QUANTITY_MAX_EXP = 30  # |decimal exponent| of the number part; with the E suffix, at most ~1e48
+_QUANTITY_MAX_ABS = 10**QUANTITY_MAX_EXP
+
+
+def _short(value: str) -> str:
+    return repr(value) if len(value) <= 40 else repr(value[:32]) + f"... ({len(value)} characters)"
+
+
 def parse_quantity(value: Any, what: str = "quantity") -> Decimal:
     """Parse a Kubernetes quantity ("20k", "1500m", "16Gi", 3) exactly.
 
     The API server canonicalises numbers (20000 arrives as "20k"), so int() is never enough.
+    Anything longer than QUANTITY_MAX_LEN characters or with an exponent beyond
+    QUANTITY_MAX_EXP is refused before it is converted.
     """
     if isinstance(value, bool):
         raise ContractError(f"{what}: expected a quantity, got a boolean")
     if isinstance(value, int):
+        if abs(value) > _QUANTITY_MAX_ABS:
+            raise ContractError(f"{what}: {value:.3e} is out of range (at most 1e{QUANTITY_MAX_EXP})")
         return Decimal(value)
     if isinstance(value, float):
+        if value != value or abs(value) > _QUANTITY_MAX_ABS:
+            raise ContractError(f"{what}: {value!r} is out of range (at most 1e{QUANTITY_MAX_EXP})")
         return Decimal(str(value))
     if not isinstance(value, str):
         raise ContractError(f"{what}: expected a quantity string, got {type(value).__name__}")
+    if len(value) > QUANTITY_MAX_LEN:
+        raise ContractError(f"{what}: {_short(value)} is longer than {QUANTITY_MAX_LEN} characters")
     m = _QUANTITY.match(value.strip())
     if not m:
-        raise ContractError(f"{what}: {value!r} is not a Kubernetes quantity")
+        raise ContractError(f"{what}: {_short(value)} is not a Kubernetes quantity")
     try:
         number = Decimal(m.group(1))
     except InvalidOperation as e:
         raise ContractError(f"{what}: {value!r} is not a Kubernetes quantity") from e
+    if not number.is_finite() or (number and abs(number.adjusted()) > QUANTITY_MAX_EXP):
+        raise ContractError(f"{what}: {value!r} is out of range (exponent beyond +-{QUANTITY_MAX_EXP})")
     return number * _SUFFIX[m.group(2)]
 
 

@@ -19,13 +19,23 @@ DEPLOY = REPO / "deploy"
 NS = "gpupack-system"
 
 
+def _for_128(text: str) -> str:
+    """The rendered manifests for this v1.28 API server: ValidatingAdmissionPolicy is served there as
+    admissionregistration.k8s.io/v1beta1 (deploy/ ships v1, GA from 1.30; the fields are the same)."""
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    for d in docs:
+        if d["kind"] in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+            d["apiVersion"] = "admissionregistration.k8s.io/v1beta1"
+    return yaml.safe_dump_all(docs)
+
+
 def _apply(cluster, where: Path, *extra: str) -> str:
     """stdout of a server-side apply; fails on an error and on any warning the server sends back
     (deprecated APIs, Pod Security violations, unknown fields dropped) but the device plugin's."""
     r = subprocess.run(
         [str(realk8s.binary("kubectl")), "--kubeconfig", str(cluster.kubeconfig), "apply", "--server-side",
-         "--field-manager=gpupack-test", "-k", str(where), *extra],
-        capture_output=True, text=True, timeout=120,
+         "--field-manager=gpupack-test", "-f", "-", *extra],
+        input=_for_128(cluster.kubectl("kustomize", str(where))), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     warnings = [w for w in r.stderr.splitlines() if "warning" in w.lower()]

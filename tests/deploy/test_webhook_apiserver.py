@@ -28,8 +28,10 @@ L4_MIB = 24576
 
 
 class Webhook:
-    def __init__(self, cp: ControlPlane, url: str, ca: Path, ext: ExtenderProcess, sfx: str) -> None:
-        self.cp, self.url, self.ca, self.ext, self.sfx = cp, url, ca, ext, sfx
+    def __init__(
+        self, cp: ControlPlane, url: str, ca: Path, ext: ExtenderProcess, sfx: str, system: str
+    ) -> None:
+        self.cp, self.url, self.ca, self.ext, self.sfx, self.system = cp, url, ca, ext, sfx, system
         self.core = cp.core
 
     def admissions(self) -> float:
@@ -102,7 +104,7 @@ def webhook(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 return False
 
         until(ready, 60, "the webhook to serve HTTPS with the certificate gpupack certs issued")
-        yield Webhook(k8s, url, tmp / "tls" / "ca.crt", ext, sfx)
+        yield Webhook(k8s, url, tmp / "tls" / "ca.crt", ext, sfx, system)
     finally:
         ext.stop()
         k8s.reset()
@@ -125,10 +127,68 @@ def test_gpu_mem_only_gets_a_gpu_count_and_the_scheduler_name(webhook):
     )
     assert pod.spec.init_containers[0].resources.limits["gpupack.io/gpu"] == "1"
     assert pod.spec.scheduler_name == "gpupack-scheduler"
-    # a pod that already names its GPUs and a scheduler is left as it is
-    pod = webhook.create(ns, "q", [c("a", {"gpupack.io/gpu": "2"})], schedulerName="my-scheduler")
+    # a pod that already names its GPUs and gpupack's scheduler is left as it is
+    pod = webhook.create(ns, "q", [c("a", {"gpupack.io/gpu": "2"})], schedulerName="gpupack-scheduler")
     assert pod.spec.containers[0].resources.limits == {"gpupack.io/gpu": "2"}
-    assert pod.spec.scheduler_name == "my-scheduler"
+
+
+def test_gpu_pods_not_placed_by_gpupack_are_refused_with_what_to_do(webhook):
+    """Only gpupack's scheduler writes the assignment the device plugin serves: a GPU pod on a
+    preset node or under another scheduler would get no GPU (or, before, any GPU)."""
+    ns = webhook.namespace("wh-place")
+    with pytest.raises(client.ApiException) as e:
+        webhook.create(ns, "other", [c("a", {"gpupack.io/gpu": "2"})], schedulerName="my-scheduler")
+    assert "spec.schedulerName is 'my-scheduler'" in e.value.body
+    assert "must set schedulerName: gpupack-scheduler" in e.value.body
+    with pytest.raises(client.ApiException) as e:
+        webhook.create(ns, "pinned", [c("a", {"gpupack.io/gpu-mem": "1024"})], nodeName=f"wh-{webhook.sfx}")
+    assert f"spec.nodeName is preset ('wh-{webhook.sfx}')" in e.value.body
+    assert "remove spec.nodeName and use a nodeSelector or node affinity" in e.value.body
+    assert webhook.core.list_namespaced_pod(ns).items == []
+    # pods without gpupack resources keep whatever scheduler and node they name
+    assert (
+        webhook.create(ns, "cpu", [c("a")], nodeName=f"wh-{webhook.sfx}").spec.node_name
+        == f"wh-{webhook.sfx}"
+    )
+
+
+def test_gpupack_state_is_written_by_gpupack_only_without_a_policy_api(webhook):
+    """The `state.pods.gpupack.io` webhook (for clusters without ValidatingAdmissionPolicy): a
+    tenant, or anyone but gpupack's accounts, can neither forge gpupack's annotations and managed
+    label at create nor change or strip them later, on GPU pods and any other pod alike."""
+    ns = webhook.namespace("wh-state")
+    tenant = client.CoreV1Api(webhook.cp.new_api_client(webhook.cp.service_account_token(ns, "app")))
+    client.RbacAuthorizationV1Api(webhook.cp.api_client()).create_namespaced_role_binding(ns, {
+        "metadata": {"name": "app-edit"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+        "subjects": [{"kind": "ServiceAccount", "name": "app", "namespace": ns}]})  # fmt: skip
+    forged = {"metadata": {"name": "f", "labels": {"gpupack.io/managed": "true"},
+                           "annotations": {"gpupack.io/assignment": "{}", "gpupack.io/handoff": "pending"}},
+              "spec": {"containers": [c("a")], "schedulerName": "nobody"}}  # fmt: skip
+    with pytest.raises(client.ApiException) as e:
+        tenant.create_namespaced_pod(ns, forged)
+    assert 'admission webhook \\"state.pods.gpupack.io\\" denied the request' in e.value.body
+    assert "gpupack.io/assignment, gpupack.io/handoff, label gpupack.io/managed may be set" in e.value.body
+    tenant.create_namespaced_pod(ns, {"metadata": {"name": "p"}, "spec": {"containers": [c("a")]}})
+    sched = client.CoreV1Api(
+        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-scheduler"))
+    )
+    client.RbacAuthorizationV1Api(webhook.cp.api_client()).create_namespaced_role_binding(ns, {
+        "metadata": {"name": "sched-edit"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+        "subjects": [{"kind": "ServiceAccount", "name": "gpupack-scheduler", "namespace": webhook.system}]})  # fmt: skip
+    before = webhook.admissions()
+    sched.patch_namespaced_pod("p", ns, {"metadata": {"labels": {"gpupack.io/managed": "true"},
+                                                      "annotations": {"gpupack.io/handoff": "pending"}}})  # fmt: skip
+    for meta in ({"labels": {"gpupack.io/managed": None}}, {"annotations": {"gpupack.io/handoff": "done"}}):
+        with pytest.raises(client.ApiException) as e:
+            tenant.patch_namespaced_pod("p", ns, {"metadata": meta})
+        assert "may be set, changed or removed by gpupack only" in e.value.body, meta
+    # the tenant's own edits never reach the webhook; the extender's never do either
+    tenant.patch_namespaced_pod("p", ns, {"metadata": {"labels": {"team": "a"}}})
+    assert webhook.admissions() == before + 2
+    sched.patch_namespaced_pod("p", ns, {"metadata": {"labels": {"gpupack.io/managed": None}}})
+    assert webhook.admissions() == before + 2
 
 
 def test_bad_requests_are_refused_with_a_readable_message(webhook):
@@ -201,8 +261,16 @@ def test_pod_updates_do_not_depend_on_the_webhook(webhook):
     re-check cannot change on a pod anyway."""
     ns = webhook.namespace("wh-update")
     webhook.create(ns, "p", [c("a", {"gpupack.io/gpu-mem": "1024"})])
+    # as the extender's account, the writer of gpupack's state
+    sched = client.CoreV1Api(
+        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-scheduler"))
+    )
+    client.RbacAuthorizationV1Api(webhook.cp.api_client()).create_namespaced_role_binding(ns, {
+        "metadata": {"name": "sched-edit"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+        "subjects": [{"kind": "ServiceAccount", "name": "gpupack-scheduler", "namespace": webhook.system}]})  # fmt: skip
     before = webhook.admissions()
-    p = webhook.core.patch_namespaced_pod(
+    p = sched.patch_namespaced_pod(
         "p", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "pending"}, "labels": {"x": "y"}}}
     )
     assert p.metadata.annotations["gpupack.io/handoff"] == "pending"

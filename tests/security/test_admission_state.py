@@ -1,0 +1,208 @@
+"""gpupack's state cannot be forged, stripped or abused by tenants: deploy/webhook/policies.yaml
+(ValidatingAdmissionPolicies) in the real kube-apiserver, exercised with real ServiceAccount
+tokens of a tenant, of the extender's account and of the device plugin's account.
+
+Issue 11 "Why": a forged assignment/handoff/managed label made the extender charge GPUs and the
+device plugin hand out any GPU; stripping the managed label from one's own running pod freed its
+share; the device plugin's `patch pods`/`patch nodes` reached every pod (image included) and node.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import deploy_objects
+import pytest
+from kubernetes import client
+from realk8s import ControlPlane, until
+
+from gpupack.contract import (
+    ANN_ALLOCATED,
+    ANN_ASSIGNMENT,
+    ANN_GPU_MODELS,
+    ANN_HANDOFF,
+    ANN_INVENTORY,
+    ANN_RESERVATIONS,
+    LABEL_CLASS,
+    LABEL_GPU_MODEL,
+    LABEL_MANAGED,
+)
+
+SCHED_SA, DP_SA = "gpupack-scheduler", "gpupack-device-plugin"
+FORBIDDEN = "may be set, changed or removed by gpupack only"
+NODE_CLAIM = "authentication.kubernetes.io/node-name"
+
+
+def _assignment(uid: str, node: str) -> str:
+    share = {"uuid": "GPU-any", "index": 0, "mem_mib": 81559, "sm_pct": 100, "exclusive": True}
+    return json.dumps({"v": 1, "pod_uid": uid, "node": node, "class": "online", "containers": {"a": [share]}})
+
+
+@dataclass
+class Setup:
+    cp: ControlPlane
+    sys_ns: str
+    ns: str
+    n1: str
+    n2: str
+    tenant: client.CoreV1Api
+    extender: client.CoreV1Api
+    plugin: client.CoreV1Api
+
+    def pod(self, api: client.CoreV1Api, name: str, *, node: str = "", anns: dict | None = None,
+            labels: dict | None = None) -> Any:  # fmt: skip
+        spec: dict[str, Any] = {"containers": [{"name": "a", "image": "registry.invalid/x:1"}]}
+        if node:
+            spec["nodeName"] = node
+        body = {"metadata": {"name": name, "annotations": anns or {}, "labels": labels or {}}, "spec": spec}
+        return api.create_namespaced_pod(self.ns, body)
+
+    def patch(self, api: client.CoreV1Api, name: str, meta: dict | None = None, **spec: Any) -> Any:
+        body: dict[str, Any] = {"metadata": meta or {}}
+        if spec:
+            body["spec"] = spec
+        return api.patch_namespaced_pod(name, self.ns, body)
+
+
+def refused(fn: Any, *args: Any, **kw: Any) -> str:
+    with pytest.raises(client.ApiException) as e:
+        fn(*args, **kw)
+    assert e.value.status in (403, 422), e.value.body
+    return json.loads(e.value.body)["message"]
+
+
+@pytest.fixture(scope="module")
+def s(k8s: ControlPlane) -> Iterator[Setup]:
+    sfx = deploy_objects.suffix()
+    sys_ns, ns = f"gpsys-{sfx}", f"tenant-{sfx}"
+    k8s.ensure_namespace(sys_ns)
+    k8s.ensure_namespace(ns)
+    shipped = [o for f in ("scheduler/serviceaccount.yaml", "deviceplugin/serviceaccount.yaml", "scheduler/rbac.yaml",
+                           "deviceplugin/rbac.yaml", "webhook/policies.yaml") for o in deploy_objects.load(f)]  # fmt: skip
+    for o in shipped:  # this API server (v1.28) serves the policy API as v1beta1; the fields are the same
+        if o["kind"].startswith("ValidatingAdmissionPolicy"):
+            o["apiVersion"] = "admissionregistration.k8s.io/v1beta1"
+    deploy_objects.apply(k8s, deploy_objects.remap(shipped, sys_ns))
+    # the tenant may do what the built-in `edit` role allows in its namespace: create and patch pods
+    client.RbacAuthorizationV1Api(k8s.api_client()).create_namespaced_role_binding(ns, {
+        "metadata": {"name": "tenant-edit"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+        "subjects": [{"kind": "ServiceAccount", "name": "app", "namespace": ns}]})  # fmt: skip
+    n1, n2 = f"sec-a-{sfx}", f"sec-b-{sfx}"
+    for n in (n1, n2):
+        k8s.make_node(n, extended={"gpupack.io/gpu": "16"})
+
+    def api(namespace: str, sa: str) -> client.CoreV1Api:
+        return client.CoreV1Api(k8s.new_api_client(k8s.service_account_token(namespace, sa)))
+
+    setup = Setup(k8s, sys_ns, ns, n1, n2, api(ns, "app"), api(sys_ns, SCHED_SA), api(sys_ns, DP_SA))
+
+    def active() -> bool:  # a new policy is enforced once the API server has compiled it
+        try:
+            setup.pod(setup.tenant, "probe", anns={ANN_HANDOFF: "pending"})
+        except client.ApiException as e:
+            return e.status in (403, 422) and FORBIDDEN in e.body
+        k8s.core.delete_namespaced_pod("probe", ns, grace_period_seconds=0)
+        return False
+
+    until(active, 30, "the ValidatingAdmissionPolicies to be enforced")
+    try:
+        yield setup
+    finally:
+        k8s.reset()
+
+
+def test_a_forged_lock_or_share_is_refused_at_create(s: Setup):
+    # the forged lock: no GPU request, an unserved scheduler, a hand-written pending assignment
+    msg = refused(s.tenant.create_namespaced_pod, s.ns, {
+        "metadata": {"name": "lock", "labels": {LABEL_MANAGED: "true"},
+                     "annotations": {ANN_ASSIGNMENT: _assignment("x", s.n1), ANN_HANDOFF: "pending"}},
+        "spec": {"schedulerName": "nobody", "containers": [{"name": "a", "image": "registry.invalid/x:1"}]}})  # fmt: skip
+    assert FORBIDDEN in msg and ANN_ASSIGNMENT in msg and f"label {LABEL_MANAGED}" in msg, msg
+    # the forged share: preset node, an exclusive assignment of any GPU
+    msg = refused(s.pod, s.tenant, "share", node=s.n1, anns={ANN_ASSIGNMENT: _assignment("y", s.n1)})
+    assert "remove them from the pod or its template" in msg
+    # not even a cluster admin writes gpupack's state by hand (they act as the extender to repair)
+    refused(s.pod, client.CoreV1Api(s.cp.api_client()), "admin", anns={ANN_ALLOCATED: "[]"})
+    # what tenants do write is theirs: the class label and the GPU-model annotation
+    p = s.pod(s.tenant, "ok", anns={ANN_GPU_MODELS: "NVIDIA-L4"}, labels={LABEL_CLASS: "offline"})
+    assert p.metadata.annotations[ANN_GPU_MODELS] == "NVIDIA-L4"
+    assert {p.metadata.name for p in s.cp.core.list_namespaced_pod(s.ns).items} == {"ok"}
+
+
+def test_stripping_or_changing_state_of_a_running_pod_is_refused(s: Setup):
+    s.pod(s.tenant, "run", node=s.n1)
+    uid = s.cp.core.read_namespaced_pod("run", s.ns).metadata.uid
+    # the extender writes the state (its ServiceAccount, as at bind)
+    s.patch(s.extender, "run", {"labels": {LABEL_MANAGED: "true"},
+                                "annotations": {ANN_ASSIGNMENT: _assignment(uid, s.n1), ANN_HANDOFF: "pending"}})  # fmt: skip
+    for meta in ({"labels": {LABEL_MANAGED: None}}, {"annotations": {ANN_ASSIGNMENT: None}},
+                 {"annotations": {ANN_HANDOFF: "done"}}, {"labels": {LABEL_MANAGED: "false"}},
+                 {"annotations": {"gpupack.io/anything": "x"}}):  # fmt: skip
+        msg = refused(s.patch, s.tenant, "run", meta)
+        assert FORBIDDEN in msg, (meta, msg)
+    # a full replace that drops them is refused as well
+    p = s.tenant.read_namespaced_pod("run", s.ns)
+    p.metadata.labels.pop(LABEL_MANAGED)
+    refused(s.tenant.replace_namespaced_pod, "run", s.ns, p)
+    # the status subresource carries metadata too
+    p = s.cp.core.read_namespaced_pod("run", s.ns)
+    p.metadata.annotations.pop(ANN_ASSIGNMENT)
+    refused(client.CoreV1Api(s.cp.api_client()).replace_namespaced_pod_status, "run", s.ns, p)
+    kept = s.cp.core.read_namespaced_pod("run", s.ns).metadata
+    assert kept.labels[LABEL_MANAGED] == "true" and ANN_ASSIGNMENT in kept.annotations
+    # the tenant's other edits still go through, and the extender may roll its state back
+    assert s.patch(s.tenant, "run", {"labels": {"team": "a"}}).metadata.labels["team"] == "a"
+    p = s.patch(s.extender, "run", {"labels": {LABEL_MANAGED: None}, "annotations": {ANN_ASSIGNMENT: None}})
+    assert LABEL_MANAGED not in p.metadata.labels and ANN_ASSIGNMENT not in p.metadata.annotations
+
+
+def test_the_device_plugin_may_change_only_its_two_annotations_and_its_nodes_publication(s: Setup):
+    s.pod(s.tenant, "dp", node=s.n1)
+    s.patch(s.extender, "dp", {"annotations": {ANN_HANDOFF: "pending"}})
+    # what Allocate writes
+    p = s.patch(s.plugin, "dp", {"annotations": {ANN_HANDOFF: "done", ANN_ALLOCATED: '["a"]'}})
+    assert p.metadata.annotations[ANN_HANDOFF] == "done"
+    # RBAC grants `patch pods` cluster-wide; the policy keeps it to those two annotations
+    assert "gpupack.io/handoff and gpupack.io/allocated" in refused(
+        s.patch, s.plugin, "dp", containers=[{"name": "a", "image": "registry.invalid/evil:1"}]
+    )
+    refused(s.patch, s.plugin, "dp", {"annotations": {ANN_ASSIGNMENT: _assignment("z", s.n1)}})
+    refused(s.patch, s.plugin, "dp", {"labels": {LABEL_MANAGED: "true"}})
+    refused(s.patch, s.plugin, "dp", {"labels": {"team": "b"}})
+    refused(s.patch, s.plugin, "dp", {"annotations": {"other": "x"}})
+    assert s.cp.core.read_namespaced_pod("dp", s.ns).spec.containers[0].image == "registry.invalid/x:1"
+    # its Node: what it publishes, nothing else (not the labels that steer other workloads, not
+    # defrag's reservations, not the spec)
+    s.plugin.patch_node(s.n1, {"metadata": {"labels": {LABEL_GPU_MODEL: "NVIDIA-L4"},
+                                            "annotations": {ANN_INVENTORY: "{}"}}})  # fmt: skip
+    assert "gpupack.io/ labels and annotations" in refused(
+        s.plugin.patch_node, s.n1, {"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}}}
+    )
+    refused(s.plugin.patch_node, s.n1, {"metadata": {"annotations": {ANN_RESERVATIONS: "{}"}}})
+    refused(s.plugin.patch_node, s.n1, {"spec": {"unschedulable": True}})
+    refused(s.plugin.patch_node, s.n1, {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}})
+
+
+def test_with_a_node_claim_the_device_plugin_touches_only_its_own_node(s: Setup):
+    """Tokens of pods carry the node name from Kubernetes 1.30 (1.28 carries the pod's name only):
+    the policy's claim check, exercised by impersonating the plugin's account with that claim."""
+    s.pod(s.tenant, "on-a", node=s.n1)
+    s.pod(s.tenant, "on-b", node=s.n2)
+    api = client.ApiClient(s.cp.api_client().configuration)
+    api.set_default_header("Impersonate-User", f"system:serviceaccount:{s.sys_ns}:{DP_SA}")
+    api.set_default_header("Impersonate-Group", "system:serviceaccounts")
+    api.set_default_header(f"Impersonate-Extra-{urllib.parse.quote(NODE_CLAIM, safe='')}", s.n1)
+    on_a = client.CoreV1Api(api)
+    assert (
+        s.patch(on_a, "on-a", {"annotations": {ANN_ALLOCATED: "[]"}}).metadata.annotations[ANN_ALLOCATED]
+        == "[]"
+    )
+    msg = refused(s.patch, on_a, "on-b", {"annotations": {ANN_ALLOCATED: "[]"}})
+    assert f"on node {s.n1}: may touch only its own node" in msg
+    on_a.patch_node(s.n1, {"metadata": {"labels": {LABEL_GPU_MODEL: "NVIDIA-L4"}}})
+    refused(on_a.patch_node, s.n2, {"metadata": {"labels": {LABEL_GPU_MODEL: "NVIDIA-L4"}}})
