@@ -85,7 +85,7 @@ def test_device_plugin_daemonset(base):
     ds = find(base, "DaemonSet", "gpupack-device-plugin")
     spec = ds["spec"]["template"]["spec"]
     host = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"}
+    assert host == {"/var/lib/kubelet/device-plugins"}  # nothing it does not use (issue 11)
     assert spec["priorityClassName"] == "system-node-critical"
     assert spec["tolerations"] and spec["affinity"]["nodeAffinity"]
     c = spec["containers"][0]
