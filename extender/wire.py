@@ -136,8 +136,8 @@ def filter_result(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "NodeNames": passed,
-        "FailedNodes": failed,
-        "FailedAndUnresolvableNodes": unresolvable,
+        "FailedNodes": _plain(failed),
+        "FailedAndUnresolvableNodes": _plain(unresolvable),
         "Error": error,
     }
     # A scheduler without node cache reads the passing nodes back from Nodes.items.
@@ -146,6 +146,14 @@ def filter_result(
         "items": [args.node_objects[n] for n in passed],
     }
     return out
+
+
+def _plain(reasons: dict[str, str]) -> dict[str, str]:
+    """kube-scheduler v1.28 passes the reasons on as the format string of its FailedScheduling
+    event, so "40% SM" would reach `kubectl describe pod` as "40%!S(MISSING)M"."""
+    if not any("%" in r for r in reasons.values()):
+        return reasons
+    return {n: r.replace("%", " percent") for n, r in reasons.items()}
 
 
 def unresolvable_result(args: ExtenderArgs, reason: str) -> dict[str, Any]:
