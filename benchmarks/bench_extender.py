@@ -52,6 +52,7 @@ from gpupack.contract import (  # noqa: E402
     LABEL_GPU_NODE,
     LABEL_MANAGED,
     RES_GPU,
+    SLOTS_PER_GPU,
     Assignment,
     GPUInfo,
     GPUShare,
@@ -84,7 +85,10 @@ def node_obj(name: str) -> dict[str, Any]:
     model = "NVIDIA-H100-80GB-HBM3"
     inv = NodeInventory(gpus=tuple(GPUInfo(f"GPU-{name}-{i}", i, model, GPU_MIB, 132) for i in range(8)))
     labels = {"kubernetes.io/hostname": name, LABEL_GPU_NODE: "true", LABEL_GPU_MODEL: model, LABEL_GPU_COUNT: "8"}
-    return {"metadata": {"name": name, "labels": labels, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {}}
+    # the kubelet's allocatable `gpupack.io/gpu` slots: the extender places no GPU pod beyond them
+    status = {"allocatable": {RES_GPU: str(SLOTS_PER_GPU * 8)}, "capacity": {RES_GPU: str(SLOTS_PER_GPU * 8)}}
+    return {"metadata": {"name": name, "labels": labels, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {},
+            "status": status}  # fmt: skip
 
 
 class Cluster:
@@ -98,7 +102,12 @@ class Cluster:
         self.pool = ThreadPoolExecutor(16)
 
     def create_nodes(self, names: list[str]) -> None:
-        list(self.pool.map(lambda n: self.core.create_node(node_obj(n), _preload_content=False), names))
+        def create(n: str) -> None:
+            obj = node_obj(n)
+            self.core.create_node(obj, _preload_content=False)  # status is ignored on create
+            self.core.patch_node_status(n, {"status": obj["status"]}, _preload_content=False)
+
+        list(self.pool.map(create, names))
 
     def create_pods(self, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
         def create(p: dict[str, Any]) -> dict[str, Any]:
