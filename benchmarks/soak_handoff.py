@@ -1,0 +1,431 @@
+"""Randomized soak of the bind -> Allocate handoff against the real kube-apiserver and kube-scheduler.
+
+N pods of mixed shapes (shared GPUs of both classes, whole GPUs, two GPUs, two containers, an init
+container before the app containers) arrive at the real kube-scheduler v1.28.7 running gpupack's
+shipped profile, which calls the real `gpupack extender`. Meanwhile some pods are deleted while their
+handoff is pending, the active extender is SIGKILLed and restarted, and leadership moves from one
+scheduler + extender pair to another (the Lease the extenders are fenced by changes holder while the
+old pair is still running, as at a real hand-over). The kubelets are a KubeletEmulator whose admit
+hook is the device plugin's side of the handoff (tests/extender/ext_helpers.DevicePluginEmulator).
+
+It ends with the figures that must be 0 — over-committed GPUs, pods whose allocation differs from
+their assignment, nodes over their `gpupack.io/gpu` slots, locked nodes — and the throughput:
+
+    python benchmarks/soak_handoff.py [--pods 300] [--nodes 8] [--seed 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "extender"))
+
+import realk8s  # noqa: E402
+from ext_helpers import (  # noqa: E402
+    H100_MIB,
+    DevicePluginEmulator,
+    annotations,
+    container,
+    create_pod,
+    gpu_node,
+    list_pods,
+    pod_obj,
+)
+from kubernetes import client  # noqa: E402
+from processes import ExtenderProcess, free_port  # noqa: E402
+
+from deviceplugin.metrics import reserved_by_gpu  # noqa: E402
+from gpupack import handoff  # noqa: E402
+from gpupack.contract import (  # noqa: E402
+    ANN_ASSIGNMENT,
+    ANN_HANDOFF,
+    HANDOFF_DONE,
+    HANDOFF_PENDING,
+    RES_GPU,
+    ContractError,
+    decode_allocated,
+    decode_assignment,
+    parse_int_quantity,
+)
+
+NS = "soak"
+LEASE_NS, LEASE = "gpupack-system", "gpupack-scheduler"
+GPUS_PER_NODE = 4
+
+
+def shapes(rng: random.Random, i: int, ns: str = NS) -> dict[str, Any]:
+    """One pod of a random shape."""
+    cls = rng.choice(["online", "online", "offline"])
+    kind = rng.choices(["share", "whole", "two", "pair", "init"], weights=[50, 8, 5, 17, 20])[0]
+    mem = rng.choice([4000, 8000, 10000, 20000, 30000])
+    sm = rng.choice([5, 10, 20, 30])
+    name = f"{kind}-{i}"
+    if kind == "share":
+        return pod_obj(name, [container("c", 1, mem, sm)], cls=cls, namespace=ns)
+    if kind == "whole":
+        return pod_obj(name, [container("c", 1)], cls=cls, namespace=ns)
+    if kind == "two":
+        return pod_obj(name, [container("c", 2, mem, sm)], cls=cls, namespace=ns)
+    if kind == "pair":
+        return pod_obj(
+            name, [container("a", 1, mem, sm), container("b", 1, mem // 2, sm)], cls=cls, namespace=ns
+        )
+    return pod_obj(
+        name, [container("app", 1, mem, sm)], cls=cls, namespace=ns,
+        init=[container("warmup", 1, rng.choice([2000, mem]), rng.choice([5, sm]))],
+    )  # fmt: skip
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL gunicorn's arbiter and its worker."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                children.append(int(stat.parent.name))
+    proc.kill()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+class Leader:
+    """The leader-election Lease the extenders are fenced by, renewed by its holder every 2 s as
+    kube-scheduler's elector does (this machine gives every process one host name, so the
+    schedulers here run without their own election and the Lease is written for them)."""
+
+    def __init__(self, cp: realk8s.ControlPlane, holder: str, namespace: str = LEASE_NS) -> None:
+        self.api = client.CoordinationV1Api(cp.new_api_client())
+        self.holder, self.ns = holder, namespace
+        self.stop = threading.Event()
+        self._write()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _write(self) -> None:
+        t = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {
+            "holderIdentity": f"{self.holder}_0f1e",
+            "leaseDurationSeconds": 15,
+            "renewTime": t,
+            "acquireTime": t,
+        }
+        body = {"metadata": {"name": LEASE, "namespace": self.ns}, "spec": spec}
+        for _ in range(5):
+            try:
+                cur = self.api.read_namespaced_lease(LEASE, self.ns)
+                body["metadata"]["resourceVersion"] = cur.metadata.resource_version
+                self.api.replace_namespaced_lease(LEASE, self.ns, body)
+                return
+            except client.ApiException as e:
+                if e.status == 404:
+                    self.api.create_namespaced_lease(self.ns, body)
+                    return
+                if e.status != 409:
+                    raise
+
+    def hand_over(self, holder: str) -> None:
+        self.holder = holder
+        self._write()
+
+    def _run(self) -> None:
+        while not self.stop.wait(2.0):
+            with contextlib.suppress(Exception):
+                self._write()
+
+
+class Pair:
+    """One scheduler replica: an extender (fenced by the Lease, identity `name`) and, while it
+    leads, a kube-scheduler pointed at it."""
+
+    def __init__(self, cp: realk8s.ControlPlane, tmp: Path, name: str, lease_ns: str = LEASE_NS) -> None:
+        self.cp, self.tmp, self.name, self.lease_ns = cp, tmp, name, lease_ns
+        self.port = free_port()
+        self.kc = cp.write_kubeconfig(tmp / f"{name}.kubeconfig")
+        self.starts = 0
+        self.ext = self._start_ext()
+        self.sched: realk8s.Proc | None = None
+
+    def _start_ext(self) -> ExtenderProcess:
+        self.starts += 1
+        e = ExtenderProcess(
+            self.kc, self.tmp / f"extender-{self.name}-{self.starts}.log",
+            "--lease-namespace", self.lease_ns, "--lease-name", LEASE, "--identity", self.name,
+            "--bind-wait-s", "3", "--unbound-grace-s", "5", "--sweep-interval-s", "1", "--stale-handoff-s", "60",
+            port=self.port,
+        )  # fmt: skip
+        e.wait_ready(60)
+        return e
+
+    def restart_extender(self) -> float:
+        """SIGKILL and restart; seconds it was away."""
+        t0 = time.monotonic()
+        kill_tree(self.ext.proc)
+        self.ext = self._start_ext()
+        return time.monotonic() - t0
+
+    def start_scheduler(self) -> None:
+        from test_extender_scheduler import scheduler_config
+
+        self.sched = self.cp.start_scheduler(
+            scheduler_config(self.ext.url), name=f"gpupack-scheduler-{self.name}"
+        )
+
+    def stop(self) -> None:
+        if self.sched is not None:
+            self.sched.stop()
+            self.sched = None
+        self.ext.stop()
+
+
+def check(pods: list[dict[str, Any]], nodes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The figures that must be 0, over the pods left at the end."""
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    bound = [p for p in live if p["spec"].get("nodeName")]
+    over: list[str] = []
+    for node in {p["spec"]["nodeName"] for p in bound}:
+        for uuid, (mem, sm) in reserved_by_gpu(bound, node).items():
+            if mem > H100_MIB or sm > 100:
+                over.append(f"{uuid}: {mem} MiB, {sm} % SM")
+    classes: dict[str, set[str]] = {}
+    wrong: list[str] = []
+    for p in bound:
+        key = f"{p['metadata']['namespace']}/{p['metadata']['name']}"
+        try:
+            a = decode_assignment(annotations(p)[ANN_ASSIGNMENT])
+            allocated = decode_allocated(annotations(p).get("gpupack.io/allocated", "[]"))
+        except (KeyError, ContractError) as e:
+            wrong.append(f"{key}: {e}")
+            continue
+        for shares in a.containers.values():
+            for s in shares:
+                classes.setdefault(s.uuid, set()).add(a.pod_class)
+        view = handoff.pod_view(p)
+        want = [c.name for c in handoff.gpu_containers(view)]
+        problems = []
+        if a.node != p["spec"]["nodeName"] or a.pod_uid != p["metadata"]["uid"]:
+            problems.append(f"assignment for {a.node}/{a.pod_uid}")
+        if annotations(p).get(ANN_HANDOFF) == HANDOFF_DONE and allocated != want:
+            problems.append(f"allocated {allocated}, GPU containers {want}")
+        for c in handoff.gpu_containers(view):
+            shares = a.containers.get(c.name, ())
+            if len(shares) != c.gpu_count() or any(not s.uuid.startswith(f"GPU-{a.node}-") for s in shares):
+                problems.append(f"{c.name}: {shares}")
+                continue
+            exclusive = not ({"gpupack.io/gpu-mem", "gpupack.io/gpu-sm"} & set(c.limits))
+            for s in shares:
+                if exclusive:
+                    ok = s.exclusive and s.mem_mib == H100_MIB and s.sm_pct == 100
+                else:
+                    ok = (not s.exclusive and s.mem_mib == parse_int_quantity(c.limits.get("gpupack.io/gpu-mem", 0), "m")
+                          and s.sm_pct == parse_int_quantity(c.limits.get("gpupack.io/gpu-sm", 0), "s"))  # fmt: skip
+                if not ok:
+                    problems.append(f"{c.name}: {s}")
+            # the env the device plugin hands this container is a pure function of these shares
+            env = handoff.container_env(shares)
+            if env["NVIDIA_VISIBLE_DEVICES"] != ",".join(s.uuid for s in shares):
+                problems.append(f"{c.name}: env {env}")
+        if problems:
+            wrong.append(f"{key}: {'; '.join(problems)}")
+    mixed = [u for u, c in classes.items() if len(c) > 1]
+    slots_over = []
+    for name, node in nodes.items():
+        have = int(node["status"]["allocatable"].get(RES_GPU, "0"))
+        use = 0
+        for p in bound:
+            if p["spec"]["nodeName"] == name:
+                cs = handoff.pod_view(p).containers
+                use += max(
+                    sum(c.gpu_count() for c in cs if not c.init),
+                    max((c.gpu_count() for c in cs if c.init), default=0),
+                )
+        if use > have:
+            slots_over.append(f"{name}: {use} > {have}")
+    locked = sorted(
+        {p["spec"]["nodeName"] for p in bound if annotations(p).get(ANN_HANDOFF) == HANDOFF_PENDING}
+        | {f"(unbound) {p['metadata']['name']}" for p in live if not p["spec"].get("nodeName") and ANN_ASSIGNMENT in annotations(p)}
+    )  # fmt: skip
+    return {
+        "overcommitted_gpus": len(over) + len(mixed), "overcommit_detail": over[:5] + mixed[:5],
+        "allocation_mismatches": len(wrong), "mismatch_detail": wrong[:5],
+        "nodes_over_slots": len(slots_over), "slots_detail": slots_over[:5],
+        "locked_nodes": len(locked), "locked_detail": locked[:5],
+        "bound_live": len(bound), "pending_live": len(live) - len(bound),
+    }  # fmt: skip
+
+
+def run(
+    cp: realk8s.ControlPlane, tmp: Path, pods: int, nodes: int, seed: int,
+    ns: str = NS, lease_ns: str = LEASE_NS, prefix: str = "soak", settle_s: float = 20.0,
+) -> dict[str, Any]:  # fmt: skip
+    """The soak on `cp`: pods in `ns`, nodes `<prefix>-<i>`, the Lease in `lease_ns`; it ends once
+    nothing has changed for `settle_s` (pods that fit nowhere stay Pending)."""
+    rng = random.Random(seed)
+    core = cp.core
+    cp.ensure_namespace(ns)
+    cp.ensure_namespace(lease_ns)
+    names = [f"{prefix}-{i}" for i in range(nodes)]
+    for n in names:
+        gpu_node(cp, n, GPUS_PER_NODE)
+    leader = Leader(cp, "replica-a", lease_ns)
+    a, b = Pair(cp, tmp, "replica-a", lease_ns), Pair(cp, tmp, "replica-b", lease_ns)
+    a.start_scheduler()
+    events: list[str] = []
+    deleted: set[str] = set()
+    stop = threading.Event()
+    plugin = DevicePluginEmulator(cp, delay=0.2)
+    kubelet = realk8s.KubeletEmulator(cp, ns, on_admit=plugin).start()
+
+    def deleter() -> None:
+        # delete pods whose handoff is pending (bound, not yet admitted): ~1 in 12 pods
+        quota = max(1, pods // 12)
+        while not stop.wait(0.1) and len(deleted) < quota:
+            for p in list_pods(core, ns):
+                if (p["spec"].get("nodeName") and annotations(p).get(ANN_HANDOFF) == HANDOFF_PENDING
+                        and p["metadata"]["name"] not in deleted and rng.random() < 0.3):  # fmt: skip
+                    with contextlib.suppress(client.ApiException):
+                        core.delete_namespaced_pod(p["metadata"]["name"], ns)
+                        deleted.add(p["metadata"]["name"])
+                    break
+
+    threading.Thread(target=deleter, daemon=True).start()
+    t0 = time.monotonic()
+    active = a
+    for i in range(pods):
+        create_pod(core, shapes(rng, i, ns), ns)
+        if i == pods // 4:
+            events.append(
+                f"extender {active.name} SIGKILLed and restarted ({active.restart_extender():.1f} s away)"
+            )
+        if i == pods // 2:
+            # hand-over: the Lease moves to replica-b while replica-a's scheduler still runs
+            leader.hand_over("replica-b")
+            b.start_scheduler()
+            time.sleep(1.0)
+            a.sched.stop()  # type: ignore[union-attr]  # it would exit on losing the Lease
+            a.sched = None
+            active = b
+            events.append("leadership handed over replica-a -> replica-b (old pair running for 1 s)")
+        if i == 3 * pods // 4:
+            events.append(
+                f"extender {active.name} SIGKILLed and restarted ({active.restart_extender():.1f} s away)"
+            )
+        time.sleep(rng.uniform(0, 0.02))
+    created = time.monotonic()
+
+    def progress() -> tuple[int, int]:
+        ps = list_pods(core, ns)
+        done = sum(
+            1 for p in ps if p["spec"].get("nodeName") and annotations(p).get(ANN_HANDOFF) == HANDOFF_DONE
+        )
+        return done, len(ps)
+
+    last, still = progress(), time.monotonic()
+    t_last_bind = time.monotonic()
+    while time.monotonic() - still < settle_s and time.monotonic() - created < 600:
+        time.sleep(1.0)
+        cur = progress()
+        if cur != last:
+            if cur[0] != last[0]:
+                t_last_bind = time.monotonic()
+            last, still = cur, time.monotonic()
+        if cur[0] == cur[1]:
+            break
+    stop.set()
+    # a last janitor pass may be due: give stale state its grace, then look
+    time.sleep(2.0)
+    final = list_pods(core, ns)
+    node_objs = {n: json.loads(core.read_node(n, _preload_content=False).data) for n in names}
+    out = check(final, node_objs)
+    bound = sum(
+        1 for p in final if p["spec"].get("nodeName") and annotations(p).get(ANN_HANDOFF) == HANDOFF_DONE
+    )
+    out.update(
+        pods=pods, nodes=nodes, gpus=nodes * GPUS_PER_NODE, seed=seed, deleted_mid_handoff=len(deleted),
+        handoffs_done=bound, seconds=round(t_last_bind - t0, 1), pods_per_s=round(bound / max(t_last_bind - t0, 1e-9), 2),
+        events=events, plugin_errors=plugin.errors[:5], kubelet_errors=kubelet.errors[:5],
+    )  # fmt: skip
+    pending = [
+        p for p in final if not p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+    ]
+    out["pending_detail"] = {
+        p["metadata"]["name"]: [e.message for e in core.list_namespaced_event(
+            ns, field_selector=f"involvedObject.name={p['metadata']['name']},reason=FailedScheduling").items][-1:]
+        for p in pending[:5]
+    }  # fmt: skip
+    out["binds_refused_not_leader"] = {
+        pair.name: sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in pair.ext.http.get(pair.ext.url + "/metrics", timeout=5).text.splitlines()
+            if line.startswith('gpupack_extender_bind_failures_total{reason="not-leader"}')
+        )
+        for pair in (a, b)
+    }
+    kubelet.stop()
+    leader.stop.set()
+    for p in (a, b):
+        p.stop()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pods", type=int, default=300)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="gpupack-soak-"))
+    cp = realk8s.ControlPlane(tmp).start()
+    try:
+        out = run(cp, tmp, args.pods, args.nodes, args.seed)
+    finally:
+        cp.stop()
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for k in ("pods", "nodes", "gpus", "deleted_mid_handoff", "handoffs_done", "pending_live", "seconds",
+                  "pods_per_s", "overcommitted_gpus", "allocation_mismatches", "nodes_over_slots", "locked_nodes"):  # fmt: skip
+            print(f"{k:24} {out[k]}")
+        for e in out["events"]:
+            print(f"event: {e}")
+        print(
+            f"binds refused (not leader) {out['binds_refused_not_leader']} (counted since each extender's last start)"
+        )
+        for k in (
+            "overcommit_detail",
+            "mismatch_detail",
+            "slots_detail",
+            "locked_detail",
+            "plugin_errors",
+            "pending_detail",
+        ):
+            if out[k]:
+                print(f"{k}: {out[k]}")
+    bad = (
+        out["overcommitted_gpus"]
+        + out["allocation_mismatches"]
+        + out["nodes_over_slots"]
+        + out["locked_nodes"]
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
