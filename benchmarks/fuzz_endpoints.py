@@ -1,0 +1,220 @@
+"""Fuzz the extender's verbs and the admission webhook over real HTTP(S) (issue 11, "Done when").
+
+The real `gpupack extender` process (gunicorn: verbs on loopback HTTP, webhook on HTTPS with a
+certificate from `gpupack certs`) runs against a real control plane (etcd + kube-apiserver
+v1.28.7, tests/realk8s.py) with a few GPU nodes, and receives generated bodies: valid-looking
+requests with one field mutated into a wrong type, a huge or exponent-laden number
+(`gpu-mem: "1e300000"`), a long string, deep nesting, or plain garbage. Every answer must be
+below 500 and no request may take 100 ms or more (the figures are printed, and with --json
+written as one JSON object).
+
+    python benchmarks/fuzz_endpoints.py                 # 12,000 bodies
+    python benchmarks/fuzz_endpoints.py --bodies 20000 --seed 7 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+import urllib3
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import realk8s  # noqa: E402
+from processes import ExtenderProcess, free_port  # noqa: E402
+
+from gpupack import certs  # noqa: E402
+from gpupack.contract import ANN_INVENTORY, GPUInfo, NodeInventory  # noqa: E402
+
+ENDPOINTS = ("filter", "prioritize", "bind", "mutate", "validate")
+NODES = [f"fuzz-{i}" for i in range(4)]
+
+
+def _pod(rng: random.Random) -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"p{rng.randrange(1000)}", "namespace": "default", "uid": "u-1",
+                     "labels": {"gpupack.io/class": rng.choice(["online", "offline"])}, "annotations": {}},
+        "spec": {"schedulerName": "gpupack-scheduler", "containers": [{"name": "a", "image": "x:1", "resources": {
+            "limits": {"gpupack.io/gpu-mem": str(rng.choice([1024, 20480, 40000])), "gpupack.io/gpu-sm": "40"}}}]},
+    }  # fmt: skip
+
+
+def _valid(endpoint: str, rng: random.Random) -> dict[str, Any]:
+    pod = _pod(rng)
+    if endpoint in ("filter", "prioritize"):
+        return {"Pod": pod, "NodeNames": rng.sample(NODES, rng.randint(1, len(NODES)))}
+    if endpoint == "bind":
+        # a pod that does not exist in the cluster: the answer must be an error, not a bind
+        return {
+            "PodName": pod["metadata"]["name"],
+            "PodNamespace": "default",
+            "PodUID": "u-1",
+            "Node": NODES[0],
+        }
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "r-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "operation": rng.choice(["CREATE", "UPDATE"]), "userInfo": {"username": "system:serviceaccount:t:app"},
+        "object": pod, "oldObject": copy.deepcopy(pod)}}  # fmt: skip
+
+
+# a placeholder replaced, after encoding, by nesting deeper than json.dumps (or a careless decoder)
+# can go
+DEEP = "\u0001deep\u0001"
+DEEP_JSON = "[" * 20_000 + "1" + "]" * 20_000
+
+
+def _nest(depth: int, leaf: Any) -> Any:
+    out = leaf
+    for i in range(depth):
+        out = [out] if i % 2 else {"a": out}
+    return out
+
+
+def _hostile(rng: random.Random) -> Any:
+    return rng.choice([
+        None, True, -1, 0, 2**63, -(2**63) - 1, 10**300, 1e308, -1e-308, 3.5, "", "x" * rng.choice([300, 70_000]),
+        "1e300000", "9" * 5000, "1e-300000", "-0", "NaN", "Infinity", "1Ei", "999999999999Ei", "0x10", "1.5",
+        "\u0000\ud7ff\uffff", "🚀" * 100, [], {}, [1, "2", None], {"a": {"b": {"c": [1]}}},
+        _nest(rng.choice([50, 500]), 1), DEEP, list(range(rng.choice([10, 10_000]))),
+        {f"k{i}": i for i in range(rng.choice([10, 5000]))},
+    ])  # fmt: skip
+
+
+def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _mutated(endpoint: str, rng: random.Random) -> bytes:
+    """One generated body: mostly a valid request with a field (or a new key) made hostile."""
+    roll = rng.random()
+    if roll < 0.05:  # not JSON at all, or JSON of the wrong shape
+        return rng.choice([b"", b"{", b"\xff\xfe", b"[" * 100_000, b"null", b"1e999999", b'"str"', b"[]",
+                           b'{"a":' * 100_000 + b"0" + b"}" * 100_000])  # fmt: skip
+    body = _valid(endpoint, rng)
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        paths = [p for p in _paths(body) if p]
+        path = rng.choice(paths)
+        parent = body
+        for k in path[:-1]:
+            parent = parent[k]
+        if rng.random() < 0.8:
+            parent[path[-1]] = _hostile(rng)
+        elif isinstance(parent, dict):
+            parent[rng.choice(["gpupack.io/gpu", "gpupack.io/gpu-mem", "gpupack.io/gpu-sm", "x" * 1000])] = (
+                _hostile(rng)
+            )
+    return json.dumps(body).replace(json.dumps(DEEP), DEEP_JSON).encode()
+
+
+def run(bodies: int, seed: int, workdir: Path) -> dict[str, Any]:
+    rng = random.Random(seed)
+    cp = realk8s.ControlPlane(workdir / "k8s").start(controller_manager=False)
+    ext = None
+    try:
+        for n in NODES:
+            inv = NodeInventory(gpus=tuple(GPUInfo(uuid=f"GPU-{n}-{i}", index=i, model="NVIDIA-H100", mem_mib=81559,
+                                                   sm_count=132) for i in range(8)))  # fmt: skip
+            cp.make_node(n, extended={"gpupack.io/gpu": "128"}, annotations={ANN_INVENTORY: inv.to_json()})
+        kube = certs.Kube(cp.new_api_client())
+        cp.ensure_namespace("gpupack-system")
+        tls = workdir / "tls"
+        certs.ensure(kube, "gpupack-system", "gpupack-webhook-tls", "localhost", [], [], tls, 3650, 365,
+                     dt.timedelta(days=30))  # fmt: skip
+        hook_port = free_port()
+        ext = ExtenderProcess(cp.write_kubeconfig(workdir / "kubeconfig"), workdir / "extender.log",
+                              "--webhook-port", str(hook_port), "--tls-cert", str(tls / "tls.crt"),
+                              "--tls-key", str(tls / "tls.key"), "--set-scheduler-name")  # fmt: skip
+        ext.wait_ready(120)
+        urls = {e: f"{ext.url}/{e}" for e in ("filter", "prioritize", "bind")}
+        urls |= {e: f"https://localhost:{hook_port}/{e}" for e in ("mutate", "validate")}
+        http = requests.Session()
+        http.trust_env = False  # else $REQUESTS_CA_BUNDLE replaces the session's CA
+        http.verify = str(tls / "ca.crt")
+        deadline = time.monotonic() + 60
+        while True:  # the webhook process comes up next to the verbs
+            try:
+                if http.get(f"https://localhost:{hook_port}/readyz", timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"webhook not ready: {ext.tail()}")
+            time.sleep(0.2)
+        per: dict[str, dict[str, Any]] = {e: {"n": 0, "status": {}, "ms": []} for e in ENDPOINTS}
+        worst: list[tuple[float, str, int, bytes]] = []
+        for i in range(bodies):
+            e = ENDPOINTS[i % len(ENDPOINTS)]
+            data = _mutated(e, rng)
+            t0 = time.perf_counter()
+            r = http.post(urls[e], data=data, headers={"Content-Type": "application/json"}, timeout=30)
+            ms = (time.perf_counter() - t0) * 1000
+            st = per[e]
+            st["n"] += 1
+            st["status"][r.status_code] = st["status"].get(r.status_code, 0) + 1
+            st["ms"].append(ms)
+            if r.status_code >= 500 or ms >= 100:
+                worst.append((ms, e, r.status_code, data[:200]))
+        out: dict[str, Any] = {"bodies": bodies, "seed": seed, "endpoints": {}}
+        for e, st in per.items():
+            ms = sorted(st["ms"])
+            out["endpoints"][e] = {
+                "requests": st["n"], "status": {str(k): v for k, v in sorted(st["status"].items())},
+                "p50_ms": round(statistics.median(ms), 2), "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 2),
+                "max_ms": round(ms[-1], 2),
+            }  # fmt: skip
+        out["answers_5xx"] = sum(v for st in per.values() for k, v in st["status"].items() if k >= 500)
+        out["slower_than_100ms"] = sum(1 for st in per.values() for m in st["ms"] if m >= 100)
+        out["max_ms"] = max(v["max_ms"] for v in out["endpoints"].values())
+        out["offenders"] = [{"ms": round(m, 1), "endpoint": e, "status": s, "body": b.decode("utf-8", "replace")}
+                            for m, e, s, b in sorted(worst, reverse=True)[:10]]  # fmt: skip
+        return out
+    finally:
+        if ext is not None:
+            ext.stop()
+        cp.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bodies", type=int, default=12_000, help="generated request bodies (default 12000)")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args()
+    urllib3.disable_warnings()
+    with tempfile.TemporaryDirectory(prefix="gpupack-fuzz-") as tmp:
+        out = run(args.bodies, args.seed, Path(tmp))
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{out['bodies']} bodies (seed {out['seed']}): {out['answers_5xx']} answers >= 500, "
+              f"{out['slower_than_100ms']} slower than 100 ms, slowest {out['max_ms']} ms")  # fmt: skip
+        for e, st in out["endpoints"].items():
+            print(f"  {e:10s} {st['requests']:6d} requests  p50 {st['p50_ms']:6.2f} ms  p99 {st['p99_ms']:6.2f} ms  "
+                  f"max {st['max_ms']:7.2f} ms  status {st['status']}")  # fmt: skip
+        for o in out["offenders"]:
+            print(f"  offender: {o}")
+    return 0 if out["answers_5xx"] == 0 and out["slower_than_100ms"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
