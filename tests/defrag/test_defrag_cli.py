@@ -147,7 +147,9 @@ def test_pdb_refusal_skips_the_pod_and_the_run_goes_on(fleet, proxy, kubeconfig,
     assert [m["outcome"] for m in result["moves"]] == ["pdb-refused", "pdb-refused"]
     # The budget as the real disruption controller computed it is named in the detail.
     for m, pdb in zip(result["moves"], ("w1-pdb", "w2-pdb"), strict=True):
-        assert f"waited 0.5s for a disruption budget: {pdb}: 0 disruption(s) allowed, 1 healthy" in m["detail"]
+        assert (
+            f"waited 0.5s for a disruption budget: {pdb}: 0 disruption(s) allowed, 1 healthy" in m["detail"]
+        )
     assert result["evictions"] == 0
     pods = fleet.pods(s.ns)
     assert {k: p["metadata"]["uid"] for k, p in pods.items()} == uids, "no pod was evicted or added"

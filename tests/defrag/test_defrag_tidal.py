@@ -99,7 +99,7 @@ def test_a_pdb_protected_deployment_moves_several_times_in_one_run(
     web_rs, web = fleet.deployment(ns, "web", 8000, 10, replicas=4)
     for pod, (node, gpu) in zip(web, [(n1, 1), (n1, 2), (n1, 3), (n2, 0)], strict=True):
         fleet.place(ns, pod, node, gpu, 8000, 10)
-        # Each original pod terminates slowly (3 s, longer than a replacement takes to be Ready),
+        # Each original pod terminates slowly (2.5 s, longer than a replacement takes to be Ready),
         # so the last evicted pod still holds its GPU when the last move is done.
         fleet.core.patch_namespaced_pod(pod, ns, {"metadata": {"finalizers": [HOLD]}})
     fleet.policy.create_namespaced_pod_disruption_budget(ns, {
@@ -113,18 +113,18 @@ def test_a_pdb_protected_deployment_moves_several_times_in_one_run(
     )  # fmt: skip
 
     def slow_start(core, pod) -> None:
-        """The replacement runs at once but passes readiness only 1.5 s later."""
+        """The replacement runs at once but passes readiness only 1 s later."""
         allocate(core, pod)
         core.patch_namespaced_pod_status(pod.metadata.name, ns, running_not_ready_status(pod))
 
         def later() -> None:
-            time.sleep(1.5)
+            time.sleep(1.0)
             core.patch_namespaced_pod_status(pod.metadata.name, ns, running_ready_status(pod))
 
         threading.Thread(target=later, daemon=True).start()
 
     halt = threading.Event()
-    releaser = threading.Thread(target=release_slowly, args=(fleet, ns, 3.0, halt), daemon=True)
+    releaser = threading.Thread(target=release_slowly, args=(fleet, ns, 2.5, halt), daemon=True)
     sampler = Sampler(fleet, ns, "web", "web-pdb")
     metrics = tmp_path / "m.prom"
     sched = Scheduling(cluster, tmp_path, ns, admit=slow_start, ready=False)
@@ -191,22 +191,27 @@ def test_objective_nodes_empties_a_node_and_keeps_it_empty_while_the_run_lasts(
     seen: dict[str, list] = {"taint": [], "late_node_while_tainted": []}
     halt = threading.Event()
 
+    errors: list[str] = []
+
     def watch() -> None:
         core = client.CoreV1Api(cluster.new_api_client())
         created = False
         while not halt.is_set():
-            node = json.loads(core.read_node(n2, _preload_content=False).data)
-            taints = [t for t in node["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
-            seen["taint"].append([(t["value"], t["effect"]) for t in taints])
-            if taints and not created:
-                tpl = fleet.template("late", 40000, 40, "offline")
-                core.create_namespaced_pod(
-                    ns, {"metadata": {"name": "late", **tpl["metadata"]}, "spec": tpl["spec"]}
-                )
-                created = True
-            if taints and created:
-                late = json.loads(core.read_namespaced_pod("late", ns, _preload_content=False).data)
-                seen["late_node_while_tainted"].append(late["spec"].get("nodeName"))
+            try:
+                node = json.loads(core.read_node(n2, _preload_content=False).data)
+                taints = [t for t in node["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
+                seen["taint"].append([(t["value"], t["effect"]) for t in taints])
+                if taints and not created:
+                    tpl = fleet.template("late", 40000, 40, "offline")
+                    core.create_namespaced_pod(
+                        ns, {"metadata": {"name": "late", **tpl["metadata"]}, "spec": tpl["spec"]}
+                    )
+                    created = True
+                if taints and created:
+                    late = json.loads(core.read_namespaced_pod("late", ns, _preload_content=False).data)
+                    seen["late_node_while_tainted"].append(late["spec"].get("nodeName"))
+            except Exception as e:  # a slow API server under load: note it and keep sampling
+                errors.append(repr(e))
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -224,9 +229,10 @@ def test_objective_nodes_empties_a_node_and_keeps_it_empty_while_the_run_lasts(
         assert result["nodes_freed"] == [n2] and result["tainted"] == [n2] and result["taint_kept"] == []
         assert sorted(result["gpus_freed"]) == [f"{n2}/GPU-{n2}-0", f"{n2}/GPU-{n2}-1"]
         # Marked the cluster autoscaler's way while emptied: its status-taint prefix, NoSchedule.
-        assert [(TAINT_VALUE, "NoSchedule")] in seen["taint"]
+        assert [(TAINT_VALUE, "NoSchedule")] in seen["taint"], (seen["taint"][-3:], errors[:3])
         assert seen["late_node_while_tainted"] and set(seen["late_node_while_tainted"]) == {None}, (
-            "nothing was scheduled onto the node being emptied"
+            "nothing was scheduled onto the node being emptied",
+            errors[:3],
         )
         pods = fleet.pods(ns)
         assert not any(p["spec"].get("nodeName") == n2 for k, p in pods.items() if k != f"{ns}/late"), (
