@@ -151,7 +151,7 @@ def test_a_pdb_protected_deployment_moves_several_times_in_one_run(
     # Each eviction was sent once the budget allowed it: no 429 was collected on the way.
     assert proxy.count("POST", r"/pods/[^/]+/eviction$") == 3
     # Never more than one replica away: sampled while the run lasted.
-    assert len(sampler.ready) > 50 and len(sampler.errors) < len(sampler.ready) / 10, sampler.errors[:3]
+    assert len(sampler.ready) > 20 and len(sampler.errors) < len(sampler.ready) / 10, sampler.errors[:3]
     assert min(sampler.ready) == 3, f"ready replicas seen: {sorted(set(sampler.ready))}"
     assert min(sampler.allowed) == 0 and max(sampler.allowed) == 1
     # Freed = what the cluster shows afterwards, in the output, the metric and the Events.
