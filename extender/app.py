@@ -151,6 +151,30 @@ def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flas
     return app
 
 
+PROBE_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})
+
+
+def only_probes_on(app: Flask, port: int) -> Callable[..., Any]:
+    """The WSGI app, except that requests arriving on `port` (the metrics listener, open to the
+    network) may reach PROBE_PATHS only; the verbs stay on the loopback listener."""
+    inner = app.wsgi_app
+
+    def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        sock = environ.get("gunicorn.socket")
+        try:
+            local = sock.getsockname()[1] if sock is not None else int(environ.get("SERVER_PORT") or 0)
+        except (OSError, ValueError, IndexError, TypeError):
+            local = port  # unknown: treat as the open listener
+        if local == port and environ.get("PATH_INFO") not in PROBE_PATHS:
+            body = _encode({"Error": "only /metrics, /healthz and /readyz are served on this port"}).encode()
+            start_response("404 NOT FOUND", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+        return inner(environ, start_response)
+
+    app.wsgi_app = wsgi  # type: ignore[method-assign]
+    return app
+
+
 def create_webhook_app(
     cfg: WebhookConfig, view: ClusterView, metrics: Metrics, max_body: int = DEFAULT_MAX_BODY
 ) -> Flask:

@@ -38,7 +38,7 @@ from gpupack.core.policies import Policy
 from gpupack.core.request import RequestError, parse_pod
 
 from . import reservations as resv
-from .kube import Kube
+from .kube import Kube, NamespaceUnreadable
 from .metrics import Metrics
 from .view import ClusterView, PodInfo, _init_names, pod_slots, request_slots
 from .wire import (
@@ -342,6 +342,7 @@ class Extender:
     def pod_request(self, pod: dict[str, Any]) -> PodRequest:
         meta = pod.get("metadata") or {}
         ns = meta.get("namespace") or "default"
+        # NamespaceUnreadable propagates: filter answers an Error (retried), never a guessed class
         ns_labels = self.kube.namespace_labels(ns) if self.kube is not None else {}
         try:
             req = parse_pod(pod, ns_labels)
@@ -478,6 +479,9 @@ class Extender:
             log.info("filter: %s", e)
             self.metrics.rejections.labels("invalid-request").inc(len(args.node_names))
             return unresolvable_result(args, f"gpupack cannot place this pod: {e}")
+        except NamespaceUnreadable as e:
+            log.warning("filter: %s", e)
+            return filter_result(args, [], {}, {}, error=f"gpupack: {e}")
         self._clean_own_stale(args.pod)
         now = self.clock()
         names = args.node_names
@@ -548,7 +552,7 @@ class Extender:
         """Prioritize's answer as (node names, scores 0..MAX_SCORE), in the request's order."""
         try:
             pod = self.pod_request(args.pod)
-        except PodRequestError:
+        except (PodRequestError, NamespaceUnreadable):
             # filter has already rejected every node with the reason; nothing here is better
             return args.node_names, [0] * len(args.node_names)
         now = self.clock()
@@ -685,7 +689,10 @@ class Extender:
             if bound:
                 self._already_bound(args, pod, bound)
                 return
-            req = self.pod_request(pod)
+            try:
+                req = self.pod_request(pod)
+            except NamespaceUnreadable as e:
+                raise BindError(f"gpupack: {e}", "api") from e
             with self.view.lock:
                 self.view.inflight.add(key)
             if self.fence is not None:

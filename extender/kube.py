@@ -40,6 +40,10 @@ def api_client(kubeconfig: str | None = None) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
+class NamespaceUnreadable(Exception):
+    """A namespace's labels could not be read (not: it has none)."""
+
+
 class _Bounded:
     """A client call that fails as an ApiException (status 504) when the API server does not answer
     in time or the connection fails, so that the bind path handles it like any API error."""
@@ -151,7 +155,10 @@ class Kube:
         )
 
     def namespace_labels(self, namespace: str) -> dict[str, str]:
-        """Labels of a namespace (cached briefly); {} when it cannot be read."""
+        """Labels of a namespace (cached briefly); {} when it does not exist. Any other failure
+        raises NamespaceUnreadable and is not cached: a namespace's labels set its pods' default
+        class, so "unknown" must never become "no labels" (an offline namespace's pod recorded
+        online)."""
         now = time.monotonic()
         with self._ns_lock:
             hit = self._ns_cache.get(namespace)
@@ -163,7 +170,12 @@ class Kube:
                 or {}
             )
             labels = dict((ns.get("metadata") or {}).get("labels") or {})
-        except ApiException:
+        except ApiException as e:
+            if e.status != 404:
+                raise NamespaceUnreadable(
+                    f"cannot read namespace {namespace} (its labels set the pod's default class): "
+                    f"{e.status} {e.reason}; the pod is retried"
+                ) from e
             labels = {}
         with self._ns_lock:
             if len(self._ns_cache) > 10_000:

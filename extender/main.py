@@ -47,8 +47,21 @@ class _Gunicorn(BaseApplication):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpupack extender", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument(
+        "--host", default="127.0.0.1",
+        help="address of the verbs (/filter, /prioritize, /bind), which have no authentication: only the "
+        "kube-scheduler beside it may call them (default 127.0.0.1)",
+    )
     p.add_argument("--port", type=int, default=8888, help="extender HTTP port (default 8888)")
+    p.add_argument(
+        "--metrics-port", type=int, default=0,
+        help="also serve /metrics, /healthz and /readyz (nothing else) on this port; 0: none (default)",
+    )
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address of --metrics-port (default 0.0.0.0)")
+    p.add_argument(
+        "--webhook-host", default="0.0.0.0",
+        help="address of the webhook (the API server calls it through its Service; default 0.0.0.0)",
+    )
     p.add_argument("--webhook-port", type=int, default=8443, help="admission webhook HTTPS port; 0 disables")
     p.add_argument("--tls-cert", help="PEM certificate for the webhook")
     p.add_argument("--tls-key", help="PEM private key for the webhook")
@@ -93,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
     def make() -> Any:
-        from .app import create_extender_app
+        from .app import create_extender_app, only_probes_on
         from .framework import Extender, Janitor, LeaseFence
         from .kube import Kube, api_client
         from .metrics import Metrics
@@ -120,7 +133,8 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         Sync(view, kube).start()
         Janitor(ext, args.sweep_interval_s).start()
         log.info("extender policy=%s; syncing with the API server", policy.name)
-        return create_extender_app(ext, args.max_body_bytes)
+        app = create_extender_app(ext, args.max_body_bytes)
+        return only_probes_on(app, args.metrics_port) if args.metrics_port else app
 
     return make
 
@@ -196,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.role == "webhook":
         opts = _options(args, args.webhook_port, 8)
+        opts["bind"] = [f"{args.webhook_host}:{args.webhook_port}"]
         opts.update(certfile=args.tls_cert, keyfile=args.tls_key, proc_name="gpupack-webhook")
         _Gunicorn(_webhook_factory(args), opts).run()
         return 0
@@ -204,8 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "all" and args.webhook_port:
         cmd = [sys.executable, "-m", "extender.main", *(argv if argv is not None else sys.argv[1:]), "--role", "webhook"]
         child = subprocess.Popen(cmd)
+    opts = _options(args, args.port, args.threads)
+    if args.metrics_port:
+        opts["bind"].append(f"{args.metrics_host}:{args.metrics_port}")
     try:
-        _Gunicorn(_extender_factory(args), _options(args, args.port, args.threads)).run()
+        _Gunicorn(_extender_factory(args), opts).run()
     finally:
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)

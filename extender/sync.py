@@ -18,8 +18,10 @@ from typing import Any
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
+from gpupack.contract import ANN_ASSIGNMENT
+
 from .kube import Kube
-from .view import ClusterView
+from .view import TERMINAL, ClusterView
 
 log = logging.getLogger("gpupack.extender.sync")
 
@@ -150,7 +152,36 @@ class Sync:
             t = threading.Thread(target=w.run, name=f"watch-{w.kind}", daemon=True)
             t.start()
             self.threads.append(t)
+        threading.Thread(target=self._confirm_loop, name="sync-confirm", daemon=True).start()
         threading.Thread(target=self._mark_ready, name="sync-ready", daemon=True).start()
+
+    def confirm_once(self) -> None:
+        """GET each pod the label-filtered watch stopped showing: free its share only when it is
+        gone, replaced or terminal. One that merely lost its label keeps it (checked again)."""
+        for key, uid in list(self.view.unconfirmed.items()):
+            ns, _, name = key.partition("/")
+            try:
+                pod = self.kube.get_pod(ns, name) or {}
+            except ApiException as e:
+                if e.status == 404:
+                    self.view.confirm_gone(key, uid)
+                continue  # any other error: unknown, so the share stays held
+            meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+            on_node = spec.get("nodeName") or ANN_ASSIGNMENT in (meta.get("annotations") or {})
+            if meta.get("uid") != uid or (pod.get("status") or {}).get("phase") in TERMINAL or not on_node:
+                self.view.confirm_gone(key, uid)
+
+    def _confirm_loop(self, interval_s: float = 2.0) -> None:
+        # at once when the watch hands over a pod to confirm; still-unlabelled ones every interval
+        while not self.stop.is_set():
+            self.view.to_confirm.wait(interval_s)
+            self.view.to_confirm.clear()
+            if self.stop.is_set():
+                return
+            try:
+                self.confirm_once()
+            except Exception:  # never let the confirmer die: the next round tries again
+                log.exception("confirming pods that left the watch failed")
 
     def _mark_ready(self) -> None:
         # Nodes first: pods are charged onto nodes, so the first pod list is complete only after.

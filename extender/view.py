@@ -211,6 +211,11 @@ class ClusterView:
         self.reserved: set[str] = set()  # nodes with defrag reservations: their answers depend on time
         self.slot_use: dict[str, dict[str, int]] = {}  # node -> pod key -> `gpupack.io/gpu` slots
         self.inflight: set[str] = set()  # pods this process is binding now (between PATCH and Binding)
+        # Charged pods the label-filtered watch or list stopped showing although nothing says they are
+        # gone (their gpupack.io/managed label was removed): pod key -> uid. They keep their share
+        # until a GET finds them gone, replaced or terminal (Sync confirms them).
+        self.unconfirmed: dict[str, str] = {}
+        self.to_confirm = threading.Event()
 
     # --- nodes ---------------------------------------------------------------------------------
     def _problem(self, kind: str, obj: str, msg: str) -> None:
@@ -404,8 +409,16 @@ class ClusterView:
         with self.lock:
             old = self.pods.get(key)
             if a is None:
-                # An assumed pod's older events lack the annotation our bind is writing.
-                if not (old is not None and old.assumed and old.uid == uid and not deleted and phase not in TERMINAL):
+                alive = old is not None and old.uid == uid and not deleted and phase not in TERMINAL
+                # An assumed pod's older events lack the annotation our bind is writing. A bound,
+                # running pod whose assignment vanished still uses its GPU: only gpupack may remove
+                # it (admission), so keep the share until the pod ends rather than over-commit.
+                stripped = alive and raw is None and bool((obj.get("spec") or {}).get("nodeName"))
+                if stripped and old is not None and not old.assumed:
+                    self._problem("stripped-assignment", f"pod/{key}", f"pod {key} lost its {ANN_ASSIGNMENT} "
+                                  "annotation while running; its share stays held until it ends")  # fmt: skip
+                if not (alive and old is not None and (old.assumed or stripped)):
+                    self.unconfirmed.pop(key, None)
                     self._release(key)
                 self.changed.notify_all()
                 return
@@ -426,6 +439,7 @@ class ClusterView:
             )
             if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw:
                 return  # an event from before our bind's PATCH (an earlier assignment)
+            self.unconfirmed.pop(key, None)  # seen (labelled) again
             if old is not None and old.uid == uid and old.assignment_raw == raw and key in self.state.pods:
                 old.handoff, old.deleting, old.assumed = info.handoff, info.deleting, False
                 old.bound_node = bound or old.bound_node
@@ -439,7 +453,35 @@ class ClusterView:
             self.changed.notify_all()
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
+        """A DELETED event. The watch selects on gpupack.io/managed, so DELETED also means "no longer
+        labelled", and then carries the pod's last labelled state: the two look the same. A pod
+        that may still run on its node keeps its share until a GET confirms it gone (see
+        `unconfirmed`; Sync asks at once)."""
+        meta = obj.get("metadata") or {}
+        key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+        with self.lock:
+            p = self.pods.get(key)
+            if (
+                p is not None
+                and p.uid == str(meta.get("uid") or "")
+                and (obj.get("status") or {}).get("phase", "") not in TERMINAL
+                # the extender's own rollback of an unbound pod removes both: nothing holds a GPU
+                and ((obj.get("spec") or {}).get("nodeName") or ANN_ASSIGNMENT in (meta.get("annotations") or {}))
+            ):
+                self.unconfirmed[key] = p.uid
+                self.to_confirm.set()
+                return
         self.apply_pod(obj, deleted=True)
+
+    def confirm_gone(self, key: str, uid: str) -> None:
+        """A GET found this unconfirmed pod gone, replaced (another uid) or terminal: free its share."""
+        with self.lock:
+            if self.unconfirmed.get(key) == uid:
+                del self.unconfirmed[key]
+                p = self.pods.get(key)
+                if p is not None and p.uid == uid:
+                    self._release(key)
+                self.changed.notify_all()
 
     def replace_pods(self, objs: Iterable[dict[str, Any]]) -> None:
         """A fresh list: apply it and drop confirmed pods that are gone (assumed ones stay)."""
@@ -455,8 +497,10 @@ class ClusterView:
                     seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
                     self.apply_pod(o)
         with self.lock:
+            # not listed: gone, or only unlabelled (a GET tells which, see `unconfirmed`)
             for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
-                self._release(key)
+                self.unconfirmed[key] = self.pods[key].uid
+                self.to_confirm.set()
             self.changed.notify_all()
 
     def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
