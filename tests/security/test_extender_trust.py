@@ -1,0 +1,185 @@
+"""The extender does not trust what admission may have missed, and exposes nothing it need not:
+the real `gpupack extender` against the real kube-apiserver (issue 11 "Why").
+
+- Removing gpupack.io/managed (or the assignment) from one's own running pod made the
+  label-filtered watch report DELETED: the share was freed and a second 60000 MiB pod fitted on
+  the same 81559 MiB GPU. Now the pod keeps its share until a GET finds it gone or terminal.
+- A transient error reading a namespace was cached as "no labels": an offline namespace's pod was
+  recorded online. Now the filter answers an error (kube-scheduler retries) and nothing is cached.
+- The verbs listened on 0.0.0.0 next to /metrics; now loopback only, metrics on a port of its own.
+- `gpu-mem: "1e300000"` held the GIL for seconds; now refused at once with the reason.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import requests
+from faultproxy import FaultProxy
+from processes import ExtenderProcess, free_port
+from realk8s import ControlPlane, until
+
+from extender.main import build_parser
+from gpupack.contract import (
+    ANN_ASSIGNMENT,
+    ANN_INVENTORY,
+    LABEL_MANAGED,
+    GPUInfo,
+    NodeInventory,
+    decode_assignment,
+)
+
+H100_MIB = 81559
+
+
+@dataclass
+class Env:
+    cp: ControlPlane
+    ext: ExtenderProcess
+    proxy: FaultProxy
+    metrics_port: int
+    node: str
+    sfx: str
+
+    def pod(self, ns: str, name: str, mem: int | str) -> dict[str, Any]:
+        body = {"metadata": {"name": name}, "spec": {"schedulerName": "gpupack-scheduler", "containers": [
+            {"name": "a", "image": "registry.invalid/x:1",
+             "resources": {"limits": {"gpupack.io/gpu": "1", "gpupack.io/gpu-mem": str(mem)}}}]}}  # fmt: skip
+        return self.cp.api_client().sanitize_for_serialization(self.cp.core.create_namespaced_pod(ns, body))
+
+    def filter(self, pod: dict[str, Any]) -> dict[str, Any]:
+        r = requests.post(f"{self.ext.url}/filter", json={"Pod": pod, "NodeNames": [self.node]}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def fits(self, pod: dict[str, Any]) -> bool:
+        return self.filter(pod)["NodeNames"] == [self.node]
+
+    def bind(self, pod: dict[str, Any]) -> None:
+        m = pod["metadata"]
+        r = requests.post(f"{self.ext.url}/bind", json={"PodName": m["name"], "PodNamespace": m["namespace"],
+                                                         "PodUID": m["uid"], "Node": self.node}, timeout=30)  # fmt: skip
+        assert r.status_code == 200 and r.json()["Error"] == "", r.text
+
+
+@pytest.fixture(scope="module")
+def env(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("ext-trust")
+    sfx = f"{time.time_ns() % 10**6:06d}"
+    node = f"trust-{sfx}"
+    inv = NodeInventory(
+        gpus=(GPUInfo(uuid=f"GPU-{sfx}", index=0, model="NVIDIA-H100", mem_mib=H100_MIB, sm_count=132),)
+    )
+    k8s.make_node(node, extended={"gpupack.io/gpu": "16"}, annotations={ANN_INVENTORY: inv.to_json()})
+    proxy = FaultProxy(k8s.url).start()
+    metrics_port = free_port()
+    ext = ExtenderProcess(k8s.write_kubeconfig(tmp / "kc", server=proxy.url), tmp / "extender.log",
+                          "--metrics-port", str(metrics_port), "--bind-wait-s", "1")  # fmt: skip
+    try:
+        ext.wait_ready(60)
+        yield Env(k8s, ext, proxy, metrics_port, node, sfx)
+    finally:
+        ext.stop()
+        proxy.stop()
+        k8s.reset()
+
+
+def _held_for(env: Env, pod: dict[str, Any], seconds: float) -> None:
+    """The second pod keeps being refused for `seconds` (the old code freed the share at once)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert not env.fits(pod), f"the share was freed: {env.ext.tail()}"
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("strip", ["label", "assignment"])
+def test_a_pod_stripped_of_its_state_keeps_its_share_until_it_is_gone(env: Env, strip: str):
+    ns = f"strip-{strip[:5]}-{env.sfx}"
+    env.cp.ensure_namespace(ns)
+    a = env.pod(ns, "a", 60000)
+    assert env.fits(a)
+    env.bind(a)
+    got = env.cp.core.read_namespaced_pod("a", ns)
+    assert got.spec.node_name == env.node and got.metadata.labels[LABEL_MANAGED] == "true"
+    b = env.pod(ns, "b", 60000)
+    until(lambda: not env.fits(b), 30, "the extender to charge pod a")
+    # the tenant strips gpupack's state from its running pod (no admission policy in this test:
+    # the component must hold on its own)
+    meta = {"labels": {LABEL_MANAGED: None}} if strip == "label" else {"annotations": {ANN_ASSIGNMENT: None}}
+    env.cp.core.patch_namespaced_pod("a", ns, {"metadata": meta})
+    _held_for(env, b, 5.0)  # > two rounds of the GET confirmation
+    # really gone: freed within seconds
+    env.cp.core.delete_namespaced_pod("a", ns, grace_period_seconds=0)
+    until(lambda: env.fits(b), 30, f"the share of the deleted pod to be freed: {env.ext.tail()}")
+
+
+def test_an_unreadable_namespace_is_an_error_to_retry_never_a_default_class(env: Env):
+    ns = f"offline-{env.sfx}"
+    env.cp.ensure_namespace(ns, {"gpupack.io/class": "offline"})
+    p = env.pod(ns, "p", 1024)
+    env.proxy.fail_next("GET", rf"/api/v1/namespaces/{ns}$", 500, times=2)
+    out = env.filter(p)
+    assert out["NodeNames"] == [] and f"cannot read namespace {ns}" in out["Error"], out
+    assert not out["FailedAndUnresolvableNodes"], "an error to retry, not an unschedulable verdict"
+    out = env.filter(p)  # the failure was not cached as "no labels"
+    assert out["Error"] and out["NodeNames"] == []
+    # once the namespace reads again, its class holds
+    assert env.fits(p)
+    env.bind(p)
+    ann = env.cp.core.read_namespaced_pod("p", ns).metadata.annotations
+    assert decode_assignment(ann[ANN_ASSIGNMENT]).pod_class == "offline"
+
+
+def _non_loopback_ip() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing interface
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def test_verbs_on_loopback_only_metrics_and_health_on_their_own_port(env: Env):
+    assert build_parser().parse_args([]).host == "127.0.0.1"
+    m = f"http://127.0.0.1:{env.metrics_port}"
+    assert requests.get(m + "/metrics", timeout=5).status_code == 200
+    assert requests.get(m + "/healthz", timeout=5).status_code == 200
+    assert requests.get(m + "/readyz", timeout=5).status_code == 200
+    for verb in ("filter", "prioritize", "bind"):
+        r = requests.post(f"{m}/{verb}", json={}, timeout=5)
+        assert r.status_code == 404 and "only /metrics, /healthz and /readyz" in r.text
+    ip = _non_loopback_ip()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    assert requests.get(f"http://{ip}:{env.metrics_port}/metrics", timeout=5).status_code == 200
+    with pytest.raises(requests.ConnectionError):
+        requests.post(f"http://{ip}:{env.ext.port}/filter", json={}, timeout=5)
+
+
+def test_a_huge_quantity_is_refused_at_once_with_the_reason(env: Env):
+    ns = f"qty-{env.sfx}"
+    env.cp.ensure_namespace(ns)
+    pod = env.pod(ns, "q", 1024)
+    for bad, why in (("1e300000", "out of range"), ("9" * 5000, "longer than 64 characters")):
+        pod["spec"]["containers"][0]["resources"]["limits"]["gpupack.io/gpu-mem"] = bad
+        t0 = time.perf_counter()
+        out = env.filter(pod)
+        took = time.perf_counter() - t0
+        assert took < 0.1, f"{bad[:10]}: {took:.3f} s"
+        assert why in out["FailedAndUnresolvableNodes"][env.node], out
+
+
+def test_shipped_flags_keep_the_verbs_on_loopback():
+    import deploy_objects
+
+    args = deploy_objects.container_args(
+        "scheduler/deployment.yaml", "extender", "gpupack-system", {}, drop=("--tls-cert", "--tls-key")
+    )
+    parsed = build_parser().parse_args(args)
+    assert parsed.host == "127.0.0.1" and parsed.metrics_port and parsed.metrics_port != parsed.port
