@@ -111,7 +111,9 @@ def parse_quantity(value: Any, what: str = "quantity") -> Decimal:
         raise ContractError(f"{what}: expected a quantity, got a boolean")
     if isinstance(value, int):
         if abs(value) > _QUANTITY_MAX_ABS:
-            raise ContractError(f"{what}: {value:.3e} is out of range (at most 1e{QUANTITY_MAX_EXP})")
+            raise ContractError(
+                f"{what}: an integer of {value.bit_length()} bits is out of range (at most 1e{QUANTITY_MAX_EXP})"
+            )
         return Decimal(value)
     if isinstance(value, float):
         if value != value or abs(value) > _QUANTITY_MAX_ABS:
