@@ -184,7 +184,8 @@ def test_objective_nodes_empties_a_node_and_keeps_it_empty_while_the_run_lasts(
                "--json"])  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["objective"] == "nodes" and doc["protected_nodes"] == [n3]
-    assert doc["plan"]["nodes_freed"] == [n2] and doc["plan"]["evictions"] == 2
+    why = {k: doc[k] for k in ("excluded", "movable")} | {"skipped": doc["plan"]["skipped"]}
+    assert doc["plan"]["nodes_freed"] == [n2] and doc["plan"]["evictions"] == 2, why
     assert {m["to_node"] for m in doc["plan"]["moves"]} == {n1}
 
     # While the run lasts, a pod that would fit only on n2's idle GPUs arrives.
