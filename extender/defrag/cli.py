@@ -22,6 +22,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from gpupack.contract import ANN_ASSIGNMENT, LABEL_MANAGED
 from gpupack.core.defrag import Limits, Plan, plan_defrag, plan_nodes
 
 from ..kube import Kube, api_client
@@ -165,8 +166,21 @@ def _table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _gpupack_pods(kube: Kube) -> list[dict[str, Any]]:
+    """Pods that hold or may hold a GPU share: labelled gpupack.io/managed, or carrying an
+    assignment without the label (stripped by hand: the share is still in use, and a snapshot
+    that missed it would plan moves onto an occupied GPU). All pods are listed, only these kept."""
+    out: list[dict[str, Any]] = []
+    for items, _rv in kube.pages(kube.core.list_pod_for_all_namespaces):
+        for p in items:
+            meta = p.get("metadata") or {}
+            if LABEL_MANAGED in (meta.get("labels") or {}) or ANN_ASSIGNMENT in (meta.get("annotations") or {}):
+                out.append(p)
+    return out
+
+
 def _snapshot(kube: Kube) -> Snapshot:
-    return build_snapshot(kube.list_nodes()["items"], kube.list_pods()["items"], datetime.now(UTC))
+    return build_snapshot(kube.list_nodes()["items"], _gpupack_pods(kube), datetime.now(UTC))
 
 
 def run(args: argparse.Namespace, api: Any) -> int:
