@@ -47,7 +47,17 @@ from gpupack.core.model import FULL  # noqa: E402
 from gpupack.simulate.openb import NodeList, PodList, read_nodes, read_pods  # noqa: E402
 from gpupack.simulate.replay import arrival_order, replay  # noqa: E402
 
-TRACES = ("default", "gpushare40", "gpuspec10", "cpu050", "multigpu20", "gpushare60", "gpushare80", "gpuspec25")
+TRACES = (
+    "default",
+    "gpushare40",
+    "gpuspec10",
+    "cpu050",
+    "multigpu20",
+    "gpushare60",
+    "gpushare80",
+    "gpuspec25",
+    "multigpu40",
+)
 BIG, HOLE = 810, FULL - 810
 
 
