@@ -60,3 +60,30 @@ def container_args(
                         out.append(a)
                     return out
     raise KeyError(f"{relpath} has no container {container}")
+
+
+POLICIES = ("gpupack-pod-state", "gpupack-device-plugin-scope")
+
+
+def drop_policies(cluster: Any, timeout: float = 30.0) -> None:
+    """Remove deploy/webhook/policies.yaml's objects (and the `gpupack` webhook configurations, whose
+    state webhook enforces the same rule) and wait until the API server stops enforcing them (it
+    drops a deleted policy a moment later), so the next test may write gpupack state as the admin.
+    A server-side dry run goes through admission: it tells without leaving anything."""
+    import time
+
+    cluster.kubectl("delete", "mutatingwebhookconfigurations,validatingwebhookconfigurations", "gpupack",
+                    "--ignore-not-found")  # fmt: skip
+    for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+        cluster.kubectl("delete", kind, *POLICIES, "--ignore-not-found")
+    probe = {"metadata": {"name": "policy-probe", "annotations": {"gpupack.io/handoff": "pending"}},
+             "spec": {"containers": [{"name": "a", "image": "registry.invalid/x:1"}]}}  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cluster.core.create_namespaced_pod("default", probe, dry_run="All")
+            return
+        except Exception as e:  # an ApiException while the policy is still in force
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the admission policies are still enforced: {e}") from e
+            time.sleep(0.2)

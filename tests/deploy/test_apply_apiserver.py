@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import deploy_objects
 import realk8s
 import yaml
 from kubernetes import client
@@ -80,6 +81,7 @@ def test_kustomizations_are_accepted_by_the_real_apiserver(cluster):
     finally:
         adm.delete_mutating_webhook_configuration("gpupack")
         adm.delete_validating_webhook_configuration("gpupack")
+        deploy_objects.drop_policies(cluster)
     examples = _rendered(cluster, DEPLOY / "examples")
     out = _apply(cluster, DEPLOY / "examples")
     assert len([line for line in out.splitlines() if line.strip()]) == len(examples), out

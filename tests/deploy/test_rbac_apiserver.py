@@ -167,6 +167,7 @@ def flow(cluster: ControlPlane, tmp_path: Path):
     f = Flow(cluster, tmp_path)
     yield f
     f.stop()
+    deploy_objects.drop_policies(cluster)
 
 
 def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlPlane):

@@ -53,6 +53,10 @@ def ensure(kubeconfig: Path, ns: str, out: Path, service: str = "gpupack-webhook
     )
 
 
+# mutate.pods, validate.pods and state.pods (deploy/webhook/webhooks.yaml)
+HOOKS = 3
+
+
 def secret_bundle(cluster, ns: str) -> certs.Bundle:
     s = cluster.core.read_namespaced_secret(SECRET, ns)
     assert s.type == "kubernetes.io/tls"
@@ -60,9 +64,11 @@ def secret_bundle(cluster, ns: str) -> certs.Bundle:
 
 
 def ca_bundles(cluster) -> list[bytes]:
+    """The caBundle of every webhook, in order: the mutating one, then the validating ones."""
     adm = client.AdmissionregistrationV1Api(cluster.api_client())
     hooks = adm.read_mutating_webhook_configuration("gpupack").webhooks
     hooks += adm.read_validating_webhook_configuration("gpupack").webhooks
+    assert len(hooks) == HOOKS
     return [base64.b64decode(h.client_config.ca_bundle or "") for h in hooks]
 
 
@@ -70,7 +76,7 @@ def test_first_run_creates_secret_injects_ca_and_writes_files(cluster, ns, tmp_p
     r = run_cli(cluster, tmp_path, ns)
     assert r.returncode == 0, r.stderr
     b = secret_bundle(cluster, ns)
-    assert ca_bundles(cluster) == [b.ca_cert, b.ca_cert]
+    assert ca_bundles(cluster) == [b.ca_cert] * HOOKS
     # the files the webhook server loads are the Secret's serving pair
     assert (tmp_path / "tls" / "tls.crt").read_bytes() == b.cert
     assert (tmp_path / "tls" / "tls.key").read_bytes() == b.key
@@ -98,7 +104,7 @@ def test_new_service_name_reissues_from_same_ca_and_keeps_ca_bundle(cluster, ns,
     ensure(cluster.kubeconfig, ns, tmp_path / "tls", service="gpupack-webhook-v2")
     after = secret_bundle(cluster, ns)
     assert after.ca_cert == before.ca_cert and after.cert != before.cert
-    assert ca_bundles(cluster) == [before.ca_cert, before.ca_cert]
+    assert ca_bundles(cluster) == [before.ca_cert] * HOOKS
     sans = x509.load_pem_x509_certificate(after.cert).extensions.get_extension_for_class(
         x509.SubjectAlternativeName
     )
@@ -114,7 +120,7 @@ def test_corrupt_secret_gets_a_new_ca_and_the_webhooks_follow(cluster, ns, tmp_p
     ensure(cluster.kubeconfig, ns, tmp_path / "tls")
     new = secret_bundle(cluster, ns)
     assert new.ca_cert != old.ca_cert
-    assert ca_bundles(cluster) == [new.ca_cert, new.ca_cert]
+    assert ca_bundles(cluster) == [new.ca_cert] * HOOKS
 
 
 def test_losing_the_create_race_uses_the_winners_secret(cluster, ns, tmp_path):
@@ -134,7 +140,7 @@ def test_losing_the_create_race_uses_the_winners_secret(cluster, ns, tmp_path):
         assert got == [winner]
     assert secret_bundle(cluster, ns) == winner
     assert (tmp_path / "tls" / "tls.crt").read_bytes() == winner.cert
-    assert ca_bundles(cluster) == [winner.ca_cert, winner.ca_cert]
+    assert ca_bundles(cluster) == [winner.ca_cert] * HOOKS
 
 
 def test_a_concurrent_webhook_edit_is_kept(cluster, ns, tmp_path):
@@ -156,7 +162,7 @@ def test_a_concurrent_webhook_edit_is_kept(cluster, ns, tmp_path):
         assert fp.count("PUT", r"/mutatingwebhookconfigurations/gpupack$") == 2  # the 409, then the retry
     m = client.AdmissionregistrationV1Api(cluster.api_client()).read_mutating_webhook_configuration("gpupack")
     assert m.metadata.labels["edited"] == "yes"
-    assert ca_bundles(cluster) == [secret_bundle(cluster, ns).ca_cert] * 2
+    assert ca_bundles(cluster) == [secret_bundle(cluster, ns).ca_cert] * HOOKS
 
 
 def test_missing_webhook_configuration_is_a_one_line_error(cluster, ns, tmp_path):

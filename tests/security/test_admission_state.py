@@ -113,6 +113,7 @@ def s(k8s: ControlPlane) -> Iterator[Setup]:
     try:
         yield setup
     finally:
+        deploy_objects.drop_policies(k8s)
         k8s.reset()
 
 
