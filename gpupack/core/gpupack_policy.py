@@ -117,6 +117,33 @@ def cpu_gpu_ratio(workload: Workload) -> tuple[int, int]:
     return cpu, gpu
 
 
+# The eventual-waste term weighs half as much as the fragmentation term: both measure the same
+# holes (FGD one pod ahead, this one until the GPU is full), and at full weight it overrides
+# FGD's steering of whole-GPU and multi-GPU capacity (docs/simulate.md: 1, 1/2 and 1/4 compared).
+WASTE_WEIGHT = 0.5
+
+
+def waste_table(shapes: Sequence[Shape], weights: Sequence[int]) -> np.ndarray:
+    """Expected milli a GPU with `v` free (0..FULL) ends up wasting, index v.
+
+    The GPU is filled by typical pods drawn by popularity among those that fit what is left, until
+    none fits; what is left then is waste. Per-GPU view: a whole-GPU or multi-GPU shape takes a
+    GPU only when it is entirely free.
+    """
+    m = np.array([s.milli for s in shapes if s.gpus], np.int64)
+    w = np.array([x for s, x in zip(shapes, weights, strict=True) if s.gpus], np.float64)
+    phi = np.zeros(FULL + 1, np.float64)
+    for v in range(FULL + 1):
+        fit = m <= v
+        phi[v] = (w[fit] * phi[v - m[fit]]).sum() / w[fit].sum() if fit.any() else v
+    return phi
+
+
+def waste_gain(phi: np.ndarray, weight: int, before, after):
+    """`weight`-scaled eventual waste removed by taking a share: (before − after) free milli."""
+    return WASTE_WEIGHT * weight * (phi[before] - phi[after])
+
+
 class GpupackPolicy(Policy):
     name = "gpupack"
 
@@ -137,6 +164,13 @@ class GpupackPolicy(Policy):
             self._ratio_key, self._ratio = key, cpu_gpu_ratio(self.workload)
         return self._ratio
 
+    @property
+    def waste(self) -> np.ndarray:
+        key = (id(self.workload), self.workload._version)
+        if getattr(self, "_waste_key", None) != key:
+            self._waste_key, self._waste = key, waste_table(*self.workload.typical())
+        return self._waste
+
     def _state(self, views: Sequence[GpuView], cpu_left: int | None, model: str) -> tuple[int, int]:
         """(fragmentation, stranded milli) of a node state. Memoised: many nodes (and the GPU
         trials inside one node) share a state."""
@@ -154,8 +188,13 @@ class GpupackPolicy(Policy):
         self._memo[key] = out
         return out
 
-    def _score(self, before: tuple[int, int], after: tuple[int, int]) -> int:
-        return sigmoid_score(gain(before, after, self.workload.total), self.workload.total)
+    def _score(self, before: tuple[int, int], after: tuple[int, int], shares: list[tuple[int, int]]) -> int:
+        """`shares`: (free amount before, after) of each GPU the pod shares (not whole GPUs)."""
+        w = self.workload.total
+        dec = gain(before, after, w)
+        for a0, a1 in shares:
+            dec += int(waste_gain(self.waste, w, a0, a1))
+        return sigmoid_score(dec, w)
 
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
         views = gpu_views(node)
@@ -168,7 +207,8 @@ class GpupackPolicy(Policy):
                 return g.index  # whole GPUs: any idle one leaves the same node behind
             trial = list(views)
             trial[g.index] = _take(views[g.index], mem, milli, pod.pod_class)
-            return -self._score(before, self._state(trial, cpu_after, n.model))
+            share = (_amount(views[g.index]), _amount(trial[g.index]))
+            return -self._score(before, self._state(trial, cpu_after, n.model), [share])
 
         return fit(node, pod, rank)
 
@@ -177,11 +217,14 @@ class GpupackPolicy(Policy):
         cpu = node.free_cpu if node.cpu_milli else None
         before = self._state(views, cpu, node.model)
         after = list(views)
+        shares = []
         for idx, (mem, milli, ex) in f.charged.items():
             v = after[idx]
             after[idx] = (0, 0, v[2], pod.pod_class, v[4]) if ex else _take(v, mem, milli, pod.pod_class)
+            if not ex:
+                shares.append((_amount(v), _amount(after[idx])))
         cpu_after = None if cpu is None else cpu - pod.cpu_milli
-        return self._score(before, self._state(after, cpu_after, node.model))
+        return self._score(before, self._state(after, cpu_after, node.model), shares)
 
 
 def gain(before: tuple[int, int], after: tuple[int, int], weight: int) -> int:
@@ -219,6 +262,8 @@ def fast_scores(
     w = cl.total_w
     # As `gain`: fragmentation removed, minus the stranding added (never plus stranding removed).
     dec = (cl.frag[idx] - cl.frag_after(idx, f, milli, whole, cpu)) + w * np.minimum(0, s_before - s_after)
+    if f is not None:  # a sharing pod: the eventual waste of the GPU it takes a share of
+        dec = dec + waste_gain(policy.waste, w, f, f - milli).astype(np.int64)
     if w <= 0:
         return np.full(len(idx), 50, np.int64)
     return np.searchsorted(SIGMOID_STEPS, dec / (w * 1000), side="right").astype(np.int64)

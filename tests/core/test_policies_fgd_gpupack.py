@@ -130,3 +130,17 @@ def test_gpupack_charges_added_stranding_but_does_not_reward_removing_it():
     poor, rich = node("poor", 2, cpu=1000), node("rich", 2, cpu=100_000)
     q = pod("ns/q", gpus=1)
     assert p.node_score(poor, q, p.fit(poor, q)) == p.node_score(rich, q, p.fit(rich, q))
+
+
+def test_waste_table_is_what_typical_pods_cannot_fill():
+    from gpupack.core.gpupack_policy import waste_table
+
+    phi = waste_table([Shape(0, 1, 600), Shape(0, 1, 300), Shape(0, 0, 0)], [1, 1, 5])
+    assert phi[0] == 0 and phi[299] == 299  # nothing fits: all of it is waste
+    assert phi[300] == 0 and phi[600] == 0  # one 300 pod, or two, fill it exactly
+    # 900 free: a 600 pod (300 left, then a 300 pod) or a 300 pod (600 left: either fills it).
+    assert phi[900] == 0
+    # 800 free: 600 leaves 200 (waste); 300 leaves 500, then 300 leaves 200 (waste): always 200.
+    assert phi[800] == 200
+    # 1000 free: 600 → 400 → 300 → 100 wasted; 300 → 700: 600 → 100, or 300 → 400 → 300 → 100.
+    assert phi[1000] == 100
