@@ -138,12 +138,25 @@ class Sync:
         self.view, self.kube = view, kube
         self.stop = threading.Event()
         self.nodes = Watcher(
-            "nodes", kube.node_pages, kube.watch_nodes, view.replace_node_pages, view.apply_node,
-            lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")), self.stop, watch_timeout_s,
+            "nodes",
+            kube.node_pages,
+            kube.watch_nodes,
+            view.replace_node_pages,
+            view.apply_node,
+            lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")),
+            self.stop,
+            watch_timeout_s,
         )
         self.pods = Watcher(
-            "pods", kube.pod_pages, kube.watch_pods, view.replace_pod_pages, view.apply_pod, view.delete_pod,
-            self.stop, watch_timeout_s,
+            # label-filtered: a pod missing from a list or DELETED may only have lost its label
+            "pods",
+            kube.pod_pages,
+            kube.watch_pods,
+            lambda pages: view.replace_pod_pages(pages, confirm_missing=True),
+            view.apply_pod,
+            view.left_watch,
+            self.stop,
+            watch_timeout_s,
         )
         self.threads: list[threading.Thread] = []
 

@@ -95,7 +95,9 @@ class PodInfo:
         )
 
 
-def node_from_inventory(name: str, inv: NodeInventory | None, unschedulable: bool, labels: dict[str, str]) -> Node:
+def node_from_inventory(
+    name: str, inv: NodeInventory | None, unschedulable: bool, labels: dict[str, str]
+) -> Node:
     """The packing core's Node. Its GPU `index` is the position in the list (the core indexes
     GPUs by position); the device's own index is kept in NodeInfo.gpu_indexes."""
     gpus = []
@@ -211,6 +213,10 @@ class ClusterView:
         self.reserved: set[str] = set()  # nodes with defrag reservations: their answers depend on time
         self.slot_use: dict[str, dict[str, int]] = {}  # node -> pod key -> `gpupack.io/gpu` slots
         self.inflight: set[str] = set()  # pods this process is binding now (between PATCH and Binding)
+        # node -> pod key -> uid of every bind request this process holds, from its arrival on (before
+        # it reads the pod, queues for the node or writes anything): filter steers the next pods
+        # away from these nodes at once, not only once the assignment is written.
+        self.claims: dict[str, dict[str, str]] = {}
         # Charged pods the label-filtered watch or list stopped showing although nothing says they are
         # gone (their gpupack.io/managed label was removed): pod key -> uid. They keep their share
         # until a GET finds them gone, replaced or terminal (Sync confirms them).
@@ -453,10 +459,13 @@ class ClusterView:
             self.changed.notify_all()
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
-        """A DELETED event. The watch selects on gpupack.io/managed, so DELETED also means "no longer
-        labelled", and then carries the pod's last labelled state: the two look the same. A pod
-        that may still run on its node keeps its share until a GET confirms it gone (see
-        `unconfirmed`; Sync asks at once)."""
+        self.apply_pod(obj, deleted=True)
+
+    def left_watch(self, obj: dict[str, Any]) -> None:
+        """A DELETED event of the pod watch. It selects on gpupack.io/managed, so DELETED also means
+        "no longer labelled", and then carries the pod's last labelled state: the two look the
+        same. A pod that may still run on its node keeps its share until a GET confirms it gone
+        (see `unconfirmed`; Sync asks at once)."""
         meta = obj.get("metadata") or {}
         key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
         with self.lock:
@@ -466,12 +475,15 @@ class ClusterView:
                 and p.uid == str(meta.get("uid") or "")
                 and (obj.get("status") or {}).get("phase", "") not in TERMINAL
                 # the extender's own rollback of an unbound pod removes both: nothing holds a GPU
-                and ((obj.get("spec") or {}).get("nodeName") or ANN_ASSIGNMENT in (meta.get("annotations") or {}))
+                and (
+                    (obj.get("spec") or {}).get("nodeName")
+                    or ANN_ASSIGNMENT in (meta.get("annotations") or {})
+                )
             ):
                 self.unconfirmed[key] = p.uid
                 self.to_confirm.set()
                 return
-        self.apply_pod(obj, deleted=True)
+        self.delete_pod(obj)
 
     def confirm_gone(self, key: str, uid: str) -> None:
         """A GET found this unconfirmed pod gone, replaced (another uid) or terminal: free its share."""
@@ -487,8 +499,10 @@ class ClusterView:
         """A fresh list: apply it and drop confirmed pods that are gone (assumed ones stay)."""
         self.replace_pod_pages([list(objs)])
 
-    def replace_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
-        """Like replace_pods, a page at a time; the view stays usable between pages."""
+    def replace_pod_pages(self, pages: Iterable[list[dict[str, Any]]], confirm_missing: bool = False) -> None:
+        """Like replace_pods, a page at a time; the view stays usable between pages. With
+        `confirm_missing` (a label-filtered list), charged pods missing from it are not released
+        but left to a GET (see `unconfirmed`)."""
         seen: set[str] = set()
         for page in pages:
             with self.lock:
@@ -497,10 +511,12 @@ class ClusterView:
                     seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
                     self.apply_pod(o)
         with self.lock:
-            # not listed: gone, or only unlabelled (a GET tells which, see `unconfirmed`)
             for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
-                self.unconfirmed[key] = self.pods[key].uid
-                self.to_confirm.set()
+                if confirm_missing:  # gone, or only unlabelled: a GET tells which
+                    self.unconfirmed[key] = self.pods[key].uid
+                    self.to_confirm.set()
+                else:
+                    self._release(key)
             self.changed.notify_all()
 
     def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
@@ -532,7 +548,9 @@ class ClusterView:
             if problems:
                 raise PlacementError("; ".join(problems))
             self.state.place(PodRequest(key=key, pod_class=a.pod_class, uid=uid), placement, charged)
-            info = PodInfo(key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True, slots=slots)
+            info = PodInfo(
+                key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True, slots=slots
+            )
             self.pods[key] = info
             self.slot_use.setdefault(a.node, {})[key] = slots
             self.inflight.add(key)  # until mark_bound, unassume or the bind's end
@@ -583,14 +601,38 @@ class ClusterView:
             ]
         return handoff.blocking_handoff(views, node, exclude_uid=exclude_uid)
 
+    def claim(self, node: str, key: str, uid: str) -> None:
+        """A bind of pod `key` to `node` has arrived (see `claims`)."""
+        with self.lock:
+            self.claims.setdefault(node, {})[key] = uid
+
+    def unclaim(self, node: str, key: str) -> None:
+        with self.lock:
+            c = self.claims.get(node)
+            if c is not None:
+                c.pop(key, None)
+                if not c:
+                    del self.claims[node]
+
     def locked_nodes(self, exclude_uid: str) -> dict[str, str]:
-        """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff)."""
+        """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff),
+        or of a bind that has arrived for it and is still in progress (see `claims`)."""
         out: dict[str, str] = {}
         with self.lock:
+            for node, binds in self.claims.items():
+                for k, uid in binds.items():
+                    if uid != exclude_uid or not uid:
+                        out[node] = k
+                        break
             for node, keys in self.pending_by_node.items():
                 for k in keys:
                     p = self.pods.get(k)
-                    if p is not None and p.pending and p.uid != exclude_uid and (p.bound_node or k in self.inflight):
+                    if (
+                        p is not None
+                        and p.pending
+                        and p.uid != exclude_uid
+                        and (p.bound_node or k in self.inflight)
+                    ):
                         out[node] = k
                         break
         return out
