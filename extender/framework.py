@@ -673,6 +673,17 @@ class Extender:
         with self.view.lock:
             if args.node not in self.view.nodes:
                 raise WireError(f"node {args.node} is not known to gpupack", 404)
+        key = f"{args.pod_namespace}/{args.pod_name}"
+        # Claimed before anything slow: the scheduler's next pod is filtered while this bind reads
+        # the pod, and must already be steered elsewhere (or it would queue behind this handoff).
+        self.view.claim(args.node, key, args.pod_uid)
+        try:
+            self._bind_claimed(args, key)
+        finally:
+            self.view.unclaim(args.node, key)
+
+    def _bind_claimed(self, args: BindArgs, key: str) -> None:
+        assert self.kube is not None
         if self.fence is not None:
             self.fence.check()  # a standby's extender answers no bind at all
         deadline = time.monotonic() + self.bind_wait_s
@@ -680,11 +691,15 @@ class Extender:
         # If it changes while we wait, the PATCH's resourceVersion precondition catches it.
         pod = self._get_pod(args)
         lock = self._node_lock(args.node)
-        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        t0 = time.monotonic()
+        if not lock.acquire(timeout=max(0.0, deadline - t0)):
+            self.metrics.bind_wait.observe(time.monotonic() - t0)
             raise BindError(f"node {args.node}: too many binds queued; try again", "node-busy")
-        key = f"{args.pod_namespace}/{args.pod_name}"
         try:
-            self._wait_handoff(args.node, args.pod_uid, deadline)
+            try:
+                self._wait_handoff(args.node, args.pod_uid, deadline)
+            finally:
+                self.metrics.bind_wait.observe(time.monotonic() - t0)
             bound = (pod.get("spec") or {}).get("nodeName")
             if bound:
                 self._already_bound(args, pod, bound)

@@ -1,0 +1,393 @@
+"""Scheduling throughput under the real kube-scheduler (issue 13): gpupack vs the plain scheduler, one run.
+
+One real control plane (etcd, kube-apiserver, kube-controller-manager v1.28.7, tests/realk8s.py; the
+binaries come from $GPUPACK_K8S_ASSETS or ../shared/k8s) with N fake nodes x 8 H100 as gpupack's
+device plugin publishes them (inventory annotation, allocatable `gpupack.io/gpu` slots). Two
+kube-schedulers run side by side with the same raised clientConnection qps/burst:
+
+- plain: the default profile, no extender; it gets cpu/memory-only pods;
+- gpupack: the shipped profile (deploy/scheduler/config.yaml) calling the real `gpupack extender`.
+
+Each phase creates --pods pods at once (gpupack: 70 % shares, 20 % whole GPUs, 10 % 2-GPU pods,
+20 % of them offline); the kubelets are a KubeletEmulator admitting bound pods after --admit-ms,
+whose admit hook is gpupack's device plugin ending the GPU handoff (DevicePluginEmulator).
+
+Reported per phase: pods/s (creation of the first pod to the last Binding), creation -> bound
+(spec.nodeName written by the Binding, which also sets PodScheduled) and creation -> running p50/p99,
+and from kube-scheduler's /metrics its scheduling-algorithm and bind times. For gpupack also: the
+share of bind attempts that failed a fit filter had passed, and the extender's verb latencies
+(its /metrics histograms and the Server-Timing of extra probe calls are not needed: the histogram
+buckets are fine-grained below 50 ms).
+
+    python benchmarks/bench_scheduler.py                      # 1000 nodes, 500 pods (minutes)
+    python benchmarks/bench_scheduler.py --nodes 100 --pods 200 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+import urllib3
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "extender"))
+
+import realk8s  # noqa: E402
+from ext_helpers import DevicePluginEmulator, container, gpu_node, pod_obj  # noqa: E402
+from kubernetes import client  # noqa: E402
+from processes import ExtenderProcess, free_port  # noqa: E402
+
+from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, decode_assignment  # noqa: E402
+
+SHARES = [(8192, 20), (16384, 30), (24576, 40), (40960, 50), (10240, 25), (20000, 50)]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))]
+
+
+def gpu_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
+    cls = "offline" if rng.random() < 0.2 else "online"
+    kind = rng.choices(["share", "whole", "two"], weights=[70, 20, 10])[0]
+    if kind == "share":
+        mem, sm = rng.choice(SHARES)
+        c = container("c", 1, mem, sm)
+    else:
+        c = container("c", 1 if kind == "whole" else 2)
+    return pod_obj(f"{kind}-{i}", [c], cls=cls, namespace=ns)
+
+
+def plain_pod(i: int, ns: str) -> dict[str, Any]:
+    res = {"cpu": "100m", "memory": "128Mi"}
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"plain-{i}", "namespace": ns},
+        "spec": {"containers": [{"name": "c", "image": "registry.invalid/x:1",
+                                 "resources": {"requests": res, "limits": res}}]},
+    }  # fmt: skip
+
+
+class Observer:
+    """A watch on one namespace: when each pod was first seen bound, running, and its handoff done."""
+
+    def __init__(self, cp: realk8s.ControlPlane, ns: str) -> None:
+        self.core = client.CoreV1Api(cp.new_api_client())
+        self.ns = ns
+        self.bound: dict[str, float] = {}
+        self.running: dict[str, float] = {}
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _see(self, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        now = time.monotonic()
+        self.pods[name] = obj
+        if obj["spec"].get("nodeName"):
+            self.bound.setdefault(name, now)
+        if (obj.get("status") or {}).get("phase") == "Running":
+            self.running.setdefault(name, now)
+
+    def _run(self) -> None:
+        rv = json.loads(self.core.list_namespaced_pod(self.ns, _preload_content=False).data)["metadata"][
+            "resourceVersion"
+        ]
+        while not self.stop.is_set():
+            resp = self.core.list_namespaced_pod(
+                self.ns, watch=True, resource_version=rv, timeout_seconds=5, _preload_content=False,
+                allow_watch_bookmarks=True,
+            )  # fmt: skip
+            try:
+                for line in resp:
+                    ev = json.loads(line)
+                    obj = ev["object"]
+                    rv = obj["metadata"].get("resourceVersion") or rv
+                    if ev["type"] in ("ADDED", "MODIFIED"):
+                        self._see(obj)
+            finally:
+                resp.release_conn()
+
+
+def scrape(url: str, verify: bool = True) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+        return requests.get(url, timeout=10, verify=verify).text
+
+
+def histogram(text: str, name: str, match: str = "") -> dict[float, float]:
+    """Cumulative bucket counts of one Prometheus histogram (series whose labels contain `match`),
+    summed over the matching series."""
+    out: dict[float, float] = {}
+    for m in re.finditer(rf"^{name}_bucket{{([^}}]*)}} (\S+)$", text, re.M):
+        labels, v = m.group(1), float(m.group(2))
+        if match and match not in labels:
+            continue
+        le = re.search(r'(?:^|,)le="([^"]+)"', labels)
+        assert le is not None
+        b = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
+        out[b] = out.get(b, 0.0) + v
+    return out
+
+
+def diff(a: dict[float, float], b: dict[float, float]) -> dict[float, float]:
+    return {k: v - b.get(k, 0.0) for k, v in a.items()}
+
+
+def hquantile(h: dict[float, float], q: float) -> float:
+    """Quantile of a cumulative histogram, linear within the bucket (Prometheus' histogram_quantile)."""
+    if not h:
+        return float("nan")
+    bounds = sorted(h)
+    total = h[bounds[-1]]
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    prev_b, prev_c = 0.0, 0.0
+    for b in bounds:
+        c = h[b]
+        if c >= rank:
+            if b == float("inf"):
+                return prev_b
+            return prev_b + (b - prev_b) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 1.0)
+        prev_b, prev_c = b, c
+    return prev_b
+
+
+def counter(text: str, name: str, match: str = "") -> float:
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        if match and not re.search(match, m.group(1) or ""):
+            continue
+        total += float(m.group(2))
+    return total
+
+
+def ms(x: float) -> float:
+    return round(x * 1000, 2)
+
+
+class Scheduler:
+    """A kube-scheduler with its /metrics reachable (anonymous, on an allowed path)."""
+
+    def __init__(
+        self, cp: realk8s.ControlPlane, cfg: dict[str, Any], name: str, qps: int, burst: int
+    ) -> None:
+        cfg.setdefault("clientConnection", {}).update(qps=qps, burst=burst)
+        self.port = free_port()
+        self.proc = cp.start_scheduler(cfg, name=name, extra_args=[
+            "--secure-port", str(self.port), "--bind-address", "127.0.0.1",
+            "--authentication-kubeconfig", str(cp.kubeconfig), "--authorization-kubeconfig", str(cp.kubeconfig),
+            "--authorization-always-allow-paths", "/healthz,/readyz,/livez,/metrics",
+        ])  # fmt: skip
+        self.url = f"https://127.0.0.1:{self.port}/metrics"
+        realk8s.until(lambda: self._up(), 60, f"{name} metrics")
+
+    def _up(self) -> bool:
+        try:
+            return "scheduler_" in scrape(self.url, verify=False)
+        except requests.RequestException:
+            return False
+
+    def metrics(self) -> str:
+        return scrape(self.url, verify=False)
+
+
+def run_phase(
+    cp: realk8s.ControlPlane,
+    ns: str,
+    pods: list[dict[str, Any]],
+    sched: Scheduler,
+    ext: ExtenderProcess | None,
+    timeout: float,
+) -> dict[str, Any]:
+    obs = Observer(cp, ns)
+    time.sleep(0.5)  # the watch is open
+    s0 = sched.metrics()
+    e0 = scrape(ext.url + "/metrics") if ext is not None else ""
+    core = client.CoreV1Api(cp.new_api_client())
+    created: dict[str, float] = {}
+
+    def create(p: dict[str, Any]) -> None:
+        core.create_namespaced_pod(ns, p, _preload_content=False)
+        created[p["metadata"]["name"]] = time.monotonic()
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(create, pods))
+    t_created = time.monotonic() - t0
+    names = [p["metadata"]["name"] for p in pods]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len([n for n in names if n in obs.running]) < len(names):
+        time.sleep(0.1)
+    obs.stop.set()
+    s1 = sched.metrics()
+    e1 = scrape(ext.url + "/metrics") if ext is not None else ""
+    bound = [obs.bound[n] - created[n] for n in names if n in obs.bound]
+    running = [obs.running[n] - created[n] for n in names if n in obs.running]
+    t_last = max((obs.bound[n] for n in names if n in obs.bound), default=t0)
+    out: dict[str, Any] = {
+        "pods": len(names),
+        "bound": len(bound),
+        "running": len(running),
+        "create_s": round(t_created, 2),
+        "pods_per_s": round(len(bound) / max(t_last - t0, 1e-9), 2),
+        "bound_p50_s": round(pct(bound, 50), 3),
+        "bound_p99_s": round(pct(bound, 99), 3),
+        "running_p50_s": round(pct(running, 50), 3),
+        "running_p99_s": round(pct(running, 99), 3),
+    }
+    alg = diff(histogram(s1, "scheduler_scheduling_algorithm_duration_seconds"),
+               histogram(s0, "scheduler_scheduling_algorithm_duration_seconds"))  # fmt: skip
+    att = diff(histogram(s1, "scheduler_scheduling_attempt_duration_seconds", 'result="scheduled"'),
+               histogram(s0, "scheduler_scheduling_attempt_duration_seconds", 'result="scheduled"'))  # fmt: skip
+    bind = diff(histogram(s1, "scheduler_framework_extension_point_duration_seconds", 'extension_point="Bind"'),
+                histogram(s0, "scheduler_framework_extension_point_duration_seconds", 'extension_point="Bind"'))  # fmt: skip
+    out["scheduler"] = {
+        "algorithm_p50_ms": ms(hquantile(alg, 0.5)), "algorithm_p99_ms": ms(hquantile(alg, 0.99)),
+        "attempt_p50_ms": ms(hquantile(att, 0.5)), "attempt_p99_ms": ms(hquantile(att, 0.99)),
+        "bind_p50_ms": ms(hquantile(bind, 0.5)), "bind_p99_ms": ms(hquantile(bind, 0.99)),
+        "attempts": {r: int(counter(s1, "scheduler_schedule_attempts_total", f'result="{r}"')
+                            - counter(s0, "scheduler_schedule_attempts_total", f'result="{r}"'))
+                     for r in ("scheduled", "unschedulable", "error")},
+    }  # fmt: skip
+    if ext is not None:
+        lat = {}
+        for verb in ("filter", "prioritize", "bind"):
+            h = diff(histogram(e1, "gpupack_extender_request_seconds", f'verb="{verb}"'),
+                     histogram(e0, "gpupack_extender_request_seconds", f'verb="{verb}"'))  # fmt: skip
+            lat[verb] = {"n": int(h.get(float("inf"), 0)), "p50_ms": ms(hquantile(h, 0.5)),
+                         "p99_ms": ms(hquantile(h, 0.99))}  # fmt: skip
+        wait = diff(
+            histogram(e1, "gpupack_extender_bind_wait_seconds"),
+            histogram(e0, "gpupack_extender_bind_wait_seconds"),
+        )
+        lat["bind_wait"] = {"n": int(wait.get(float("inf"), 0)), "p50_ms": ms(hquantile(wait, 0.5)),
+                            "p99_ms": ms(hquantile(wait, 0.99)),
+                            "over_10ms": int(wait.get(float("inf"), 0) - wait.get(0.01, 0))}  # fmt: skip
+        h = diff(histogram(e1, "gpupack_extender_request_seconds", 'verb="filter"'),
+                 histogram(e0, "gpupack_extender_request_seconds", 'verb="filter"'))  # fmt: skip
+        lat["filter"]["buckets"] = {str(k): int(v) for k, v in sorted(h.items())}
+        ok = counter(e1, "gpupack_extender_binds_total") - counter(e0, "gpupack_extender_binds_total")
+        fails: dict[str, int] = {}
+        for m in re.finditer(r'^gpupack_extender_bind_failures_total{reason="([^"]+)"} (\S+)$', e1, re.M):
+            before = counter(e0, "gpupack_extender_bind_failures_total", f'reason="{m.group(1)}"')
+            if float(m.group(2)) - before:
+                fails[m.group(1)] = int(float(m.group(2)) - before)
+        attempts = ok + sum(fails.values())
+        fit_fail = sum(v for k, v in fails.items() if k.startswith("fit-") or k in ("slots", "conflict"))
+        out["extender"] = {
+            "latency": lat,
+            "bind_attempts": int(attempts),
+            "bind_failures": fails,
+            "fit_failed_at_bind_pct": round(100 * fit_fail / attempts, 2) if attempts else 0.0,
+        }
+        out["correctness"] = check_gpus(obs.pods)
+    return out
+
+
+def check_gpus(pods: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Over-committed GPUs and unfinished handoffs among the bound pods."""
+    use: dict[str, list[int]] = {}
+    pending = 0
+    for p in pods.values():
+        ann = p["metadata"].get("annotations") or {}
+        if not p["spec"].get("nodeName") or ANN_ASSIGNMENT not in ann:
+            continue
+        if ann.get(ANN_HANDOFF) != HANDOFF_DONE:
+            pending += 1
+        for shares in decode_assignment(ann[ANN_ASSIGNMENT]).containers.values():
+            for s in shares:
+                u = use.setdefault(s.uuid, [0, 0, 0])
+                u[0] += s.mem_mib
+                u[1] += s.sm_pct
+                u[2] += 1 if s.exclusive else 0
+    over = sum(1 for m, sm, ex in use.values() if m > 81559 or sm > 100 or (ex and (ex > 1 or m > 81559)))
+    return {"overcommitted_gpus": over, "handoffs_not_done": pending}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--pods", type=int, default=500)
+    ap.add_argument("--admit-ms", type=float, default=100.0, help="kubelet admission delay")
+    ap.add_argument("--qps", type=int, default=500, help="clientConnection qps of both schedulers")
+    ap.add_argument("--burst", type=int, default=1000, help="clientConnection burst of both schedulers")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a phase may take")
+    ap.add_argument("--extender-arg", action="append", default=[], help="extra flag for `gpupack extender`")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    result: dict[str, Any] = {"nodes": args.nodes, "pods": args.pods, "admit_ms": args.admit_ms,
+                              "qps": args.qps, "burst": args.burst}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-sched-") as d:
+        tmp = Path(d)
+        cp = realk8s.ControlPlane(tmp).start()
+        ext = None
+        scheds: list[Scheduler] = []
+        try:
+            t = time.monotonic()
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda i: gpu_node(cp, f"n{i:05d}"), range(args.nodes)))
+            result["setup_nodes_s"] = round(time.monotonic() - t, 1)
+            for ns in ("plain", "gpu"):
+                cp.ensure_namespace(ns)
+            ext = ExtenderProcess(cp.write_kubeconfig(tmp / "ext.kubeconfig"), tmp / "extender.log",
+                                  *args.extender_arg)  # fmt: skip
+            ext.wait_ready(120)
+            plain_cfg = {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
+            scheds.append(Scheduler(cp, plain_cfg, "plain-scheduler", args.qps, args.burst))
+            scheds.append(Scheduler(cp, realk8s.gpupack_scheduler_config(ext.url), "gpupack-scheduler",
+                                    args.qps, args.burst))  # fmt: skip
+            plugin = DevicePluginEmulator(cp)
+            with realk8s.KubeletEmulator(cp, None, admit_delay=args.admit_ms / 1000, on_admit=plugin):
+                result["plain"] = run_phase(cp, "plain", [plain_pod(i, "plain") for i in range(args.pods)],
+                                            scheds[0], None, args.timeout)  # fmt: skip
+                result["gpupack"] = run_phase(cp, "gpu", [gpu_pod(rng, i, "gpu") for i in range(args.pods)],
+                                              scheds[1], ext, args.timeout)  # fmt: skip
+            result["ratio"] = round(
+                result["gpupack"]["pods_per_s"] / max(result["plain"]["pods_per_s"], 1e-9), 3
+            )
+            result["device_plugin_errors"] = plugin.errors[:5]
+        finally:
+            for s in scheds:
+                s.proc.stop()
+            if ext is not None:
+                ext.stop()
+            cp.stop()
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for phase in ("plain", "gpupack"):
+            r = result[phase]
+            print(
+                f"{phase:8s} {r['pods_per_s']:7.1f} pods/s  bound p50/p99 {r['bound_p50_s']}/{r['bound_p99_s']} s  "
+                f"running p50/p99 {r['running_p50_s']}/{r['running_p99_s']} s  {r['bound']}/{r['pods']} bound"
+            )
+            print(f"         scheduler: {r['scheduler']}")
+        g = result["gpupack"]
+        print(f"ratio gpupack/plain: {result['ratio']}")
+        print(f"extender: {g['extender']}")
+        print(f"correctness: {g['correctness']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
