@@ -219,10 +219,10 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
         "extender",
         ns,
         {"POD_NAMESPACE": ns, "POD_NAME": socket.gethostname()},
-        drop=("--port", "--webhook-port", "--tls-cert", "--tls-key"),
+        drop=("--port", "--metrics-port", "--webhook-port", "--tls-cert", "--tls-key"),
     )
-    ext = ExtenderProcess(flow.kubeconfig("extender", SCHED_SA), tmp / "extender.log", "--webhook-port",
-                          str(webhook_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
+    ext = ExtenderProcess(flow.kubeconfig("extender", SCHED_SA), tmp / "extender.log", "--metrics-port",
+                          str(free_port()), "--webhook-port", str(webhook_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
                           *shipped_args)  # fmt: skip
     flow.procs.append(ext)
     ext.wait_ready(60)
