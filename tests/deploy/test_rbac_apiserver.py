@@ -258,6 +258,11 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
     until(lambda: cluster.core.read_namespaced_pod("p", flow.work).metadata.annotations[ANN_HANDOFF] == "done",
           30, "handoff done")  # fmt: skip
+    # the pod goes: its DELETED event from the label-filtered watch is confirmed with a GET before
+    # its share is freed (a pod that merely lost its label looks the same; issue 11)
+    cluster.core.delete_namespaced_pod("p", flow.work, grace_period_seconds=0)
+    until(lambda: flow.proxies["extender"].count("GET", rf"/namespaces/{flow.work}/pods/p$"), 30,
+          "the extender to confirm the deletion with a GET")  # fmt: skip
     # a Prometheus scrape of the plugin (it reads its node's pods for the per-pod series)
     assert requests.get(f"http://127.0.0.1:{dp.metrics_port}/metrics", timeout=10).status_code == 200
     # kube-scheduler's port authenticates (TokenReview) and authorizes (SubjectAccessReview) a
