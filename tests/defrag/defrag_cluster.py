@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
+import realk8s
 from kubernetes import client
 from processes import ExtenderProcess
 from realk8s import ControlPlane, KubeletEmulator, running_ready_status, until
@@ -45,7 +45,6 @@ from gpupack.contract import (
     decode_assignment,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 MIB = 81559
 LEASE = "gpupack-defrag"
 
@@ -314,11 +313,9 @@ class Scheduling:
         self.kubelets = None
         try:
             self.extender.wait_ready()
-            cm = yaml.safe_load((REPO / "deploy" / "scheduler" / "config.yaml").read_text())
-            cfg = yaml.safe_load(cm["data"]["config.yaml"])
-            assert len(cfg["extenders"]) == 1
-            cfg["extenders"][0]["urlPrefix"] = self.extender.url
-            self.scheduler = cp.start_scheduler(cfg, name=f"kube-scheduler-{namespace}")
+            self.scheduler = cp.start_scheduler(
+                realk8s.gpupack_scheduler_config(self.extender.url), name=f"kube-scheduler-{namespace}"
+            )
             core = client.CoreV1Api(cp.new_api_client())
             self.kubelets = KubeletEmulator(cp, namespace, on_admit=lambda p: admit(core, p), ready=ready)
             self.kubelets.start()
