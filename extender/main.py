@@ -160,7 +160,8 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
         )
         threading.Thread(target=w.run, daemon=True, name="watch-nodes").start()
         threading.Thread(target=lambda: w.listed.wait() and view.synced.set(), daemon=True).start()
-        cfg = WebhookConfig(args.scheduler_name, args.set_scheduler_name)
+        # pod_lookup: the node of the device plugin pod a token is bound to (plugin-node webhook)
+        cfg = WebhookConfig(args.scheduler_name, args.set_scheduler_name, pod_lookup=kube.get_pod)
         return create_webhook_app(cfg, view, metrics, args.max_body_bytes)
 
     return make

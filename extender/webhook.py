@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +52,18 @@ def _own_namespace() -> str:
     return os.environ.get("POD_NAMESPACE") or "gpupack-system"
 
 
+CLAIM_NODE = "authentication.kubernetes.io/node-name"  # in pod-bound tokens from Kubernetes 1.30
+CLAIM_POD = "authentication.kubernetes.io/pod-name"  # in pod-bound tokens since 1.21
+
+
 @dataclass(frozen=True)
 class WebhookConfig:
     scheduler_name: str = SCHEDULER_NAME
     set_scheduler_name: bool = False
     namespace: str = field(default_factory=_own_namespace)
+    # (namespace, name) -> pod object; raises on failure. Finds the node of the device plugin pod
+    # a token is bound to, where the token does not name its node itself.
+    pod_lookup: Callable[[str, str], dict[str, Any]] | None = field(default=None, compare=False)
 
     def user(self, sa: str) -> str:
         return f"system:serviceaccount:{self.namespace}:{sa}"
@@ -186,6 +194,53 @@ def state_errors(pod: Any, old: Any, username: Any, cfg: WebhookConfig) -> list[
     ]
 
 
+def _claim(user_info: dict[str, Any], key: str) -> str:
+    extra = user_info.get("extra")
+    values = extra.get(key) if isinstance(extra, dict) else None
+    return values[0] if isinstance(values, list) and values and isinstance(values[0], str) else ""
+
+
+def plugin_node_errors(req: dict[str, Any], cfg: WebhookConfig) -> list[str]:
+    """The device plugin touches only its own Node and the pods on it. Its RBAC cannot say so; where
+    its token names its node (Kubernetes >= 1.30) the admission policy checks it in CEL, and here
+    the node is that of the pod the token is bound to (1.28-1.29: the token names the pod)."""
+    info = req.get("userInfo") if isinstance(req.get("userInfo"), dict) else {}
+    if info.get("username") != cfg.user(DEVICE_PLUGIN_SA) or req.get("operation") != "UPDATE":
+        return []
+    obj = req.get("object") if isinstance(req.get("object"), dict) else {}
+    kind = (req.get("kind") or {}).get("kind") if isinstance(req.get("kind"), dict) else None
+    if kind == "Pod":
+        target = str((obj.get("spec") or {}).get("nodeName") or "")
+        what = f"pod {req.get('namespace')}/{req.get('name')} on node {target or '(none)'}"
+    elif kind == "Node":
+        target = str((obj.get("metadata") or {}).get("name") or "")
+        what = f"node {target}"
+    else:
+        return []
+    node = _claim(info, CLAIM_NODE)
+    if not node:
+        pod = _claim(info, CLAIM_POD)
+        if not pod:
+            return [
+                "gpupack device plugin: its token names neither its pod nor its node; use the pod's own token"
+            ]
+        if cfg.pod_lookup is None:
+            return []
+        try:
+            node = str(((cfg.pod_lookup(cfg.namespace, pod) or {}).get("spec") or {}).get("nodeName") or "")
+        except Exception as e:  # unknown: refuse (the plugin retries), never guess
+            return [
+                f"gpupack device plugin: cannot read its pod {cfg.namespace}/{pod} to learn its node: {e}"
+            ]
+        if not node:
+            return [f"gpupack device plugin: its pod {cfg.namespace}/{pod} is on no node"]
+    if target != node:
+        return [
+            f"gpupack device plugin on node {node}: may touch only its own node and the pods on it, not {what}"
+        ]
+    return []
+
+
 def placement_errors(pod: dict[str, Any], scheduler_name: str) -> list[str]:
     """A GPU pod must be placed by gpupack's scheduler: only it writes the assignment the device
     plugin serves, so a preset node or another scheduler would get no GPU (or, before the device
@@ -274,6 +329,10 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
     obj = req.get("object")
     kind_ = (req.get("kind") or {}).get("kind") if isinstance(req.get("kind"), dict) else None
     op = req.get("operation")
+    if kind == "validate" and isinstance(obj, dict):
+        errors = plugin_node_errors(req, cfg)
+        if errors:
+            return _deny(out, errors)
     if op not in ("CREATE", "UPDATE", None) or kind_ not in ("Pod", None) or not isinstance(obj, dict):
         return out
     if kind == "mutate":
@@ -296,8 +355,8 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
 
 
 def _deny(out: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+    forbidden = "gpupack only" in errors[0] or errors[0].startswith("gpupack device plugin")
     out["response"]["allowed"] = False
-    out["response"]["status"] = {"code": 422 if "gpupack only" not in errors[0] else 403,
-                                 "reason": "Invalid" if "gpupack only" not in errors[0] else "Forbidden",
+    out["response"]["status"] = {"code": 403 if forbidden else 422, "reason": "Forbidden" if forbidden else "Invalid",
                                  "message": "gpupack: " + "; ".join(errors)}  # fmt: skip
     return out

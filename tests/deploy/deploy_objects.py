@@ -87,3 +87,25 @@ def drop_policies(cluster: Any, timeout: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise AssertionError(f"the admission policies are still enforced: {e}") from e
             time.sleep(0.2)
+
+
+class pod_namespace:
+    """`with pod_namespace(ns):` start the extender as the Deployment does, with POD_NAMESPACE (its
+    webhook trusts that namespace's ServiceAccounts); child processes inherit the environment."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+
+    def __enter__(self) -> None:
+        import os
+
+        self.saved = os.environ.get("POD_NAMESPACE")
+        os.environ["POD_NAMESPACE"] = self.namespace
+
+    def __exit__(self, *exc: Any) -> None:
+        import os
+
+        if self.saved is None:
+            os.environ.pop("POD_NAMESPACE", None)
+        else:
+            os.environ["POD_NAMESPACE"] = self.saved

@@ -114,7 +114,10 @@ def test_webhooks_get_their_ca_without_an_operator(base):
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         wc = find(base, kind, "gpupack")
         assert f"--{kind.removesuffix('WebhookConfiguration').lower()}-webhook-configuration=gpupack" in init["args"]
-        assert all(h["matchConditions"] and h["failurePolicy"] == "Fail" for h in wc["webhooks"])
+        # fail closed, except the device plugin's node check: the plugin's writes never wait on
+        # gpupack's scheduler pod (the admission policy still bounds what they may change)
+        assert all(h["matchConditions"] and h["failurePolicy"] == ("Ignore" if h["name"] == "plugin-node.gpupack.io" else "Fail")
+                   for h in wc["webhooks"])  # fmt: skip
 
 
 def test_examples_cover_inference_hpa_batch_and_pdb(examples):

@@ -117,11 +117,21 @@ class Flow:
         for p in self.proxies.values():
             p.stop()
 
-    def kubeconfig(self, component: str, sa: str) -> Path:
-        tok = self.cluster.service_account_token(self.ns, sa)
+    def kubeconfig(self, component: str, sa: str, node: str = "") -> Path:
+        """With `node`: the token of a pod of that ServiceAccount running on that node, as a
+        DaemonSet pod's projected token is (bound to the pod: it names the pod)."""
+        tok = self.cluster.service_account_token(self.ns, sa) if not node else self.pod_token(sa, node)
         path = self.tmp / f"{component}.kubeconfig"
         path.write_text(json.dumps(kubeconfig_dict(self.proxies[component].url, tok, self.ca)))
         return path
+
+    def pod_token(self, sa: str, node: str) -> str:
+        core = self.cluster.core
+        pod = core.create_namespaced_pod(self.ns, {"metadata": {"name": f"{sa}-pod"}, "spec": {
+            "nodeName": node, "serviceAccountName": sa, "containers": [{"name": "c", "image": "registry.invalid/x:1"}]}})  # fmt: skip
+        return core.create_namespaced_service_account_token(sa, self.ns, {"spec": {"expirationSeconds": 3600,
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name,
+                               "uid": pod.metadata.uid}}}).status.token  # fmt: skip
 
 
 class _DevicePlugin:
@@ -207,7 +217,7 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     assert (tls / "tls.crt").read_bytes() == renewed.cert
 
     # 2. the device plugin publishes its node's inventory
-    dp = _DevicePlugin(flow.kubeconfig("device-plugin", DP_SA), flow.node, tmp / "device-plugin.log")
+    dp = _DevicePlugin(flow.kubeconfig("device-plugin", DP_SA, node=flow.node), flow.node, tmp / "device-plugin.log")
     flow.procs.append(dp)
     until(lambda: ANN_INVENTORY in (cluster.core.read_node(flow.node).metadata.annotations or {}), 60,
           f"the device plugin's inventory on the node; log: {dp.log}")  # fmt: skip
@@ -221,9 +231,10 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
         {"POD_NAMESPACE": ns, "POD_NAME": socket.gethostname()},
         drop=("--port", "--metrics-port", "--webhook-port", "--tls-cert", "--tls-key"),
     )
-    ext = ExtenderProcess(flow.kubeconfig("extender", SCHED_SA), tmp / "extender.log", "--metrics-port",
-                          str(free_port()), "--webhook-port", str(webhook_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
-                          *shipped_args)  # fmt: skip
+    with deploy_objects.pod_namespace(ns):
+        ext = ExtenderProcess(flow.kubeconfig("extender", SCHED_SA), tmp / "extender.log", "--metrics-port",
+                              str(free_port()), "--webhook-port", str(webhook_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
+                              *shipped_args)  # fmt: skip
     flow.procs.append(ext)
     ext.wait_ready(60)
     until(lambda: _https_ok(f"https://localhost:{webhook_port}/readyz", tls / "ca.crt"), 60, "the webhook")

@@ -90,9 +90,11 @@ def webhook(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iter
     kube = certs.Kube(k8s.new_api_client())
     certs.ensure(kube, system, "gpupack-webhook-tls", "localhost", ["gpupack"], ["gpupack"], tmp / "tls",
                  3650, 365, dt.timedelta(days=30))  # fmt: skip
-    ext = ExtenderProcess(k8s.kubeconfig, tmp / "extender.log", "--webhook-port", str(port),
-                          "--tls-cert", str(tmp / "tls" / "tls.crt"), "--tls-key", str(tmp / "tls" / "tls.key"),
-                          "--set-scheduler-name")  # fmt: skip
+    # the webhook trusts the ServiceAccounts of its own namespace (the Deployment's POD_NAMESPACE)
+    with deploy_objects.pod_namespace(system):
+        ext = ExtenderProcess(k8s.kubeconfig, tmp / "extender.log", "--webhook-port", str(port),
+                              "--tls-cert", str(tmp / "tls" / "tls.crt"), "--tls-key", str(tmp / "tls" / "tls.key"),
+                              "--set-scheduler-name")  # fmt: skip
     url = f"https://localhost:{port}"
     try:
         ext.wait_ready(60)
@@ -294,3 +296,45 @@ def test_the_webhook_port_speaks_only_tls_and_refuses_garbage(webhook):
     with pytest.raises(requests.RequestException):
         requests.get(webhook.url.replace("https://", "http://") + "/healthz", timeout=2).raise_for_status()
     assert requests.get(webhook.ext.url + "/healthz", timeout=5).status_code == 200
+
+
+def test_the_device_plugin_touches_only_its_own_node_with_its_pods_token(webhook):
+    """Kubernetes 1.28 puts the pod's name, not its node, in a pod-bound token: the plugin-node
+    webhook finds the node of the plugin pod the token is bound to. A real token bound to a pod on
+    node A may patch a pod on A and node A, not a pod on B nor node B."""
+    cp, sys_ns, sfx = webhook.cp, webhook.system, webhook.sfx
+    node_a, node_b = f"wh-{sfx}", f"whb-{sfx}"
+    cp.make_node(node_b, extended={"gpupack.io/gpu": "16"})
+    deploy_objects.apply(cp, deploy_objects.remap(deploy_objects.load("deviceplugin/serviceaccount.yaml")
+                                                  + deploy_objects.load("deviceplugin/rbac.yaml"), sys_ns))  # fmt: skip
+    plugin = cp.core.create_namespaced_pod(sys_ns, {"metadata": {"name": "dp-a"}, "spec": {
+        "nodeName": node_a, "serviceAccountName": "gpupack-device-plugin", "containers": [c("p")]}})  # fmt: skip
+    tok = cp.core.create_namespaced_service_account_token("gpupack-device-plugin", sys_ns, {"spec": {
+        "expirationSeconds": 3600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "dp-a",
+                                                      "uid": plugin.metadata.uid}}}).status.token  # fmt: skip
+    dp = client.CoreV1Api(cp.new_api_client(tok))
+    ns = webhook.namespace("wh-plugin")
+    for name, node in (("on-a", node_a), ("on-b", node_b)):
+        cp.core.create_namespaced_pod(
+            ns, {"metadata": {"name": name}, "spec": {"nodeName": node, "containers": [c("a")]}}
+        )
+    before = webhook.admissions()
+    dp.patch_namespaced_pod("on-a", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "done"}}})
+    dp.patch_node(node_a, {"metadata": {"labels": {"gpupack.io/gpu-model": "NVIDIA-L4"}}})
+    with pytest.raises(client.ApiException) as e:
+        dp.patch_namespaced_pod("on-b", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "done"}}})
+    assert e.value.status == 403, e.value.body
+    assert (
+        f"gpupack device plugin on node {node_a}: may touch only its own node and the pods on it"
+        in e.value.body
+    )
+    with pytest.raises(client.ApiException) as e:
+        dp.patch_node(node_b, {"metadata": {"labels": {"gpupack.io/gpu-model": "NVIDIA-L4"}}})
+    assert f"not node {node_b}" in e.value.body
+    assert webhook.admissions() == before + 4
+    assert "gpupack.io/handoff" not in (cp.core.read_namespaced_pod("on-b", ns).metadata.annotations or {})
+    # a token bound to no pod names no node: refused, not guessed
+    loose = client.CoreV1Api(cp.new_api_client(cp.service_account_token(sys_ns, "gpupack-device-plugin")))
+    with pytest.raises(client.ApiException) as e:
+        loose.patch_node(node_a, {"metadata": {"labels": {"gpupack.io/gpu-model": "x"}}})
+    assert "names neither its pod nor its node" in e.value.body

@@ -53,8 +53,8 @@ def ensure(kubeconfig: Path, ns: str, out: Path, service: str = "gpupack-webhook
     )
 
 
-# mutate.pods, validate.pods and state.pods (deploy/webhook/webhooks.yaml)
-HOOKS = 3
+# mutate.pods, validate.pods, state.pods and plugin-node (deploy/webhook/webhooks.yaml)
+HOOKS = 4
 
 
 def secret_bundle(cluster, ns: str) -> certs.Bundle:

@@ -31,9 +31,9 @@ def programs():
     env = celpy.Environment()
     out = []
     for cfg in WEBHOOKS:
-        # the state webhook selects on who changes which keys, not on resources (tested against
+        # the state and plugin-node webhooks select on who changes what, not on resources (tested against
         # the real API server in test_webhook_apiserver.py)
-        for hook in (h for h in cfg["webhooks"] if h["name"] != "state.pods.gpupack.io"):
+        for hook in (h for h in cfg["webhooks"] if h["name"] not in ("state.pods.gpupack.io", "plugin-node.gpupack.io")):
             for cond in hook["matchConditions"]:
                 out.append((f"{cfg['kind']} {hook['name']} {cond['name']}", env.program(env.compile(cond["expression"]))))
     return out
