@@ -187,11 +187,12 @@ class Scheduler:
     """A kube-scheduler with its /metrics reachable (anonymous, on an allowed path)."""
 
     def __init__(
-        self, cp: realk8s.ControlPlane, cfg: dict[str, Any], name: str, qps: int, burst: int
-    ) -> None:
+        self, cp: realk8s.ControlPlane, cfg: dict[str, Any], name: str, qps: int, burst: int,
+        leader_election: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         cfg.setdefault("clientConnection", {}).update(qps=qps, burst=burst)
         self.port = free_port()
-        self.proc = cp.start_scheduler(cfg, name=name, extra_args=[
+        self.proc = cp.start_scheduler(cfg, name=name, leader_election=leader_election, extra_args=[
             "--secure-port", str(self.port), "--bind-address", "127.0.0.1",
             "--authentication-kubeconfig", str(cp.kubeconfig), "--authorization-kubeconfig", str(cp.kubeconfig),
             "--authorization-always-allow-paths", "/healthz,/readyz,/livez,/metrics",
@@ -259,7 +260,13 @@ def run_phase(
                histogram(s0, "scheduler_scheduling_attempt_duration_seconds", 'result="scheduled"'))  # fmt: skip
     bind = diff(histogram(s1, "scheduler_framework_extension_point_duration_seconds", 'extension_point="Bind"'),
                 histogram(s0, "scheduler_framework_extension_point_duration_seconds", 'extension_point="Bind"'))  # fmt: skip
+
+    def mean(name: str) -> float:
+        c = counter(s1, name + "_count") - counter(s0, name + "_count")
+        return (counter(s1, name + "_sum") - counter(s0, name + "_sum")) / c if c else float("nan")
+
     out["scheduler"] = {
+        "algorithm_mean_ms": ms(mean("scheduler_scheduling_algorithm_duration_seconds")),
         "algorithm_p50_ms": ms(hquantile(alg, 0.5)), "algorithm_p99_ms": ms(hquantile(alg, 0.99)),
         "attempt_p50_ms": ms(hquantile(att, 0.5)), "attempt_p99_ms": ms(hquantile(att, 0.99)),
         "bind_p50_ms": ms(hquantile(bind, 0.5)), "bind_p99_ms": ms(hquantile(bind, 0.99)),
@@ -299,6 +306,19 @@ def run_phase(
             "fit_failed_at_bind_pct": round(100 * fit_fail / attempts, 2) if attempts else 0.0,
         }
         out["correctness"] = check_gpus(obs.pods)
+        # how pods were spread: a node that got another pod within 0.5 s of the previous one
+        by_node: dict[str, list[float]] = {}
+        for n in names:
+            if n in obs.bound:
+                by_node.setdefault(obs.pods[n]["spec"]["nodeName"], []).append(obs.bound[n])
+        close = sum(
+            1
+            for ts in by_node.values()
+            for a, b in zip(sorted(ts), sorted(ts)[1:], strict=False)
+            if b - a < 0.5
+        )
+        out["spread"] = {"nodes_used": len(by_node), "max_pods_on_a_node": max(map(len, by_node.values()), default=0),
+                         "binds_within_0.5s_of_previous_on_node": close}  # fmt: skip
     return out
 
 
@@ -332,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a phase may take")
     ap.add_argument("--extender-arg", action="append", default=[], help="extra flag for `gpupack extender`")
+    ap.add_argument("--no-fence", action="store_true", help="run the extender without its Lease fence")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -349,13 +370,18 @@ def main(argv: list[str] | None = None) -> int:
             result["setup_nodes_s"] = round(time.monotonic() - t, 1)
             for ns in ("plain", "gpu"):
                 cp.ensure_namespace(ns)
+            # as deployed: the extender writes only while its kube-scheduler holds the Lease (on one
+            # machine the host name is both the scheduler's holder identity prefix and the extender's)
+            fence = ["--lease-namespace", "gpupack-system", "--lease-name", "gpupack-scheduler"]
+            cp.ensure_namespace("gpupack-system")
             ext = ExtenderProcess(cp.write_kubeconfig(tmp / "ext.kubeconfig"), tmp / "extender.log",
-                                  *args.extender_arg)  # fmt: skip
+                                  *([] if args.no_fence else fence), *args.extender_arg)  # fmt: skip
             ext.wait_ready(120)
             plain_cfg = {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
             scheds.append(Scheduler(cp, plain_cfg, "plain-scheduler", args.qps, args.burst))
-            scheds.append(Scheduler(cp, realk8s.gpupack_scheduler_config(ext.url), "gpupack-scheduler",
-                                    args.qps, args.burst))  # fmt: skip
+            gcfg = realk8s.gpupack_scheduler_config(ext.url)
+            le = dict(gcfg.get("leaderElection") or {}, leaderElect=True, resourceLock="leases")
+            scheds.append(Scheduler(cp, gcfg, "gpupack-scheduler", args.qps, args.burst, leader_election=le))
             plugin = DevicePluginEmulator(cp)
             with realk8s.KubeletEmulator(cp, None, admit_delay=args.admit_ms / 1000, on_admit=plugin):
                 result["plain"] = run_phase(cp, "plain", [plain_pod(i, "plain") for i in range(args.pods)],

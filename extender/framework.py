@@ -58,6 +58,13 @@ CACHE_SHAPES = 32
 OBSERVE_WARMUP = 64  # up to this many pods seen, batches double: 1, 1, 2, 4, ... 64
 OBSERVE_BATCH_MAX = 4096  # after that: a flush per this many new pods ...
 OBSERVE_FLUSH_S = 60.0  # ... or per minute, whichever comes first
+POD_MEMORY = 4096  # filtered pods kept for their bind
+# Prioritize expects the pod on its top-scored nodes when at most this many share the top score
+# (more: kube-scheduler's random pick among them rarely repeats), until its bind arrives or for
+# at most EXPECT_S.
+EXPECT_MAX_NODES = 4
+EXPECT_S = 2.0
+LEASE_REUSE_S = 1.0  # see LeaseFence.problem
 # Written on pods kube-scheduler may have parked while the extender was away: an update of the
 # pod itself moves it from the scheduler's unschedulable pods back to its active queue.
 ANN_REQUEUED = "gpupack.io/requeued-at"
@@ -243,11 +250,53 @@ class LeaseFence:
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
         self.margin_s = margin_s
         self.clock = clock
+        self._cv = threading.Condition()
+        self._reading = False
+        self._last: tuple[float, dict[str, Any] | ApiException] | None = None  # (read started, result)
+        self._held_until = 0.0  # time.monotonic() until which the last good read may be reused
 
-    def problem(self) -> str:
-        """Why this extender may not write now ("" when it may)."""
+    def _read(self) -> tuple[float, dict[str, Any]]:
+        """The Lease, from a read that started after this call: concurrent binds share one read
+        in flight rather than each making its own, and none uses a read older than its own
+        question (a bind checks exactly as fresh a Lease as if it had read it itself)."""
+        asked = time.monotonic()
+        with self._cv:
+            while True:
+                if self._last is not None and self._last[0] >= asked:
+                    got = self._last[1]
+                    if isinstance(got, ApiException):
+                        raise got
+                    return self._last[0], got
+                if not self._reading:
+                    self._reading = True
+                    break
+                self._cv.wait()
+        started = time.monotonic()
+        result: dict[str, Any] | ApiException = ApiException(status=500, reason="Lease read did not finish")
         try:
-            lease = self.kube.read_lease(self.namespace, self.name) or {}
+            result = self.kube.read_lease(self.namespace, self.name) or {}
+        except ApiException as e:
+            result = e
+        finally:
+            with self._cv:
+                self._last = (started, result)
+                self._reading = False
+                self._cv.notify_all()
+        if isinstance(result, ApiException):
+            raise result
+        return started, result
+
+    def problem(self, fresh: bool = True) -> str:
+        """Why this extender may not write now ("" when it may). With `fresh` false, a read that
+        found the Lease ours at most LEASE_REUSE_S ago, and valid for `margin_s` from now on,
+        answers without another: for the checks before a bind's first write, whose last check
+        before the Binding is fresh. A refusal is never reused."""
+        if not fresh:
+            with self._cv:
+                if time.monotonic() < self._held_until:
+                    return ""
+        try:
+            started, lease = self._read()
         except ApiException as e:
             return f"cannot read Lease {self.namespace}/{self.name}: {api_reason(e)}"
         spec = lease.get("spec") or {}
@@ -264,10 +313,12 @@ class LeaseFence:
         left = renewed + duration - self.clock()
         if left < self.margin_s:
             return f"Lease {self.namespace}/{self.name} expires in {left:.1f} s; not writing under it"
+        with self._cv:
+            self._held_until = min(started + LEASE_REUSE_S, time.monotonic() + left - self.margin_s)
         return ""
 
-    def check(self) -> None:
-        why = self.problem()
+    def check(self, fresh: bool = True) -> None:
+        why = self.problem(fresh)
         if why:
             raise BindError(why, "not-leader")
 
@@ -337,6 +388,11 @@ class Extender:
         self.filters: FitCache = FitCache()
         self.priorities: FitCache = FitCache()
         self._sigs: dict[str, tuple[int, tuple]] = {}
+        # uid -> the Pod kube-scheduler sent with its last filter: the bind that follows uses it
+        # instead of reading the pod again (the PATCH's resourceVersion precondition still catches
+        # any change since), one API round trip less per pod.
+        self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._pods_lock = threading.Lock()
 
     # --- request parsing ---------------------------------------------------------------------
     def pod_request(self, pod: dict[str, Any]) -> PodRequest:
@@ -483,6 +539,7 @@ class Extender:
             log.warning("filter: %s", e)
             return filter_result(args, [], {}, {}, error=f"gpupack: {e}")
         self._clean_own_stale(args.pod)
+        self._remember(args.pod)
         now = self.clock()
         names = args.node_names
         with self.view.lock:
@@ -528,7 +585,7 @@ class Extender:
                     failed[n] = f"pod is steered to node {target} by defrag reservation {r.id}"
                     codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
             passed = steered
-        locked = self.view.locked_nodes(pod.uid)
+        locked = self.view.locked_nodes(pod.uid, time.monotonic())
         if locked and any(n in locked for n in passed):
             free = [n for n in passed if n not in locked]
             if free:
@@ -602,10 +659,27 @@ class Extender:
             if st.out is None:
                 st.out = _normalise(names, raw, steered)
             out = st.out
-        locked = self.view.locked_nodes(pod.uid)
+        locked = self.view.locked_nodes(pod.uid, time.monotonic())
         if locked:
             out = [0 if n in locked else v for n, v in zip(names, out, strict=True)]
+        self._expect(pod, names, out)
         return names, out
+
+    def _expect(self, pod: PodRequest, names: list[str], scores: list[int]) -> None:
+        """Note where kube-scheduler will most likely bind `pod` (see ClusterView.expected): the
+        extender's weight makes its top score decide among nodes that pass."""
+        if not pod.uid:
+            return
+        top = max(scores, default=0)
+        best: list[str] = []
+        if top > 0:
+            for n, v in zip(names, scores, strict=True):
+                if v == top:
+                    best.append(n)
+                    if len(best) > EXPECT_MAX_NODES:
+                        best = []
+                        break
+        self.view.expect(pod.uid, pod.key, tuple(best), time.monotonic() + EXPECT_S)
 
     def _signature(self, name: str, node: Node, version: int) -> tuple:
         hit = self._sigs.get(name)
@@ -641,6 +715,33 @@ class Extender:
             )
             self.metrics.problems.labels("stale-handoff").inc()
         raise BindError(handoff.blocking_message(node, blocker), "handoff-wait")
+
+    def _remember(self, pod: dict[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        uid = meta.get("uid")
+        # a pod with an assignment may just have been cleaned (its resourceVersion changed): read it
+        if not uid or not meta.get("resourceVersion") or ANN_ASSIGNMENT in (meta.get("annotations") or {}):
+            return
+        with self._pods_lock:
+            self._pods[uid] = pod
+            self._pods.move_to_end(uid)
+            while len(self._pods) > POD_MEMORY:
+                self._pods.popitem(last=False)
+
+    def _pod_for_bind(self, args: BindArgs) -> dict[str, Any]:
+        """The pod as its last filter saw it when that is the pod being bound, else a fresh read."""
+        with self._pods_lock:
+            pod = self._pods.pop(args.pod_uid, None) if args.pod_uid else None
+        meta = (pod or {}).get("metadata") or {}
+        if (
+            pod is None
+            or meta.get("name") != args.pod_name
+            or (meta.get("namespace") or "default") != args.pod_namespace
+            or meta.get("deletionTimestamp")
+            or (pod.get("spec") or {}).get("nodeName")
+        ):
+            return self._get_pod(args)
+        return pod
 
     def _get_pod(self, args: BindArgs) -> dict[str, Any]:
         assert self.kube is not None
@@ -685,11 +786,11 @@ class Extender:
     def _bind_claimed(self, args: BindArgs, key: str) -> None:
         assert self.kube is not None
         if self.fence is not None:
-            self.fence.check()  # a standby's extender answers no bind at all
+            self.fence.check(fresh=False)  # a standby's extender answers no bind at all
         deadline = time.monotonic() + self.bind_wait_s
-        # Read the pod before queueing: a missing pod is answered at once, not after the wait.
+        # The pod before queueing: a missing pod is answered at once, not after the wait.
         # If it changes while we wait, the PATCH's resourceVersion precondition catches it.
-        pod = self._get_pod(args)
+        pod = self._pod_for_bind(args)
         lock = self._node_lock(args.node)
         t0 = time.monotonic()
         if not lock.acquire(timeout=max(0.0, deadline - t0)):
@@ -711,9 +812,10 @@ class Extender:
             with self.view.lock:
                 self.view.inflight.add(key)
             if self.fence is not None:
-                self.fence.check()  # leadership may have moved while this bind waited
-            a, rv = self._reserve_and_record(args, pod, req)
-            self._post_binding(args, req, a, rv)
+                self.fence.check(fresh=False)  # leadership may have moved while this bind waited
+            recorded = self._reserve_and_record(args, pod, req)
+            if recorded is not None:
+                self._post_binding(args, req, *recorded)
         finally:
             with self.view.lock:
                 self.view.inflight.discard(key)
@@ -726,9 +828,12 @@ class Extender:
             return
         raise BindError(f"pod {args.key} is already bound to node {bound}", "already-bound")
 
-    def _reserve_and_record(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> tuple[Assignment, str]:
+    def _reserve_and_record(
+        self, args: BindArgs, pod: dict[str, Any], req: PodRequest
+    ) -> tuple[Assignment, str] | None:
         """Assume the assignment and PATCH it on the pod; the assignment and the pod's new
-        resourceVersion."""
+        resourceVersion, or None when the pod turns out bound already by an earlier attempt of
+        this same bind (see _already_bound)."""
         assert self.kube is not None
         key = req.key
         uid = req.uid
@@ -759,8 +864,10 @@ class Extender:
                 if e.status != 409:
                     raise BindError(f"could not record the GPU assignment on pod {key}: {api_reason(e)}", "patch") from e
             pod = self._get_pod(args)  # 409: somebody changed the pod; read it again and retry
-            if (pod.get("spec") or {}).get("nodeName"):
-                raise BindError(f"pod {key} was bound by someone else meanwhile", "already-bound")
+            bound = (pod.get("spec") or {}).get("nodeName")
+            if bound:
+                self._already_bound(args, pod, bound)
+                return None
         raise BindError(f"pod {key} kept changing while recording its GPU assignment (409 x5)", "conflict")
 
     def _post_binding(self, args: BindArgs, req: PodRequest, a: Assignment, rv: str) -> None:

@@ -217,6 +217,11 @@ class ClusterView:
         # it reads the pod, queues for the node or writes anything): filter steers the next pods
         # away from these nodes at once, not only once the assignment is written.
         self.claims: dict[str, dict[str, str]] = {}
+        # pod uid -> (until when, key, nodes): where kube-scheduler will most likely bind a pod this
+        # process has just prioritized (its top-scored nodes, when only a few share the top). The
+        # scheduler starts the bind and its next pod's filter at the same moment, so that filter
+        # can overtake the bind; it steers away from these nodes as from a bind in progress.
+        self.expected: dict[str, tuple[float, str, tuple[str, ...]]] = {}
         # Charged pods the label-filtered watch or list stopped showing although nothing says they are
         # gone (their gpupack.io/managed label was removed): pod key -> uid. They keep their share
         # until a GET finds them gone, replaced or terminal (Sync confirms them).
@@ -605,6 +610,15 @@ class ClusterView:
         """A bind of pod `key` to `node` has arrived (see `claims`)."""
         with self.lock:
             self.claims.setdefault(node, {})[key] = uid
+            self.expected.pop(uid, None)
+
+    def expect(self, uid: str, key: str, nodes: tuple[str, ...], until: float) -> None:
+        """Pod `uid` will most likely be bound to one of `nodes` before `until` (see `expected`)."""
+        with self.lock:
+            if nodes:
+                self.expected[uid] = (until, key, nodes)
+            else:
+                self.expected.pop(uid, None)
 
     def unclaim(self, node: str, key: str) -> None:
         with self.lock:
@@ -614,11 +628,18 @@ class ClusterView:
                 if not c:
                     del self.claims[node]
 
-    def locked_nodes(self, exclude_uid: str) -> dict[str, str]:
+    def locked_nodes(self, exclude_uid: str, now: float | None = None) -> dict[str, str]:
         """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff),
-        or of a bind that has arrived for it and is still in progress (see `claims`)."""
+        of a bind that has arrived for it and is still in progress (see `claims`), or of a pod
+        expected to be bound there any moment (see `expected`, with `now` on time.monotonic())."""
         out: dict[str, str] = {}
         with self.lock:
+            if self.expected and now is not None:
+                for uid, (until, key, nodes) in list(self.expected.items()):
+                    if until <= now:
+                        del self.expected[uid]
+                    elif uid != exclude_uid:
+                        out.update(dict.fromkeys(nodes, key))
             for node, binds in self.claims.items():
                 for k, uid in binds.items():
                     if uid != exclude_uid or not uid:
