@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=handoff.ENFORCE_BOTH,
         help="which env a shared container gets: HAMi-core, MPS, or both (default)",
     )
+    p.add_argument(
+        "--device-list-strategy",
+        choices=("envvar", "volume-mounts", "both"),
+        default="envvar",
+        help="how the container runtime is told a container's GPUs: NVIDIA_VISIBLE_DEVICES (default), "
+        "mounts under /var/run/nvidia-container-devices (with the NVIDIA toolkit's "
+        "accept-nvidia-visible-devices-as-volume-mounts; tenants cannot forge them), or both",
+    )
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between GPU health probes")
     p.add_argument("--discover", action="store_true", help="print the GPU inventory and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
@@ -130,6 +138,7 @@ def main(argv: list[str]) -> int:
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
         probe_interval_s=args.probe_interval,
+        device_list_strategy=args.device_list_strategy,
     )
     for s in found.skipped:
         logging.getLogger("gpupack.deviceplugin").warning("skipped %s", s)

@@ -35,6 +35,7 @@ class PluginConfig:
     metrics_addr: str = "0.0.0.0"
     probe_interval_s: float = 5.0
     socket_name: str = SOCKET_NAME
+    device_list_strategy: str = "envvar"  # see server.DEVICE_LIST_STRATEGIES
 
 
 class DevicePlugin:
@@ -47,7 +48,8 @@ class DevicePlugin:
         self.allocator = Allocator(self.kube, cfg.node, self.state, self.metrics, cfg.enforcement)
         self.stopping = threading.Event()
         self.socket_path = os.path.join(cfg.kubelet_dir, cfg.socket_name)
-        self.server = PluginServer(self.socket_path, DevicePluginService(self.state, self.allocator, self.stopping))
+        self.server = PluginServer(self.socket_path, DevicePluginService(self.state, self.allocator, self.stopping,
+                                                                            cfg.device_list_strategy))  # fmt: skip
         self.health = HealthWatcher(nvml, self.state, probe_interval_s=cfg.probe_interval_s)
         self.publisher = Publisher(self.kube, cfg.node, self.state, cfg.enforcement)
         self.watcher = KubeletWatcher(

@@ -38,11 +38,37 @@ def list_response(state: DeviceState, slots_per_gpu: int = contract.SLOTS_PER_GP
     return api_pb2.ListAndWatchResponse(devices=devices)
 
 
+# How the container runtime learns a container's GPUs (NVIDIA container toolkit). "envvar":
+# NVIDIA_VISIBLE_DEVICES. "volume-mounts": one mount per GPU under DEVICE_LIST_DIR, which only a
+# device plugin (or an admin) can add: with the toolkit's
+# accept-nvidia-visible-devices-envvar-when-unprivileged = false, a tenant's own
+# NVIDIA_VISIBLE_DEVICES is then ignored. "both": either way (for mixed node configurations).
+DEVICE_LIST_STRATEGIES = ("envvar", "volume-mounts", "both")
+DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
+
+
+def device_list_response(env: dict[str, str], strategy: str) -> api_pb2.ContainerAllocateResponse:
+    uuids = [u for u in env.get("NVIDIA_VISIBLE_DEVICES", "").split(",") if u]
+    if strategy == "envvar":
+        return api_pb2.ContainerAllocateResponse(envs=env)
+    mounts = [api_pb2.Mount(container_path=f"{DEVICE_LIST_DIR}/{u}", host_path="/dev/null", read_only=True)
+              for u in uuids]  # fmt: skip
+    if strategy == "volume-mounts":
+        # what the toolkit expects then (and the UUIDs never appear in a variable a tenant could copy)
+        env = {**env, "NVIDIA_VISIBLE_DEVICES": DEVICE_LIST_DIR}
+    return api_pb2.ContainerAllocateResponse(envs=env, mounts=mounts)
+
+
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
-    def __init__(self, state: DeviceState, allocator: Allocator, stopping: threading.Event) -> None:
+    def __init__(
+        self, state: DeviceState, allocator: Allocator, stopping: threading.Event, device_list: str = "envvar"
+    ) -> None:
+        if device_list not in DEVICE_LIST_STRATEGIES:
+            raise ValueError(f"device list strategy {device_list!r}: expected one of {DEVICE_LIST_STRATEGIES}")
         self.state = state
         self.allocator = allocator
         self.stopping = stopping
+        self.device_list = device_list
 
     def GetDevicePluginOptions(self, request, context):  # noqa: N802 (gRPC method names)
         return PLUGIN_OPTIONS
@@ -74,7 +100,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 env = self.allocator.allocate(list(req.devices_ids))
             except HandoffError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gpupack: {e}")
-            responses.append(api_pb2.ContainerAllocateResponse(envs=env))
+            responses.append(device_list_response(env, self.device_list))
         return api_pb2.AllocateResponse(container_responses=responses)
 
     def PreStartContainer(self, request, context):  # noqa: N802
