@@ -64,7 +64,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self, state: DeviceState, allocator: Allocator, stopping: threading.Event, device_list: str = "envvar"
     ) -> None:
         if device_list not in DEVICE_LIST_STRATEGIES:
-            raise ValueError(f"device list strategy {device_list!r}: expected one of {DEVICE_LIST_STRATEGIES}")
+            raise ValueError(
+                f"device list strategy {device_list!r}: expected one of {DEVICE_LIST_STRATEGIES}"
+            )
         self.state = state
         self.allocator = allocator
         self.stopping = stopping
