@@ -101,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{p}_published"] = round(pub[(t, PUBLISHED_NAMES[p])], 3)
                 row[f"{p}_diff"] = round(row[p] - row[f"{p}_published"], 3)
         if "gpupack" in policies:
-            ref = row.get("fgd_published", row.get("fgd"))
+            pub_fgd = pub.get((t, PUBLISHED_NAMES["fgd"]))
+            ref = pub_fgd if pub_fgd is not None else row.get("fgd")
             if ref:
                 row["gpupack_vs_fgd_pct"] = round(100 * (row["gpupack"] - ref) / ref, 1)
-                row["gpupack_vs"] = "published FGD" if "fgd_published" in row else "our FGD"
+                row["gpupack_vs"] = "published FGD" if pub_fgd is not None else "our FGD"
         rows.append(row)
     out = {"seeds": seeds, "wall_seconds": round(time.perf_counter() - t0, 1), "rows": rows}
     if args.json:
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 pv = r.get(f"{p}_published")
                 line += f" {pv:9.2f} {r[f'{p}_diff']:+6.2f}" if pv is not None else f" {'—':>9s} {'':>6s}"
         if "gpupack_vs_fgd_pct" in r:
-            line += f" {r['gpupack_vs_fgd_pct']:+7.1f}% ({'pub' if r['published'] else 'ours'})"
+            line += f" {r['gpupack_vs_fgd_pct']:+7.1f}% ({'pub' if r['gpupack_vs'] == 'published FGD' else 'ours'})"
         print(line)
     return 0
 
