@@ -5,15 +5,20 @@
 # Base image pinned by exact tag. Pin it by digest too where your registry policy asks for it:
 #   docker buildx imagetools inspect python:3.11.11-slim-bookworm   (then PYTHON_IMAGE=...@sha256:...)
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+# The version is the git tag; the build context has no .git, so pass it in:
+#   docker build --build-arg GPUPACK_VERSION="$(git describe --tags | sed 's/^v//')" .
+# Left empty, the image is the release pyproject.toml names (tool.setuptools_scm.fallback_version).
+ARG GPUPACK_VERSION=""
 
 # --- build: install gpupack and its dependencies into a virtualenv --------------------------------
 FROM ${PYTHON_IMAGE} AS build
+ARG GPUPACK_VERSION
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/gpupack
 WORKDIR /src
 # Dependencies first, so that a code change does not re-download them.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 RUN mkdir -p gpupack deviceplugin extender \
  && touch gpupack/__init__.py deviceplugin/__init__.py extender/__init__.py \
  && /opt/gpupack/bin/pip install --prefer-binary . \
@@ -22,7 +27,8 @@ RUN mkdir -p gpupack deviceplugin extender \
 COPY gpupack ./gpupack
 COPY deviceplugin ./deviceplugin
 COPY extender ./extender
-RUN /opt/gpupack/bin/pip install --no-deps . \
+RUN if [ -n "$GPUPACK_VERSION" ]; then export SETUPTOOLS_SCM_PRETEND_VERSION_FOR_GPUPACK="$GPUPACK_VERSION"; fi \
+ && /opt/gpupack/bin/pip install --no-deps . \
  && /opt/gpupack/bin/gpupack --version \
  && /opt/gpupack/bin/python -m gpupack.certs --help >/dev/null
 # No packaging tools at run time, in the virtualenv or in the base interpreter.
@@ -32,7 +38,9 @@ RUN for p in wheel setuptools pip; do \
 
 # --- runtime: the virtualenv on a clean base, no compilers, no pip --------------------------------
 FROM ${PYTHON_IMAGE}
+ARG GPUPACK_VERSION
 LABEL org.opencontainers.image.title="gpupack" \
+      org.opencontainers.image.version="${GPUPACK_VERSION}" \
       org.opencontainers.image.description="GPU sharing for Kubernetes: scheduler extender, device plugin, defragmenter" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN for p in wheel setuptools pip; do \
