@@ -2,7 +2,7 @@
 
     python benchmarks/bound_openb.py [--trace default --trace ...] [--seeds 42-51] [--json]
 
-Under the replay rules (../shared/design/openb-replay.md) pods never leave and a pod that does not
+Under the replay rules (docs/simulate.md, "Replay rules") pods never leave and a pod that does not
 fit is dropped, so after any arrival allocated = arrived − dropped, and the unallocated share at an
 event is 100% − (arrived − dropped) / capacity. Bin 100 averages the events whose arrived request
 is 100–101% of capacity. For each seed's arrival order this script reports, at those events:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-# --- user-facing API (../shared/design/contract.md §1) ------------------------------------
+# --- user-facing API (docs/contract.md §1) --------------------------------------------------
 DOMAIN = "gpupack.io"
 RES_GPU = f"{DOMAIN}/gpu"  # count of GPUs per container
 RES_GPU_MEM = f"{DOMAIN}/gpu-mem"  # MiB on EACH of those GPUs

@@ -1,6 +1,6 @@
 """Turn a pod (Kubernetes JSON, camelCase keys) into a :class:`PodRequest`.
 
-Rules (../shared/design/contract.md §1):
+Rules (docs/contract.md §1):
 - Resources are read from `limits`; if `requests` also name a gpupack resource it must be equal.
 - `gpupack.io/gpu` defaults to 1 when `gpu-mem` or `gpu-sm` is set; with neither, the container
   holds its `gpu` GPUs whole.

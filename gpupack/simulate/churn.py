@@ -1,6 +1,6 @@
 """Replay with departures, with and without periodic defragmentation (`gpupack simulate --churn`).
 
-The openb replay (../shared/design/openb-replay.md) has no departures, so it never fragments the
+The openb replay (docs/simulate.md, "Replay rules") has no departures, so it never fragments the
 way a long-running cluster does. This one keeps the cluster in steady state:
 
 - Time advances one tick per arriving pod. Pods are drawn uniformly (seeded) from the trace and

@@ -6,7 +6,7 @@
 
     gpupack simulate --trace PODS.csv --nodes NODES.csv [--policy NAME ...] [--seeds 42-51]
                      [--jobs N] [--out DIR] [--json]
-        Replays an openb trace as ../shared/design/openb-replay.md describes, one run per policy
+        Replays an openb trace as docs/simulate.md ("Replay rules") describes, one run per policy
         and seed. Prints mean unallocated GPUs at 100% arrival per policy; DIR/replay.png charts
         unallocated GPUs against arrived load. --json prints one object (see docs/simulate.md).
 

@@ -1,4 +1,4 @@
-"""Replay the openb trace exactly as ../shared/design/openb-replay.md describes.
+"""Replay the openb trace exactly as docs/simulate.md ("Replay rules") describes.
 
 Two code paths take the same decisions:
 - :func:`replay` — the fast path: the cluster as numpy arrays, per node cached fragmentation
