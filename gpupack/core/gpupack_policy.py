@@ -162,7 +162,7 @@ class GpupackPolicy(Policy):
 
     def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
         super().__init__(seed)
-        self._memo: dict[tuple, int] = {}
+        self._memo: dict[tuple[object, ...], tuple[int, int]] = {}
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
 
