@@ -12,7 +12,10 @@ deploy/scheduler/config.yaml (only the extender's urlPrefix changed), the real e
 KubeletEmulator whose admit step does what the device plugin's Allocate does to the pod.
 
 Every name a test sees is suffixed with the fleet's tag, so tests sharing the control plane
-never meet.
+never meet. Scheduling's kube-scheduler sees every namespace, and an earlier test's controllers
+keep recreating pods (Pending, for gpupack-scheduler) until its namespace is gone, which
+`ControlPlane.reset` does not wait for: the fleet's nodes carry a NoSchedule taint that only the
+fleet's own pod templates tolerate, so such a pod is never placed on them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from gpupack.contract import (
 
 MIB = 81559
 LEASE = "gpupack-defrag"
+FLEET_TAINT = "test.gpupack.io/fleet"
 
 
 def gpu_container(mem: int, sm: int, name: str = "main") -> dict[str, Any]:
@@ -75,6 +79,7 @@ class Fleet:
         self.policy = client.PolicyV1Api(self.api)
         self.coord = client.CoordinationV1Api(self.api)
         self.lease_ns = self.namespace("gpupack-system")  # where the run's Lease lives
+        self.taint = {"key": FLEET_TAINT, "value": self.tag, "effect": "NoSchedule"}
 
     # --- names ---------------------------------------------------------------------------------
     def namespace(self, base: str) -> str:
@@ -94,6 +99,7 @@ class Fleet:
             labels={"gpupack.io/gpu-node": "true"},
             annotations={ANN_INVENTORY: inv.to_json()},
         )
+        self.core.patch_node(name, {"spec": {"taints": [self.taint]}})
         return name
 
     # --- workloads -----------------------------------------------------------------------------
@@ -104,6 +110,9 @@ class Fleet:
                 "schedulerName": SCHEDULER_NAME,
                 "restartPolicy": restart,
                 "terminationGracePeriodSeconds": 30,
+                "tolerations": [
+                    {"key": FLEET_TAINT, "operator": "Equal", "value": self.tag, "effect": "NoSchedule"}
+                ],
                 "containers": [gpu_container(mem, sm)],
             },
         }

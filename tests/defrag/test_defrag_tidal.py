@@ -6,6 +6,7 @@ leaves it marked the way the cluster autoscaler understands."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -223,11 +224,14 @@ def test_objective_nodes_empties_a_node_and_keeps_it_empty_while_the_run_lasts(
                    "--apply", "--json", "--move-timeout", "30", "--poll-interval", "0.1"])  # fmt: skip
         out, err = capsys.readouterr()
         assert rc == 0, (err, sched.logs())
-        result = json.loads(out)["result"]
+        applied = json.loads(out)
+        result = applied["result"]
         halt.set()
         watcher.join(5)
         assert [m["outcome"] for m in result["moves"]] == ["done", "done"], sched.logs()
-        assert result["nodes_freed"] == [n2] and result["tainted"] == [n2] and result["taint_kept"] == []
+        # What the run saw, for a failure: a pod it could not move, and the nodes it chose.
+        why = {k: applied[k] for k in ("excluded", "movable", "plan")}
+        assert result["nodes_freed"] == [n2] and result["tainted"] == [n2] and result["taint_kept"] == [], why
         assert sorted(result["gpus_freed"]) == [f"{n2}/GPU-{n2}-0", f"{n2}/GPU-{n2}-1"]
         # Marked the cluster autoscaler's way while emptied: its status-taint prefix, NoSchedule.
         assert [(TAINT_VALUE, "NoSchedule")] in seen["taint"], (seen["taint"][-3:], errors[:3])
@@ -247,9 +251,29 @@ def test_objective_nodes_empties_a_node_and_keeps_it_empty_while_the_run_lasts(
             "the taint is gone after the run"
         )
         assert "DefragFreedNode" in {e["reason"] for e in fleet.defrag_events(ns)}
+
         # After the run nothing holds the node any more: the waiting pod takes it (an autoscaler
         # would remove it only if it stayed empty for its scale-down-unneeded-time).
-        until(lambda: fleet.pods(ns)[f"{ns}/late"]["spec"].get("nodeName") == n2, 30, "the late pod on n2")
+        # kube-scheduler v1.28 does not retry a parked pod on a Node update when the pod asks for a
+        # resource the scheduler leaves to an extender (gpupack.io/gpu-mem is no node's allocatable:
+        # its node-event pre-check counts it as missing), so the taint's removal alone leaves the
+        # late pod waiting for a pod event or the scheduler's 5-minute flush. An update of the pod
+        # itself is such an event (what the extender does after a restart); it lands only if
+        # nothing holds n2 any more.
+        def late_on_n2() -> bool:
+            late = fleet.pods(ns)[f"{ns}/late"]
+            if late["spec"].get("nodeName") == n2:
+                return True
+            with contextlib.suppress(client.ApiException):
+                fleet.core.patch_namespaced_pod("late", ns, {"metadata": {"annotations": {
+                    "test.gpupack.io/retry-at": f"{time.monotonic():.1f}"}}})  # fmt: skip
+            return False
+
+        try:
+            until(late_on_n2, 30, "the late pod on n2", interval=2.0)
+        except AssertionError as e:
+            late = fleet.pods(ns).get(f"{ns}/late")
+            raise AssertionError((str(e), late and late.get("status"), sched.logs())) from None
         assert fleet.core.read_namespaced_pod("late", ns).spec.scheduler_name == SCHEDULER_NAME
     finally:
         halt.set()
