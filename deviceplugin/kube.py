@@ -7,6 +7,7 @@ client models, and patched as JSON merge patches with a resourceVersion precondi
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes import client, config
@@ -56,7 +57,7 @@ class Kube:
         return json.loads(resp.data)
 
     def patch_pod_annotations(
-        self, namespace: str, name: str, annotations: dict[str, str | None], resource_version: str = ""
+        self, namespace: str, name: str, annotations: Mapping[str, str | None], resource_version: str = ""
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {"annotations": annotations}
         if resource_version:

@@ -204,10 +204,11 @@ def plugin_node_errors(req: dict[str, Any], cfg: WebhookConfig) -> list[str]:
     """The device plugin touches only its own Node and the pods on it. Its RBAC cannot say so; where
     its token names its node (Kubernetes >= 1.30) the admission policy checks it in CEL, and here
     the node is that of the pod the token is bound to (1.28-1.29: the token names the pod)."""
-    info = req.get("userInfo") if isinstance(req.get("userInfo"), dict) else {}
+    raw_info, raw_obj = req.get("userInfo"), req.get("object")
+    info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
     if info.get("username") != cfg.user(DEVICE_PLUGIN_SA) or req.get("operation") != "UPDATE":
         return []
-    obj = req.get("object") if isinstance(req.get("object"), dict) else {}
+    obj: dict[str, Any] = raw_obj if isinstance(raw_obj, dict) else {}
     kind = (req.get("kind") or {}).get("kind") if isinstance(req.get("kind"), dict) else None
     if kind == "Pod":
         target = str((obj.get("spec") or {}).get("nodeName") or "")

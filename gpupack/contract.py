@@ -174,7 +174,7 @@ class NodeInventory:
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
 
-def _req(d: dict, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
     if key not in d:
         raise ContractError(f"{where}: missing field {key!r}")
     v = d[key]
@@ -274,7 +274,7 @@ class Assignment:
         return {s.uuid for shares in self.containers.values() for s in shares}
 
 
-def _decode_containers(raw: dict, where: str) -> dict[str, tuple[GPUShare, ...]]:
+def _decode_containers(raw: dict[str, Any], where: str) -> dict[str, tuple[GPUShare, ...]]:
     """container name -> GPU shares, as assignments and reservations both carry them."""
     containers: dict[str, tuple[GPUShare, ...]] = {}
     for cname, shares_raw in raw.items():
@@ -301,7 +301,7 @@ def _decode_containers(raw: dict, where: str) -> dict[str, tuple[GPUShare, ...]]
 
 
 def _decode_class(value: Any, where: str) -> str:
-    if value not in CLASSES:
+    if not isinstance(value, str) or value not in CLASSES:
         raise ContractError(f"{where}: unknown class {value!r}")
     return value
 

@@ -238,7 +238,8 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
         allow_jobs=args.allow_jobs,
         namespaces=frozenset(args.namespaces) if args.namespaces else None,
     )
-    movable, excluded = set(), Counter()
+    movable: set[str] = set()
+    excluded: Counter[str] = Counter()
     for key, (req, _, _) in snap.state.pods.items():
         obj = snap.pods.get(key)
         why = "no-pod-object" if obj is None else why_not(obj, req, rules)

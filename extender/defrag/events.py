@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
+from typing import Any
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -29,7 +30,7 @@ class EventRecorder:
         if self.core is None:
             return
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
+        body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"generateName": f"{name}.", "namespace": namespace},

@@ -63,7 +63,7 @@ def build_snapshot(
     return Snapshot(
         state=state,
         pods=by_key,
-        nodes={(n.get("metadata") or {}).get("name"): n for n in nodes},
+        nodes={str((n.get("metadata") or {}).get("name")): n for n in nodes},
         gpu_indexes={n: list(info.gpu_indexes) for n, info in view.nodes.items()},
         problems=problems,
     )

@@ -34,7 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpupack.core.fit import Fit, fit
-from gpupack.core.model import FULL, GPU, ClusterState, Node, Placement, PlacementError, PodRequest
+from gpupack.core.model import (
+    FULL,
+    GPU,
+    Charged,
+    ClusterState,
+    Holding,
+    Node,
+    Placement,
+    PlacementError,
+    PodRequest,
+)
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,7 @@ class Plan:
     used_gpus_after: int = 0
     nodes_freed: list[str] = field(default_factory=list)
     attempts: int = 0  # drain groups tried
-    skipped: Counter = field(default_factory=Counter)  # why groups were passed over -> count
+    skipped: Counter[str] = field(default_factory=Counter)  # why groups were passed over -> count
 
     @property
     def evictions(self) -> int:
@@ -198,10 +208,10 @@ class _Planner:
                     self._block(name, i)
                 else:
                     self._refresh(name, i)
-        self.evicted_per_node: Counter = Counter()
-        self.evicted_per_ns: Counter = Counter()
-        self.evicted_per_workload: Counter = Counter()
-        self.replicas: Counter = Counter()
+        self.evicted_per_node: Counter[str] = Counter()
+        self.evicted_per_ns: Counter[str] = Counter()
+        self.evicted_per_workload: Counter[tuple[str, str, str]] = Counter()
+        self.replicas: Counter[tuple[str, str, str]] = Counter()
         for pod, _, _ in state.pods.values():
             wl = workload_of(pod)
             if wl is not None:
@@ -235,7 +245,7 @@ class _Planner:
             bisect.insort(self.by_room.setdefault((g.pod_class, g.mem_mib), []), entry)
             self.where[(node, idx)] = (g.pod_class, g.mem_mib, entry)
 
-    def _place(self, pod: PodRequest, placement: Placement, charged: dict) -> None:
+    def _place(self, pod: PodRequest, placement: Placement, charged: Charged) -> None:
         self.w.place(pod, placement, charged)
         for i in charged:
             self._refresh(placement.node, i)
@@ -266,7 +276,7 @@ class _Planner:
                 freed.append(i)
         return pods, freed
 
-    def key_of(self, node: Node, idx: int, pods: list[str], freed: list[int]) -> tuple:
+    def key_of(self, node: Node, idx: int, pods: list[str], freed: list[int]) -> tuple[Any, ...]:
         g = node.gpus[idx]
         if self.order == "emptiest":
             return (g.milli_used / FULL + g.mem_used / max(1, g.mem_mib), node.name, idx)
@@ -346,16 +356,16 @@ class _Planner:
             if simple and best_fit is not None:
                 break  # exact ranking: the first node that fits is the tightest
             node = self.w.nodes[name]
-            f = fit(node, pod)
-            if not isinstance(f, Fit):
+            got = fit(node, pod)
+            if not isinstance(got, Fit):
                 continue
             left = 0.0
-            for i, (mem, milli, _) in f.charged.items():
+            for i, (mem, milli, _) in got.charged.items():
                 g = node.gpus[i]
                 left += (g.free_mem - mem) / max(1, g.mem_mib) + (g.free_milli - milli) / FULL
             k = (left, name)
             if best_key is None or k < best_key:
-                best_key, best_fit = k, f
+                best_key, best_fit = k, got
         return best_fit
 
     def _find_one(self, pod: PodRequest, need_mem: int, need_milli: int) -> Fit | None:
@@ -455,7 +465,12 @@ class _Planner:
         return None
 
     def commit(
-        self, node: Node, pods: list[str], freed: list[int], done: list[tuple[str, Fit]], originals
+        self,
+        node: Node,
+        pods: list[str],
+        freed: list[int],
+        done: list[tuple[str, Fit]],
+        originals: dict[str, Holding],
     ) -> None:
         gid = len(self.plan.groups)
         for k, f in done:
@@ -494,7 +509,7 @@ class _Planner:
 
     # --- main loop ----------------------------------------------------------------------------
     def run(self) -> Plan:
-        heap: list[tuple[tuple, str, int]] = []
+        heap: list[tuple[tuple[Any, ...], str, int]] = []
         for name in self.node_names:
             node = self.w.nodes[name]
             for i in range(len(node.gpus)):
@@ -570,7 +585,11 @@ def plan_defrag(
     return _Planner(state, keys, limits or Limits(), order).run()
 
 
-def plan_baseline(state: ClusterState, movable=None, limits: Limits | None = None) -> Plan:
+def plan_baseline(
+    state: ClusterState,
+    movable: Iterable[str] | Callable[[PodRequest], bool] | None = None,
+    limits: Limits | None = None,
+) -> Plan:
     """The simple baseline: evict from the emptiest GPUs first (same targets, same caps)."""
     return plan_defrag(state, movable, limits, order="emptiest")
 
@@ -615,8 +634,8 @@ def verify_plan(state: ClusterState, plan: Plan, touched_only: bool = False) -> 
     for grp in plan.groups:
         node = s.nodes[grp.node]
         for uuid in grp.gpus_freed:
-            g = node.gpu(uuid)
-            if g is None or not g.empty:
+            freed_gpu = node.gpu(uuid)
+            if freed_gpu is None or not freed_gpu.empty:
                 raise PlanError(f"group {grp.id}: GPU {uuid} on {grp.node} is not idle after the plan")
     return s
 
@@ -661,9 +680,9 @@ class _NodePlanner:
         self.plan = Plan(used_gpus_before=used_gpus(state))
         self.drained: set[str] = set()
         self.kept: set[str] = set()
-        self.evicted_per_ns: Counter = Counter()
-        self.evicted_per_workload: Counter = Counter()
-        self.replicas: Counter = Counter()
+        self.evicted_per_ns: Counter[str] = Counter()
+        self.evicted_per_workload: Counter[tuple[str, str, str]] = Counter()
+        self.replicas: Counter[tuple[str, str, str]] = Counter()
         for pod, _, _ in state.pods.values():
             wl = workload_of(pod)
             if wl is not None:
@@ -672,7 +691,7 @@ class _NodePlanner:
         for k, (_, placement, _) in state.pods.items():
             self.pods_on.setdefault(placement.node, []).append(k)
 
-    def cost(self, name: str) -> tuple:
+    def cost(self, name: str) -> tuple[Any, ...]:
         node = self.w.nodes[name]
         pods = len(self.pods_on.get(name, ()))
         if self.order == "emptiest":
@@ -730,7 +749,7 @@ class _NodePlanner:
         return sorted(nodes, key=lambda n: (-_used_gpus_on(n), -_node_load(n), n.name))
 
     def find(self, pod: PodRequest, source: str) -> Fit | None:
-        best: tuple | None = None
+        best: tuple[Any, ...] | None = None
         best_fit: Fit | None = None
         for node in self.targets(source):
             f = fit(node, pod)

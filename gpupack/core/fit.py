@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpupack.core.model import FULL, GPU, ContainerRequest, Node, Placement, PodRequest, Share
+from gpupack.core.model import FULL, GPU, Charged, ContainerRequest, Node, Placement, PodRequest, Share
 
 # Rank of a GPU for one container share: lower is preferred. Policies supply it.
 GpuRank = Callable[[Node, GPU, int, int], float]
@@ -34,7 +34,7 @@ class FitFailure:
 @dataclass(frozen=True)
 class Fit:
     placement: Placement
-    charged: dict[int, tuple[int, int, bool]]  # gpu index -> (mem, milli, exclusive)
+    charged: Charged  # gpu index -> (mem, milli, exclusive)
 
     def __bool__(self) -> bool:
         return True
@@ -74,7 +74,7 @@ def static_check(node: Node, pod: PodRequest) -> FitFailure | None:
     return None
 
 
-def _can_take(g: GPU, pod: PodRequest, c: ContainerRequest, mem: int, milli: int, used: dict) -> bool:
+def _can_take(g: GPU, pod: PodRequest, c: ContainerRequest, mem: int, milli: int, used: Charged) -> bool:
     if not g.healthy or (pod.gpu_models is not None and g.model not in pod.gpu_models):
         return False
     extra_mem, extra_milli, extra_ex = used.get(g.index, (0, 0, False))
@@ -93,7 +93,7 @@ def _share_of(g: GPU, c: ContainerRequest) -> tuple[int, int]:
     return c.mem_mib or 0, c.milli or 0
 
 
-def _explain(node: Node, pod: PodRequest, c: ContainerRequest, used: dict) -> FitFailure:
+def _explain(node: Node, pod: PodRequest, c: ContainerRequest, used: Charged) -> FitFailure:
     """Why container `c` found too few GPUs: name the binding constraint and the best candidate."""
     healthy = [g for g in node.gpus if g.healthy and (pod.gpu_models is None or g.model in pod.gpu_models)]
     if len(healthy) < c.gpus:
@@ -103,9 +103,9 @@ def _explain(node: Node, pod: PodRequest, c: ContainerRequest, used: dict) -> Fi
             "unhealthy",
         )
     if c.exclusive:
-        free = [g for g in healthy if g.empty and g.index not in used]
+        idle = [g for g in healthy if g.empty and g.index not in used]
         return FitFailure(
-            f"container {c.name} needs {c.gpus} whole GPU(s); {len(free)} of {len(node.gpus)} are idle",
+            f"container {c.name} needs {c.gpus} whole GPU(s); {len(idle)} of {len(node.gpus)} are idle",
             "gpu-whole",
         )
     same_class = [g for g in healthy if not g.exclusive and g.pod_class in (None, pod.pod_class)]
@@ -145,7 +145,7 @@ def _explain(node: Node, pod: PodRequest, c: ContainerRequest, used: dict) -> Fi
     )
 
 
-def _pick(node: Node, pod: PodRequest, c: ContainerRequest, used: dict, rank: GpuRank) -> list[GPU] | None:
+def _pick(node: Node, pod: PodRequest, c: ContainerRequest, used: Charged, rank: GpuRank) -> list[GPU] | None:
     cands = []
     for g in node.gpus:
         mem, milli = _share_of(g, c)
@@ -158,7 +158,7 @@ def _pick(node: Node, pod: PodRequest, c: ContainerRequest, used: dict, rank: Gp
     return [t[3] for t in cands[: c.gpus]]
 
 
-def _charge(used: dict[int, tuple[int, int, bool]], gpus: list[GPU], c: ContainerRequest) -> tuple[Share, ...]:
+def _charge(used: Charged, gpus: list[GPU], c: ContainerRequest) -> tuple[Share, ...]:
     shares = []
     for g in gpus:
         mem, milli = _share_of(g, c)
@@ -236,7 +236,7 @@ def fit_general(node: Node, pod: PodRequest, rank: GpuRank = tightest) -> Fit | 
     if node.ram_mib and pod.ram_mib > node.free_ram:
         return FitFailure(f"needs {pod.ram_mib} MiB RAM; {node.free_ram} MiB free", "ram")
 
-    used: dict[int, tuple[int, int, bool]] = {}
+    used: Charged = {}
     containers: dict[str, tuple[Share, ...]] = {}
     # Largest first: a big container placed last is the one most likely to find no room.
     order = sorted(pod.containers, key=lambda c: (not c.exclusive, -c.gpus, -(c.mem_mib or 0), -(c.milli or 0)))
@@ -246,7 +246,7 @@ def fit_general(node: Node, pod: PodRequest, rank: GpuRank = tightest) -> Fit | 
             return _explain(node, pod, c, used)
         containers[c.name] = _charge(used, gpus, c)
 
-    init_peak: dict[int, tuple[int, int, bool]] = {}
+    init_peak: Charged = {}
     for c in pod.init_containers:
         chosen = []
         for i in sorted(used, key=lambda i: (not used[i][2], -(node.gpus[i].free_mem - used[i][0]), i)):

@@ -178,13 +178,17 @@ class PlacementError(ValueError):
     """A placement that would break an invariant (over-commit, class mix, exclusivity)."""
 
 
+# GPU index -> (MiB, milli, exclusive) a pod is charged there; typed records that cross modules.
+Charged = dict[int, tuple[int, int, bool]]
+# What a ClusterState records per pod: the request, where it went, what it is charged per GPU.
+Holding = tuple[PodRequest, Placement, Charged]
+
+
 @dataclass
 class ClusterState:
     nodes: dict[str, Node] = field(default_factory=dict)
     # pod key -> (request, placement, per-GPU usage actually charged)
-    pods: dict[str, tuple[PodRequest, Placement, dict[int, tuple[int, int, bool]]]] = field(
-        default_factory=dict
-    )
+    pods: dict[str, Holding] = field(default_factory=dict)
 
     def add_node(self, node: Node) -> None:
         self.nodes[node.name] = node
@@ -289,10 +293,11 @@ def invariant_violations(state: ClusterState) -> list[str]:
             if g.holders and g.pod_class not in held:
                 out.append(f"{where}: class {g.pod_class} does not match its pods")
     for key, (pod, placement, charged) in state.pods.items():
-        node = state.nodes.get(placement.node)
-        if node is None:
+        on = state.nodes.get(placement.node)
+        if on is None:
             out.append(f"{key}: placed on unknown node {placement.node}")
             continue
+        node = on
         for i in charged:
             g = node.gpus[i]
             if key not in g.holders:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpupack.core.fgd import FGDPolicy, Workload
 from gpupack.core.fit import Fit, FitFailure, fit, tightest
@@ -157,7 +158,7 @@ class UnknownPolicy(ValueError):
     pass
 
 
-def get_policy(name: str, seed: int = 0, **kwargs) -> Policy:
+def get_policy(name: str, seed: int = 0, **kwargs: Any) -> Policy:
     try:
         factory = POLICIES[name]
     except KeyError:

@@ -107,7 +107,7 @@ def pod_class_of(pod: dict[str, Any], namespace_labels: dict[str, str] | None = 
         value, source = namespace_labels.get(LABEL_CLASS), "namespace label"
     if value is None:
         return CLASS_ONLINE
-    if value not in CLASSES:
+    if not isinstance(value, str) or value not in CLASSES:
         raise RequestError(f"{source} {LABEL_CLASS}={value!r} is not one of {', '.join(CLASSES)}")
     return value
 
@@ -123,7 +123,8 @@ def parse_pod(pod: Any, namespace_labels: dict[str, str] | None = None) -> PodRe
     if not isinstance(ns, str) or not isinstance(name, str):
         raise RequestError("pod metadata.name/namespace must be strings")
     where = f"pod {ns}/{name}"
-    containers, inits = [], []
+    containers: list[ContainerRequest] = []
+    inits: list[ContainerRequest] = []
     for key, init, out in (("initContainers", True, inits), ("containers", False, containers)):
         for c in _field(spec, key, list, f"{where} spec"):
             req = parse_container(c, init, where)

@@ -124,7 +124,7 @@ def _pods(sharing: bool) -> list[tuple[Service, PodRequest]]:
     return out
 
 
-def _place(sharing: bool) -> dict[str, float]:
+def _place(sharing: bool) -> dict[str, float | None]:
     st = build_fleet()
     policy = get_policy(DEFAULT_POLICY if sharing else "bestfit", seed=SEED)
     pods = _pods(sharing)
