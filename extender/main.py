@@ -72,8 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--set-scheduler-name", action="store_true",
         help="webhook sets spec.schedulerName of GPU pods that use the default scheduler",
     )
-    p.add_argument("--threads", type=int, default=32, help="request threads of the extender worker")
+    p.add_argument(
+        "--threads", type=int, default=128,
+        help="request threads of the extender worker (each bind holds one while it waits on the API server)",
+    )
     p.add_argument("--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff")
+    p.add_argument(
+        "--bind-concurrency", type=int, default=64,
+        help="binds making their API calls at the same time, at most (0: no limit); more wait their turn",
+    )
     p.add_argument(
         "--stale-handoff-s", type=float, default=120.0, help="pending handoff age reported as stale"
     )
@@ -133,6 +140,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         ext = Extender(
             view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s, fence=fence,
             unbound_grace_s=args.unbound_grace_s, scheduler_name=args.scheduler_name,
+            bind_concurrency=args.bind_concurrency,
         )  # fmt: skip
         Sync(view, kube).start()
         Janitor(ext, args.sweep_interval_s).start()
