@@ -428,6 +428,14 @@ class ControlPlane:
         core = self.core
         for ns in core.list_namespace().items:
             n = ns.metadata.name
+            if n not in SYSTEM_NAMESPACES - {"default"}:
+                # controllers first: a namespace being deleted keeps its ReplicaSets a while, and they
+                # would recreate pods that the next test's scheduler then places on its nodes
+                for path in _WORKLOAD_COLLECTIONS:
+                    with contextlib.suppress(requests.RequestException):
+                        requests.delete(f"{self.url}{path.format(ns=n)}", params={"propagationPolicy": "Background"},
+                                        headers={"Authorization": f"Bearer {self.token}"},
+                                        verify=str(self.ca_file), timeout=10)  # fmt: skip
             with contextlib.suppress(client.ApiException):
                 core.delete_collection_namespaced_pod(n, grace_period_seconds=0)
             if n not in keep and ns.status.phase != "Terminating":
@@ -455,6 +463,11 @@ class ControlPlane:
                     rbac.delete_cluster_role(r.metadata.name)
 
 
+_WORKLOAD_COLLECTIONS = tuple(
+    f"/apis/{gv}/namespaces/{{ns}}/{res}"
+    for gv, res in (("apps/v1", "deployments"), ("apps/v1", "statefulsets"), ("apps/v1", "daemonsets"),
+                    ("apps/v1", "replicasets"), ("batch/v1", "cronjobs"), ("batch/v1", "jobs"))
+)  # fmt: skip
 _BUILTIN_ROLES = frozenset({"admin", "edit", "view", "cluster-admin"})
 
 
