@@ -85,18 +85,30 @@ class ViewCollector(Collector):
         cls = GaugeMetricFamily(
             "gpupack_gpu_class", "1 for the class of the pods on a GPU", labels=[*labels, "class"]
         )
+        # Copied under the view's lock, formatted after it: the scheduling verbs wait for that lock,
+        # and building some 30,000 samples for 1,000 nodes held it for ~40 ms per scrape.
         with self.view.lock:
-            for node in self.view.state.nodes.values():
-                for g in node.gpus:
-                    lv = [node.name, str(g.index), g.uuid]
-                    mem.add_metric(lv, g.mem_used)
-                    total.add_metric(lv, g.mem_mib)
-                    sm.add_metric(lv, g.milli_used * 100 / FULL)
-                    if g.pod_class:
-                        cls.add_metric([*lv, g.pod_class], 1)
-            frag = fragmentation(self.view)
+            gpus = [
+                (node.name, g.index, g.uuid, g.mem_used, g.mem_mib, g.milli_used, g.pod_class, g.healthy,
+                 g.free_mem, not g.empty)  # fmt: skip
+                for node in self.view.state.nodes.values()
+                for g in node.gpus
+            ]
             pods = len(self.view.pods)
             pending = sum(len(s) for s in self.view.pending_by_node.values())
+        free_total = free_partial = 0
+        for name, index, uuid, mem_used, mem_mib, milli_used, pod_class, healthy, free, held in gpus:
+            lv = [name, str(index), uuid]
+            mem.add_metric(lv, mem_used)
+            total.add_metric(lv, mem_mib)
+            sm.add_metric(lv, milli_used * 100 / FULL)
+            if pod_class:
+                cls.add_metric([*lv, pod_class], 1)
+            if healthy:  # as fragmentation()
+                free_total += free
+                if held:
+                    free_partial += free
+        frag = free_partial / free_total if free_total else 0.0
         yield from (mem, total, sm, cls)
         yield GaugeMetricFamily(
             "gpupack_cluster_fragmentation_ratio", "Share of free GPU memory on partly used GPUs", value=frag
