@@ -251,72 +251,50 @@ class LeaseFence:
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
         self.margin_s = margin_s
         self.clock = clock
-        self._cv = threading.Condition()
-        self._reading = False
-        self._last: tuple[float, dict[str, Any] | ApiException] | None = None  # (read started, result)
-        self._held_until = 0.0  # time.monotonic() until which the last good read may be reused
-
-    def _read(self) -> tuple[float, dict[str, Any]]:
-        """The Lease, from a read that started after this call: concurrent binds share one read
-        in flight rather than each making its own, and none uses a read older than its own
-        question (a bind checks exactly as fresh a Lease as if it had read it itself)."""
-        asked = time.monotonic()
-        with self._cv:
-            while True:
-                if self._last is not None and self._last[0] >= asked:
-                    got = self._last[1]
-                    if isinstance(got, ApiException):
-                        raise got
-                    return self._last[0], got
-                if not self._reading:
-                    self._reading = True
-                    break
-                self._cv.wait()
-        started = time.monotonic()
-        result: dict[str, Any] | ApiException = ApiException(status=500, reason="Lease read did not finish")
-        try:
-            result = self.kube.read_lease(self.namespace, self.name) or {}
-        except ApiException as e:
-            result = e
-        finally:
-            with self._cv:
-                self._last = (started, result)
-                self._reading = False
-                self._cv.notify_all()
-        if isinstance(result, ApiException):
-            raise result
-        return started, result
+        self._lock = threading.Lock()
+        self._held_until = 0.0  # time.monotonic() until which the last read, if good, may be reused
+        self._last_started = 0.0  # when the read that set it started (a later read's answer wins)
 
     def problem(self, fresh: bool = True) -> str:
         """Why this extender may not write now ("" when it may). With `fresh` false, a read that
         found the Lease ours at most LEASE_REUSE_S ago, and valid for `margin_s` from now on,
         answers without another: for the checks before a bind's first write, whose last check
-        before the Binding is fresh. A refusal is never reused."""
+        before the Binding reads the Lease itself. A refusal is never reused."""
         if not fresh:
-            with self._cv:
+            with self._lock:
                 if time.monotonic() < self._held_until:
                     return ""
+        started = time.monotonic()
+        why, good_for = self._judge(started)
+        with self._lock:
+            if started >= self._last_started:
+                self._last_started = started
+                self._held_until = started + min(LEASE_REUSE_S, good_for) if not why else 0.0
+        return why
+
+    def _judge(self, started: float) -> tuple[str, float]:
+        """Read the Lease: why not to write ("" when writing is fine) and, when fine, for how many
+        seconds from `started` on it stays valid with `margin_s` to spare."""
         try:
-            started, lease = self._read()
+            lease = self.kube.read_lease(self.namespace, self.name) or {}
         except ApiException as e:
-            return f"cannot read Lease {self.namespace}/{self.name}: {api_reason(e)}"
+            return f"cannot read Lease {self.namespace}/{self.name}: {api_reason(e)}", 0.0
         spec = lease.get("spec") or {}
         holder = str(spec.get("holderIdentity") or "")
         if holder != self.identity and not holder.startswith(self.identity + "_"):
             return (
                 f"this extender ({self.identity}) is not beside the leading kube-scheduler: Lease "
                 f"{self.namespace}/{self.name} is held by {holder or 'nobody'}"
-            )
+            ), 0.0
         renewed = _lease_time(str(spec.get("renewTime") or spec.get("acquireTime") or ""))
         duration = spec.get("leaseDurationSeconds")
         if renewed is None or not isinstance(duration, int):
-            return f"Lease {self.namespace}/{self.name} has no renewTime/leaseDurationSeconds"
+            return f"Lease {self.namespace}/{self.name} has no renewTime/leaseDurationSeconds", 0.0
         left = renewed + duration - self.clock()
         if left < self.margin_s:
-            return f"Lease {self.namespace}/{self.name} expires in {left:.1f} s; not writing under it"
-        with self._cv:
-            self._held_until = min(started + LEASE_REUSE_S, time.monotonic() + left - self.margin_s)
-        return ""
+            return f"Lease {self.namespace}/{self.name} expires in {left:.1f} s; not writing under it", 0.0
+        # measured from now, counted from the read's start: never longer than the Lease allows
+        return "", left - self.margin_s
 
     def check(self, fresh: bool = True) -> None:
         why = self.problem(fresh)
