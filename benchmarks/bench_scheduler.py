@@ -6,7 +6,8 @@ device plugin publishes them (inventory annotation, allocatable `gpupack.io/gpu`
 kube-schedulers run side by side with the same raised clientConnection qps/burst:
 
 - plain: the default profile, no extender; it gets cpu/memory-only pods;
-- gpupack: the shipped profile (deploy/scheduler/config.yaml) calling the real `gpupack extender`.
+- gpupack: the shipped profile (deploy/scheduler/config.yaml) calling the real `gpupack extender`,
+  which is fenced by that scheduler's leader-election Lease as in deploy/ (--no-fence: without).
 
 Each phase creates --pods pods at once (gpupack: 70 % shares, 20 % whole GPUs, 10 % 2-GPU pods,
 20 % of them offline); the kubelets are a KubeletEmulator admitting bound pods after --admit-ms,
@@ -15,9 +16,9 @@ whose admit hook is gpupack's device plugin ending the GPU handoff (DevicePlugin
 Reported per phase: pods/s (creation of the first pod to the last Binding), creation -> bound
 (spec.nodeName written by the Binding, which also sets PodScheduled) and creation -> running p50/p99,
 and from kube-scheduler's /metrics its scheduling-algorithm and bind times. For gpupack also: the
-share of bind attempts that failed a fit filter had passed, and the extender's verb latencies
-(its /metrics histograms and the Server-Timing of extra probe calls are not needed: the histogram
-buckets are fine-grained below 50 ms).
+share of bind attempts that failed a fit filter had passed, the extender's verb latencies and
+bind waits (from its /metrics histograms, whose buckets are fine below 50 ms), how the pods spread
+over the nodes, and a check of the result (over-committed GPUs, handoffs not done).
 
     python benchmarks/bench_scheduler.py                      # 1000 nodes, 500 pods (minutes)
     python benchmarks/bench_scheduler.py --nodes 100 --pods 200 --json
