@@ -113,10 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
     def make() -> Any:
-        # kube-scheduler waits on filter and prioritize one pod at a time, while binds and the
-        # watches keep other threads busy: hand the GIL over every 0.5 ms instead of every 5 ms,
-        # or a verb that becomes ready waits up to 5 ms per hop (accept, read, answer) for it.
-        sys.setswitchinterval(0.0005)
         from .app import create_extender_app, only_probes_on
         from .framework import Extender, Janitor, LeaseFence
         from .kube import Kube, api_client
