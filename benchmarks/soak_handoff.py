@@ -5,13 +5,26 @@ container before the app containers) arrive at the real kube-scheduler v1.28.7 r
 shipped profile, which calls the real `gpupack extender`. Meanwhile some pods are deleted while their
 handoff is pending, the active extender is SIGKILLed and restarted, and leadership moves from one
 scheduler + extender pair to another (the Lease the extenders are fenced by changes holder while the
-old pair is still running, as at a real hand-over). The kubelets are a KubeletEmulator whose admit
-hook is the device plugin's side of the handoff (tests/extender/ext_helpers.DevicePluginEmulator).
+old pair is still running, as at a real hand-over).
+
+The kubelets (`--kubelet`):
+- `device-manager` (default): each node admits through the kubelet's real device manager
+  (`devicemanager-harness`, one run per pod, one pod at a time per node, nodes in parallel) and a
+  real `gpupack device-plugin` process per node (the tests' fake NVML), which publishes the node's
+  inventory; every container's env from the device manager is compared with
+  `handoff.container_env` of its assignment, and the plugin of a random node is SIGKILLed and
+  restarted twice mid-run (between two admissions, with pods bound there waiting). A pod whose
+  admission fails is set Failed, as the kubelet does. Harness runs cost ~1-2 s each: size it at
+  ~100 pods on 6-8 nodes.
+- `emulator`: the device plugin's side of the handoff is emulated in-process
+  (tests/extender/ext_helpers.DevicePluginEmulator): fast (300 pods in ~30 s), no env, no plugin.
 
 It ends with the figures that must be 0 — over-committed GPUs, pods whose allocation differs from
-their assignment, nodes over their `gpupack.io/gpu` slots, locked nodes — and the throughput:
+their assignment, pods whose env differs from their assignment, admissions refused, nodes over their
+`gpupack.io/gpu` slots, locked nodes — and the throughput:
 
-    python benchmarks/soak_handoff.py [--pods 300] [--nodes 8] [--seed 1] [--json]
+    python benchmarks/soak_handoff.py [--kubelet device-manager|emulator] [--pods 100] [--nodes 8]
+                                      [--seed 1] [--json]
 """
 
 from __future__ import annotations
@@ -36,9 +49,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
+import dm_nodes  # noqa: E402
 import realk8s  # noqa: E402
 from ext_helpers import (  # noqa: E402
-    H100_MIB,
     DevicePluginEmulator,
     annotations,
     container,
@@ -55,18 +68,21 @@ from gpupack import handoff  # noqa: E402
 from gpupack.contract import (  # noqa: E402
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
+    ANN_INVENTORY,
     HANDOFF_DONE,
     HANDOFF_PENDING,
     RES_GPU,
     ContractError,
     decode_allocated,
     decode_assignment,
+    decode_inventory,
     parse_int_quantity,
 )
 
 NS = "soak"
 LEASE_NS, LEASE = "gpupack-system", "gpupack-scheduler"
 GPUS_PER_NODE = 4
+KUBELETS = ("device-manager", "emulator")
 
 
 def shapes(rng: random.Random, i: int, ns: str = NS) -> dict[str, Any]:
@@ -195,13 +211,20 @@ class Pair:
 
 
 def check(pods: list[dict[str, Any]], nodes: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The figures that must be 0, over the pods left at the end."""
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    """The figures that must be 0, over the pods left at the end (a Failed pod holds nothing: the
+    caller counts refused admissions itself)."""
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in handoff.TERMINAL_PHASES]  # fmt: skip
     bound = [p for p in live if p["spec"].get("nodeName")]
+    # GPUs and their memory as each node's inventory publishes them
+    gpu_mem: dict[str, dict[str, int]] = {}
+    for name, node in nodes.items():
+        raw = (node["metadata"].get("annotations") or {}).get(ANN_INVENTORY)
+        gpu_mem[name] = {g.uuid: g.mem_mib for g in decode_inventory(raw, name).gpus} if raw else {}
     over: list[str] = []
     for node in {p["spec"]["nodeName"] for p in bound}:
         for uuid, (mem, sm) in reserved_by_gpu(bound, node).items():
-            if mem > H100_MIB or sm > 100:
+            if mem > gpu_mem.get(node, {}).get(uuid, 0) or sm > 100:
                 over.append(f"{uuid}: {mem} MiB, {sm} % SM")
     classes: dict[str, set[str]] = {}
     wrong: list[str] = []
@@ -225,13 +248,13 @@ def check(pods: list[dict[str, Any]], nodes: dict[str, dict[str, Any]]) -> dict[
             problems.append(f"allocated {allocated}, GPU containers {want}")
         for c in handoff.gpu_containers(view):
             shares = a.containers.get(c.name, ())
-            if len(shares) != c.gpu_count() or any(not s.uuid.startswith(f"GPU-{a.node}-") for s in shares):
+            if len(shares) != c.gpu_count() or any(s.uuid not in gpu_mem.get(a.node, {}) for s in shares):
                 problems.append(f"{c.name}: {shares}")
                 continue
             exclusive = not ({"gpupack.io/gpu-mem", "gpupack.io/gpu-sm"} & set(c.limits))
             for s in shares:
                 if exclusive:
-                    ok = s.exclusive and s.mem_mib == H100_MIB and s.sm_pct == 100
+                    ok = s.exclusive and s.mem_mib == gpu_mem[a.node][s.uuid] and s.sm_pct == 100
                 else:
                     ok = (not s.exclusive and s.mem_mib == parse_int_quantity(c.limits.get("gpupack.io/gpu-mem", 0), "m")
                           and s.sm_pct == parse_int_quantity(c.limits.get("gpupack.io/gpu-sm", 0), "s"))  # fmt: skip
@@ -273,24 +296,50 @@ def check(pods: list[dict[str, Any]], nodes: dict[str, dict[str, Any]]) -> dict[
 def run(
     cp: realk8s.ControlPlane, tmp: Path, pods: int, nodes: int, seed: int,
     ns: str = NS, lease_ns: str = LEASE_NS, prefix: str = "soak", settle_s: float = 20.0,
+    kubelet_mode: str = "device-manager",
 ) -> dict[str, Any]:  # fmt: skip
     """The soak on `cp`: pods in `ns`, nodes `<prefix>-<i>`, the Lease in `lease_ns`; it ends once
-    nothing has changed for `settle_s` (pods that fit nowhere stay Pending)."""
+    nothing has changed for `settle_s` (pods that fit nowhere stay Pending). `kubelet_mode`:
+    "device-manager" or "emulator" (see the module's doc)."""
+    if kubelet_mode not in KUBELETS:
+        raise ValueError(f"kubelet_mode must be one of {KUBELETS}, got {kubelet_mode!r}")
     rng = random.Random(seed)
-    core = cp.core
     cp.ensure_namespace(ns)
     cp.ensure_namespace(lease_ns)
     names = [f"{prefix}-{i}" for i in range(nodes)]
-    for n in names:
-        gpu_node(cp, n, GPUS_PER_NODE)
+    dm: dict[str, dm_nodes.DeviceManagerNode] = {}
+    try:
+        if kubelet_mode == "device-manager":
+            dm = dm_nodes.start_nodes(
+                cp, names, GPUS_PER_NODE, cp.write_kubeconfig(tmp / "plugin.kubeconfig")
+            )
+        else:
+            for n in names:
+                gpu_node(cp, n, GPUS_PER_NODE)
+        return _run(cp, tmp, pods, names, seed, rng, ns, lease_ns, settle_s, dm)
+    finally:
+        for node in dm.values():
+            node.close(keep_logs=tmp / "nodes")
+
+
+def _run(
+    cp: realk8s.ControlPlane, tmp: Path, pods: int, names: list[str], seed: int, rng: random.Random,
+    ns: str, lease_ns: str, settle_s: float, dm: dict[str, dm_nodes.DeviceManagerNode],
+) -> dict[str, Any]:  # fmt: skip
+    core = cp.core
     leader = Leader(cp, "replica-a", lease_ns)
     a, b = Pair(cp, tmp, "replica-a", lease_ns), Pair(cp, tmp, "replica-b", lease_ns)
     a.start_scheduler()
     events: list[str] = []
     deleted: set[str] = set()
     stop = threading.Event()
-    plugin = DevicePluginEmulator(cp, delay=0.2)
-    kubelet = realk8s.KubeletEmulator(cp, ns, on_admit=plugin).start()
+    plugin: DevicePluginEmulator | None = None
+    kubelet: realk8s.KubeletEmulator
+    if dm:
+        kubelet = dm_kubelet = dm_nodes.DeviceManagerKubelet(cp, ns, dm).start()
+    else:
+        plugin = DevicePluginEmulator(cp, delay=0.2)
+        kubelet = realk8s.KubeletEmulator(cp, ns, on_admit=plugin).start()
 
     def deleter() -> None:
         # delete pods whose handoff is pending (bound, not yet admitted): ~1 in 12 pods
@@ -313,6 +362,8 @@ def run(
             events.append(
                 f"extender {active.name} SIGKILLed and restarted ({active.restart_extender():.1f} s away)"
             )
+        if dm and i in (pods // 3, 2 * pods // 3):
+            events.append(dm_nodes.random_restart(dm, rng))
         if i == pods // 2:
             # hand-over: the Lease moves to replica-b while replica-a's scheduler still runs
             leader.hand_over("replica-b")
@@ -356,11 +407,35 @@ def run(
     bound = sum(
         1 for p in final if p["spec"].get("nodeName") and annotations(p).get(ANN_HANDOFF) == HANDOFF_DONE
     )
+    nodes = len(names)
     out.update(
+        kubelet=("device-manager" if dm else "emulator"),
         pods=pods, nodes=nodes, gpus=nodes * GPUS_PER_NODE, seed=seed, deleted_mid_handoff=len(deleted),
         handoffs_done=bound, seconds=round(t_last_bind - t0, 1), pods_per_s=round(bound / max(t_last_bind - t0, 1e-9), 2),
-        events=events, plugin_errors=plugin.errors[:5], kubelet_errors=kubelet.errors[:5],
+        events=events, plugin_errors=plugin.errors[:5] if plugin else [], kubelet_errors=kubelet.errors[:5],
+        env_mismatches=0, env_mismatch_detail=[], env_checked_containers=0, admissions=0,
+        admissions_refused=0, refused_detail=[], not_admitted=0, not_admitted_detail=[],
     )  # fmt: skip
+    if dm:
+        with dm_kubelet.mu:
+            refused = dict(dm_kubelet.rejected)
+            admitted = dict(dm_kubelet.admitted)
+            out.update(
+                env_mismatches=len(dm_kubelet.env_mismatches), env_mismatch_detail=dm_kubelet.env_mismatches[:5],
+                env_checked_containers=dm_kubelet.env_checked, admissions=dm_kubelet.harness_runs,
+                harness_s_mean=round(dm_kubelet.harness_s / max(dm_kubelet.harness_runs, 1), 2),
+                plugin_restarts=sum(n.plugin_starts - 1 for n in dm.values()),
+            )  # fmt: skip
+        out["admissions_refused"] = len(refused)
+        out["refused_detail"] = [f"{k}: {v}" for k, v in list(refused.items())[:3]]
+        # every live pod whose handoff is done went through a device manager run that gave it its env
+        unadmitted = [
+            p["metadata"]["name"] for p in final
+            if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+            and p["metadata"]["name"] not in admitted and p["metadata"]["name"] not in refused
+        ]  # fmt: skip
+        out["not_admitted"] = len(unadmitted)
+        out["not_admitted_detail"] = unadmitted[:5]
     pending = [
         p for p in final if not p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
     ]
@@ -384,9 +459,14 @@ def run(
     return out
 
 
+FIGURES_ZERO = ("overcommitted_gpus", "allocation_mismatches", "env_mismatches", "admissions_refused",
+                "not_admitted", "nodes_over_slots", "locked_nodes")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pods", type=int, default=300)
+    ap.add_argument("--kubelet", choices=KUBELETS, default="device-manager")
+    ap.add_argument("--pods", type=int, default=None, help="default 100 with the device manager, else 300")
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
@@ -394,14 +474,18 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpupack-soak-"))
     cp = realk8s.ControlPlane(tmp).start()
     try:
-        out = run(cp, tmp, args.pods, args.nodes, args.seed)
+        pods = args.pods or (100 if args.kubelet == "device-manager" else 300)
+        out = run(cp, tmp, pods, args.nodes, args.seed, kubelet_mode=args.kubelet)
     finally:
         cp.stop()
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        for k in ("pods", "nodes", "gpus", "deleted_mid_handoff", "handoffs_done", "pending_live", "seconds",
-                  "pods_per_s", "overcommitted_gpus", "allocation_mismatches", "nodes_over_slots", "locked_nodes"):  # fmt: skip
+        keys = ["kubelet", "pods", "nodes", "gpus", "deleted_mid_handoff", "handoffs_done", "pending_live",
+                "seconds", "pods_per_s", *FIGURES_ZERO]  # fmt: skip
+        if out["kubelet"] == "device-manager":
+            keys += ["admissions", "env_checked_containers", "harness_s_mean", "plugin_restarts"]
+        for k in keys:
             print(f"{k:24} {out[k]}")
         for e in out["events"]:
             print(f"event: {e}")
@@ -411,19 +495,18 @@ def main(argv: list[str] | None = None) -> int:
         for k in (
             "overcommit_detail",
             "mismatch_detail",
+            "env_mismatch_detail",
+            "refused_detail",
+            "not_admitted_detail",
             "slots_detail",
             "locked_detail",
             "plugin_errors",
+            "kubelet_errors",
             "pending_detail",
         ):
             if out[k]:
                 print(f"{k}: {out[k]}")
-    bad = (
-        out["overcommitted_gpus"]
-        + out["allocation_mismatches"]
-        + out["nodes_over_slots"]
-        + out["locked_nodes"]
-    )
+    bad = sum(out[k] for k in FIGURES_ZERO)
     return 1 if bad else 0
 
 
