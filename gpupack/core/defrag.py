@@ -477,23 +477,7 @@ class _Planner:
             pod, placement, charged = originals[k]
             src = self.orig.nodes[placement.node]
             dst = self.w.nodes[f.placement.node]
-            self.plan.moves.append(
-                Move(
-                    step=len(self.plan.moves),
-                    group=gid,
-                    pod=k,
-                    namespace=pod.namespace,
-                    owner_kind=pod.owner[0] if pod.owner else "",
-                    owner_name=pod.owner[1] if pod.owner else "",
-                    pod_class=pod.pod_class,
-                    from_node=placement.node,
-                    from_gpus=tuple(src.gpus[i].uuid for i in sorted(charged)),
-                    to_node=f.placement.node,
-                    to_gpus=tuple(dst.gpus[i].uuid for i in sorted(f.charged)),
-                    placement=f.placement,
-                    charged=dict(f.charged),
-                )
-            )
+            self.plan.moves.append(_move(len(self.plan.moves), gid, k, originals[k], src, f, dst))
             self.moved.add(k)
             self.evicted_per_node[placement.node] += 1
             self.evicted_per_ns[pod.namespace] += 1
@@ -649,6 +633,26 @@ def _node_load(node: Node) -> float:
 
 def _used_gpus_on(node: Node) -> int:
     return sum(1 for g in node.gpus if not g.empty)
+
+
+def _move(step: int, group: int, key: str, original: Holding, src: Node, f: Fit, dst: Node) -> Move:
+    """The plan's record of moving pod `key` from where it is held (`original`, on `src`) to `f` on `dst`."""
+    pod, placement, charged = original
+    return Move(
+        step=step,
+        group=group,
+        pod=key,
+        namespace=pod.namespace,
+        owner_kind=pod.owner[0] if pod.owner else "",
+        owner_name=pod.owner[1] if pod.owner else "",
+        pod_class=pod.pod_class,
+        from_node=placement.node,
+        from_gpus=tuple(src.gpus[i].uuid for i in sorted(charged)),
+        to_node=f.placement.node,
+        to_gpus=tuple(dst.gpus[i].uuid for i in sorted(f.charged)),
+        placement=f.placement,
+        charged=dict(f.charged),
+    )
 
 
 class _NodePlanner:
@@ -820,23 +824,7 @@ class _NodePlanner:
                 pod, placement, charged = originals[k]
                 dst = self.w.nodes[f.placement.node]
                 self.kept.add(f.placement.node)
-                self.plan.moves.append(
-                    Move(
-                        step=len(self.plan.moves),
-                        group=gid,
-                        pod=k,
-                        namespace=pod.namespace,
-                        owner_kind=pod.owner[0] if pod.owner else "",
-                        owner_name=pod.owner[1] if pod.owner else "",
-                        pod_class=pod.pod_class,
-                        from_node=placement.node,
-                        from_gpus=tuple(node.gpus[i].uuid for i in sorted(charged)),
-                        to_node=f.placement.node,
-                        to_gpus=tuple(dst.gpus[i].uuid for i in sorted(f.charged)),
-                        placement=f.placement,
-                        charged=dict(f.charged),
-                    )
-                )
+                self.plan.moves.append(_move(len(self.plan.moves), gid, k, originals[k], node, f, dst))
                 self.evicted_per_ns[pod.namespace] += 1
                 wl = workload_of(pod)
                 if wl is not None:
