@@ -373,20 +373,9 @@ class ControlPlane:
         except client.ApiException:
             return False
 
-    def make_node(
-        self,
-        name: str,
-        *,
-        cpu: str = "64",
-        memory: str = "512Gi",
-        pods: str = "250",
-        extended: Mapping[str, str] | None = None,
-        labels: Mapping[str, str] | None = None,
-        annotations: Mapping[str, str] | None = None,
-    ) -> None:
-        """A Ready fake node: created, status written through the subresource, not-ready taint gone."""
-        make_node(self.core, name, cpu=cpu, memory=memory, pods=pods, extended=extended, labels=labels,
-                  annotations=annotations)  # fmt: skip
+    def make_node(self, name: str, **kw: Any) -> None:
+        """A Ready fake node (see the module-level `make_node` for the keywords)."""
+        make_node(self.core, name, **kw)
 
     # -- kube-scheduler --
     def start_scheduler(
