@@ -12,6 +12,7 @@ of a node can be SIGKILLed and restarted (:meth:`DeviceManagerNode.restart_plugi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -158,6 +159,27 @@ class DeviceManagerKubelet(realk8s.KubeletEmulator):
         self.env_checked = 0  # containers whose env was compared
         self.harness_runs = 0
         self.harness_s = 0.0
+        self.in_flight: dict[str, threading.Event] = {}  # pod uid -> set when its admission has ended
+
+    def _handle(self, pod: Any) -> None:
+        meta = pod.metadata
+        done = self.in_flight.get(meta.uid)
+        if (
+            meta.deletion_timestamp is not None
+            and pod.spec.node_name
+            and done is not None
+            and not done.is_set()
+        ):
+            # the kubelet's sync loop ends an admission before it handles that pod's deletion: the
+            # pod object stays until then, as on a real node
+            threading.Thread(target=self._confirm_after, args=(pod, done), daemon=True).start()
+            return
+        super()._handle(pod)
+
+    def _confirm_after(self, pod: Any, done: threading.Event) -> None:
+        done.wait(120)
+        with contextlib.suppress(client.ApiException):
+            self.api.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
 
     def _read(self, ns: str, name: str) -> dict[str, Any] | None:
         try:
@@ -174,11 +196,15 @@ class DeviceManagerKubelet(realk8s.KubeletEmulator):
             if node is None:
                 return
             with node.lock:
-                pod = self._read(ns, name)
-                if pod is None or pod["metadata"].get("deletionTimestamp"):
-                    return  # deleted before admission: a kubelet never admits it
-                t0 = time.monotonic()
-                rc, allocs = node.admit(pod)
+                done = self.in_flight[v1pod.metadata.uid] = threading.Event()
+                try:
+                    pod = self._read(ns, name)
+                    if pod is None or pod["metadata"].get("deletionTimestamp"):
+                        return  # deleted before admission: a kubelet never admits it
+                    t0 = time.monotonic()
+                    rc, allocs = node.admit(pod)
+                finally:
+                    done.set()
                 with self.mu:
                     self.harness_runs += 1
                     self.harness_s += time.monotonic() - t0

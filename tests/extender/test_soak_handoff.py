@@ -1,7 +1,9 @@
 """A reduced run of benchmarks/soak_handoff.py on the tests' control plane: mixed pod shapes, deletions
 while a handoff is pending, two extender SIGKILLs and a leader hand-over, through the real
 kube-scheduler; it must end with no over-committed GPU, no allocation that differs from its
-assignment, no node over its slots and no locked node."""
+assignment, no node over its slots and no locked node. The kubelets here are the in-process emulator of
+the device plugin's side; the benchmark's default, `--kubelet device-manager`, runs the real device
+manager and plugin processes."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ def test_reduced_soak_ends_with_no_overcommit_no_mismatch_no_locked_node(cluster
     out = soak_handoff.run(
         cluster, tmp_path, pods=24, nodes=3, seed=7,
         ns=f"soak-{sfx}", lease_ns=f"soak-lease-{sfx}", prefix=f"soak-{sfx}", settle_s=4,
+        kubelet_mode="emulator",
     )  # fmt: skip
     figures = {
         k: out[k] for k in ("overcommitted_gpus", "allocation_mismatches", "nodes_over_slots", "locked_nodes")
