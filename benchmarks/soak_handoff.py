@@ -402,6 +402,7 @@ def _run(
     # a last janitor pass may be due: give stale state its grace, then look
     time.sleep(2.0)
     final = list_pods(core, ns)
+    (tmp / "final-pods.json").write_text(json.dumps(final))  # managedFields say who wrote what, when
     node_objs = {n: json.loads(core.read_node(n, _preload_content=False).data) for n in names}
     out = check(final, node_objs)
     bound = sum(

@@ -100,9 +100,10 @@ class DeviceManagerNode:
         with (self.dirs.base / "admissions.log").open("a") as f:  # what each run saw, for a post-mortem
             evs = [{k: e.get(k) for k in ("event", "container", "device_ids", "error", "exit")} for e in h.events
                    if e.get("event") in ("allocate", "error", "done")]  # fmt: skip
-            f.write(
-                json.dumps({"t": time.time(), "pod": pod["metadata"]["name"], "rc": rc, "events": evs}) + "\n"
-            )
+            ann = pod["metadata"].get("annotations") or {}
+            line = {"t": time.time(), "pod": pod["metadata"]["name"], "rv": pod["metadata"].get("resourceVersion"),
+                    "handoff": ann.get(ANN_HANDOFF), "assignment": ann.get(ANN_ASSIGNMENT), "rc": rc, "events": evs}  # fmt: skip
+            f.write(json.dumps(line) + "\n")
         return rc, h.allocations(pod["metadata"]["uid"])
 
     def close(self, keep_logs: Path | None = None) -> None:
