@@ -80,7 +80,9 @@ class PodInfo:
 
     @property
     def pending(self) -> bool:
-        return self.handoff == HANDOFF_PENDING and not self.deleting
+        # a bound pod being deleted may still be mid-admission on its node: it keeps the lock until
+        # gone or terminal (handoff.is_pending_handoff), or until the stale-handoff limit resolves it
+        return self.handoff == HANDOFF_PENDING and (not self.deleting or bool(self.bound_node))
 
     def pod_view(self) -> handoff.PodView:
         ns, name = self.key.split("/", 1)

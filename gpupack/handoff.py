@@ -158,9 +158,14 @@ def pod_view(pod: Any) -> PodView:
 
 # --- the per-node predicate -------------------------------------------------------------------
 def is_pending_handoff(pod: Any) -> bool:
-    """A live pod whose GPUs the device plugin has not yet handed out completely."""
+    """A pod whose GPUs the device plugin has not yet handed out completely, and that a kubelet may
+    still be admitting. A bound pod being deleted stays pending until it is gone or terminal: its
+    kubelet may be in the middle of admitting it (the real device manager goes on calling Allocate
+    for its containers), and serving the next pod's assignment there would hand out the wrong GPU."""
     p = pod_view(pod)
-    return p.live and p.handoff == HANDOFF_PENDING
+    if p.phase in TERMINAL_PHASES or p.handoff != HANDOFF_PENDING:
+        return False
+    return not p.deleting or bool(p.node_name)
 
 
 def pending_pods_on_node(pods: Iterable[Any], node: str) -> list[PodView]:

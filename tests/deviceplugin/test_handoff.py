@@ -81,7 +81,13 @@ def test_blocking_predicate_only_counts_live_pending_pods_on_that_node():
     assert handoff.blocking_handoff([pod()], "n2") is None
     assert handoff.blocking_handoff([pod(phase="Failed")], "n1") is None
     assert handoff.blocking_handoff([pod(phase="Succeeded")], "n1") is None
-    assert handoff.blocking_handoff([pod(deleting=True)], "n1") is None
+    # a bound pod being deleted may be mid-admission (the kubelet goes on calling Allocate for its
+    # containers): it keeps the node until it is gone or terminal; unbound, it never will be admitted
+    assert handoff.blocking_handoff([pod(deleting=True)], "n1").key == "ns/p"
+    assert handoff.blocking_handoff([pod(deleting=True, phase="Failed")], "n1") is None
+    unbound = pod(deleting=True)
+    unbound["spec"]["nodeName"] = ""
+    assert not handoff.is_pending_handoff(unbound)
     assert handoff.blocking_handoff([pod(handoff_state="done")], "n1") is None
     assert handoff.blocking_handoff([pod(handoff_state="")], "n1") is None
     # a retried bind of the pod itself does not block itself
@@ -210,7 +216,10 @@ def test_select_pending_pod_never_guesses():
         handoff.select_pending_pod([pod(handoff_state="done")], "n1")
     with pytest.raises(HandoffError, match="2 pods have a pending GPU handoff .*ns/a.*ns/b"):
         handoff.select_pending_pod([pod("a"), pod("b")], "n1")
-    assert handoff.select_pending_pod([pod("a"), pod("b", deleting=True)], "n1").name == "a"
+    # a bound pod being deleted may still be mid-admission: it counts, so the plugin refuses to guess
+    with pytest.raises(HandoffError, match="refusing to guess"):
+        handoff.select_pending_pod([pod("a"), pod("b", deleting=True)], "n1")
+    assert handoff.select_pending_pod([pod("a"), pod("b", phase="Failed")], "n1").name == "a"
 
 
 def test_env_for_shared_and_exclusive_containers():

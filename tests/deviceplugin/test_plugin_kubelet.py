@@ -17,7 +17,8 @@ import urllib.request
 
 import pytest
 import realk8s
-from conftest import DP
+from dp_binder import BindRefused
+from dp_node import DP
 from faultproxy import FaultProxy
 from harness import harness_pod
 
@@ -272,14 +273,22 @@ def test_unhealthy_assigned_gpu_fails_allocate_and_releases_the_node(dp):
     assert_env_is_assignment(dp.harness.allocations(after["metadata"]["uid"])["main"]["envs"], a2, "main")
 
 
-def test_pod_deleted_between_bind_and_allocate_leaves_nothing_stuck(dp):
-    """A graceful delete of a bound pod never completes without a kubelet: the pod stays, with a
-    deletionTimestamp. It must neither block the node nor be served."""
+def test_a_bound_pod_being_deleted_keeps_its_node_until_it_is_gone(dp):
+    """A graceful delete of a bound pod completes only when its kubelet confirms, and until then that
+    kubelet may still be admitting it (the device manager goes on calling Allocate for its
+    containers). So it stays the node's pending handoff: the next pod is not bound there, and so can
+    never be served in its place. Once the pod is gone, the next pod is bound and gets its own GPU."""
     dp.make_pod("gone")
     nxt = dp.make_pod("next", containers=[("main", 1, 7000, 15)])
     dp.bind("gone")
     dp.core.delete_namespaced_pod("gone", dp.ns, _preload_content=False)
     assert dp.read_pod("gone")["metadata"].get("deletionTimestamp")
+    dp.binder.wait_s = 1
+    with pytest.raises(BindRefused, match="waiting for the kubelet to admit pod"):
+        dp.bind("next")
+    dp.core.delete_namespaced_pod("gone", dp.ns, grace_period_seconds=0)  # what its kubelet confirms
+    realk8s.until(lambda: "gone" not in {p.metadata.name for p in dp.core.list_namespaced_pod(dp.ns).items},
+                  20, "the deleted pod gone")  # fmt: skip
     dp.binder.wait_s = 3
     a = dp.bind("next")
     admit_ok(dp, nxt, plugin_cmd=dp.plugin_cmd())
