@@ -319,7 +319,7 @@ class Janitor:
             if self.stop.is_set():
                 return
         try:
-            self.ext.requeue_waiting()
+            self.ext.metrics.requeued.labels("restart").inc(self.ext.requeue_waiting()[0])
         except Exception:
             log.exception("requeue of waiting pods failed")
         while not self.stop.wait(self.interval_s):
@@ -997,26 +997,35 @@ class Extender:
         self.metrics.problems.labels("stale-handoff-resolved").inc()
         return True
 
-    def requeue_waiting(self) -> int:
-        """Touch the pods kube-scheduler has not bound yet, once, after this extender (re)started:
-        attempts that hit the extender while it was away parked them in the scheduler's
-        unschedulable pods, which a v1.28 scheduler retries only on a cluster event or its 5-minute
-        flush. An update of the pod itself is such an event, for that pod alone."""
+    def requeue_waiting(
+        self, parked_only: bool = False, limit: int = 0, touched_since: str = ""
+    ) -> tuple[int, int]:
+        """Touch the pods kube-scheduler has not bound yet: an update of the pod itself moves it
+        from the scheduler's unschedulable pods back to its active queue, for that pod alone.
+
+        Once after this extender (re)started, every such pod: attempts that hit the extender while
+        it was away parked them, and a v1.28 scheduler retries those only on a cluster event or its
+        5-minute flush. For the Requeuer (`parked_only`), only the pods the scheduler marked
+        Unschedulable, at most `limit` of them (0: all), those not touched since `touched_since`
+        (an RFC 3339 stamp of this clock) first and no others. Returns (touched, left over)."""
         if self.kube is None:
-            return 0
+            return 0, 0
         if self.fence is not None and self.fence.problem():
-            return 0
+            return 0, 0
         stamp = handoff.rfc3339(self.clock())
-        n = 0
         try:
             pods = self.kube.unscheduled_pods(self.scheduler_name)
         except ApiException as e:
             log.warning("cannot list the pods waiting for %s: %s", self.scheduler_name, api_reason(e))
-            return 0
-        for pod in pods:
+            return 0, 0
+        todo = [p for p in pods if _waiting(p, parked_only)]
+        if touched_since:
+            todo = [p for p in todo if _requeued_at(p) < touched_since]
+        todo.sort(key=_requeued_at)  # the longest untouched first, so capped passes take turns
+        left = max(0, len(todo) - limit) if limit > 0 else 0
+        n = 0
+        for pod in todo[: len(todo) - left]:
             meta = pod.get("metadata") or {}
-            if meta.get("deletionTimestamp") or (pod.get("status") or {}).get("phase") not in ("Pending", None):
-                continue
             try:
                 self.kube.patch_pod_metadata(
                     meta.get("namespace") or "default", meta["name"], {ANN_REQUEUED: stamp}, {},
@@ -1028,4 +1037,97 @@ class Extender:
                     log.warning("cannot requeue pod %s/%s: %s", meta.get("namespace"), meta.get("name"), api_reason(e))
         if n:
             log.info("asked kube-scheduler to retry %d waiting pod(s) now", n)
-        return n
+        return n, left
+
+
+def _requeued_at(pod: dict[str, Any]) -> str:
+    return str(((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_REQUEUED) or "")
+
+
+def _waiting(pod: dict[str, Any], parked_only: bool) -> bool:
+    """Unbound, not being deleted, Pending; with `parked_only`, also marked Unschedulable by the
+    scheduler (PodScheduled False/Unschedulable): the pods it parked until a cluster event."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp") or (pod.get("spec") or {}).get("nodeName"):
+        return False
+    if status.get("phase") not in ("Pending", None):
+        return False
+    if not parked_only:
+        return True
+    return any(
+        c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+        for c in status.get("conditions") or []
+        if isinstance(c, dict)
+    )
+
+
+class Requeuer:
+    """Asks kube-scheduler to retry its parked gpupack pods when the cluster gains room for them.
+
+    kube-scheduler v1.28 (SchedulerQueueingHints off) moves parked pods back to its active queue on
+    a Node add/update only when a pre-check passes, and that pre-check (noderesources.Fits) counts
+    gpupack.io/gpu-mem and gpu-sm as missing on every node although the profile marks them
+    ignoredByScheduler: a GPU pod left waiting is not retried when a node joins, is uncordoned,
+    loses a taint or publishes more GPUs, only on an unrelated pod event or the scheduler's 5-minute
+    flush. The view reports such changes (ClusterView.on_room); this thread turns a burst of them
+    into one pass of :meth:`Extender.requeue_waiting` over the pods the scheduler marked
+    Unschedulable: after `settle_s` (the scheduler's informer sees the change too), at most one pass
+    per `min_interval_s`, each one list and at most `max_pods` PATCHes. Off the verb path: a poke
+    only sets a flag."""
+
+    def __init__(
+        self, ext: Extender, min_interval_s: float = 1.5, settle_s: float = 0.3, max_pods: int = 200
+    ) -> None:
+        self.ext = ext
+        self.min_interval_s, self.settle_s, self.max_pods = min_interval_s, settle_s, max_pods
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._why: Counter[str] = Counter()
+        self.passes = 0
+
+    def poke(self, node: str, why: str) -> None:
+        with self._lock:
+            self._why[why] += 1
+        self.wake.set()
+
+    def start(self) -> Requeuer:
+        self.ext.view.on_room = self.poke
+        threading.Thread(target=self.run, name="requeuer", daemon=True).start()
+        return self
+
+    def run(self) -> None:
+        # Room seen before the first sync (every node of the first list) is the Janitor's: it
+        # requeues all waiting pods once synced.
+        while not self.ext.view.synced.wait(0.5):
+            if self.stop.is_set():
+                return
+        self.wake.clear()
+        round_start = ""  # a pass capped at max_pods goes on with the pods it did not reach
+        while not self.stop.is_set():
+            if not self.wake.wait(0.5):
+                continue
+            if self.stop.wait(self.settle_s):
+                return
+            self.wake.clear()
+            with self._lock:
+                why, self._why = self._why, Counter()
+            if not round_start or why:
+                round_start = handoff.rfc3339(self.ext.clock())
+            try:
+                n, left = self.ext.requeue_waiting(
+                    parked_only=True, limit=self.max_pods, touched_since=round_start
+                )
+            except Exception:
+                log.exception("requeue of waiting pods failed")
+                n, left = 0, 0
+            self.passes += 1
+            self.ext.metrics.requeued.labels("room").inc(n)
+            if n or why:
+                log.info("cluster gained room (%s): %d parked pod(s) asked to retry, %d left for the next pass",
+                         ", ".join(f"{k} x{v}" for k, v in sorted(why.items())) or "continued", n, left)  # fmt: skip
+            if left:
+                self.wake.set()
+            else:
+                round_start = ""
+            self.stop.wait(self.min_interval_s)

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
     def make() -> Any:
         from .app import create_extender_app, only_probes_on
-        from .framework import Extender, Janitor, LeaseFence
+        from .framework import Extender, Janitor, LeaseFence, Requeuer
         from .kube import Kube, api_client
         from .metrics import Metrics
         from .sync import Sync
@@ -138,6 +138,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
             unbound_grace_s=args.unbound_grace_s, scheduler_name=args.scheduler_name,
             bind_concurrency=args.bind_concurrency,
         )  # fmt: skip
+        Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         Sync(view, kube).start()
         Janitor(ext, args.sweep_interval_s).start()
         log.info("extender policy=%s; syncing with the API server", policy.name)

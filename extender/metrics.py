@@ -52,6 +52,11 @@ class Metrics:
             "gpupack_extender_annotation_problems_total",
             "Corrupt or conflicting annotations seen in the cluster, by kind", ["kind"], registry=r,
         )
+        self.requeued = Counter(
+            "gpupack_extender_requeued_pods_total",
+            "Waiting pods asked to retry (gpupack.io/requeued-at), by why: restart (the extender's "
+            "first sync) or room (a node gained room; see Requeuer)", ["why"], registry=r,
+        )
         self.admission = Counter(
             "gpupack_webhook_admission_total", "Admission reviews, by kind and result", ["kind", "result"],
             registry=r,

@@ -61,6 +61,10 @@ class NodeInfo:
     # not registered there (never started, or gone), whatever the inventory annotation says.
     slots: int = 0
     version: int = 0  # bumped on every change that can change a fit on this node
+    # What kube-scheduler's own filters read and gpupack's fit does not: watched only so that a
+    # change that lets waiting pods on (see ClusterView.on_room) is noticed.
+    taints: frozenset[tuple[str, str, str]] = frozenset()
+    ready: bool = False
 
 
 @dataclass
@@ -185,6 +189,61 @@ def _allocatable_slots(obj: dict[str, Any]) -> int:
         return 0
 
 
+def _blocking_taints(obj: dict[str, Any]) -> frozenset[tuple[str, str, str]]:
+    taints = (obj.get("spec") or {}).get("taints") or []
+    return frozenset(
+        (str(t.get("key", "")), str(t.get("value", "")), str(t.get("effect", "")))
+        for t in taints
+        if isinstance(t, dict) and t.get("effect") in ("NoSchedule", "NoExecute")
+    )
+
+
+def _ready(obj: dict[str, Any]) -> bool:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == "Ready":
+            return c.get("status") == "True"
+    return False
+
+
+def _gpu_room(inv_raw: str | None) -> tuple[int, int, int]:
+    """Healthy GPUs, their MiB and the largest one's, as the inventory annotation says (0s when
+    it is absent or unreadable): what grows when a node can take more."""
+    if not inv_raw:
+        return 0, 0, 0
+    try:
+        inv = decode_inventory(inv_raw, "")
+    except ContractError:
+        return 0, 0, 0
+    mems = [g.mem_mib for g in inv.gpus if g.healthy]
+    return len(mems), sum(mems), max(mems, default=0)
+
+
+def room_grew(old: NodeInfo | None, new: NodeInfo, inv_raw: str | None, labels: dict[str, str]) -> str:
+    """Why a node's update may let pods on that did not fit before ("" if it cannot): kube-scheduler
+    v1.28 retries its parked pods on such node events only when a pre-check passes, and that
+    pre-check counts gpupack's ignoredByScheduler resources as missing on every node (see
+    Requeuer in framework.py)."""
+    if old is None:
+        return "node-added"
+    if old.unschedulable and not new.unschedulable:
+        return "node-uncordoned"
+    if new.ready and not old.ready:
+        return "node-ready"
+    if old.taints - new.taints:
+        return "taint-removed"
+    if new.slots > old.slots:
+        return "slots-grew"
+    if inv_raw != old.inventory_raw:
+        before, after = _gpu_room(old.inventory_raw), _gpu_room(inv_raw)
+        if any(a > b for a, b in zip(after, before, strict=True)):
+            return "inventory-grew"
+    if any(old.labels.get(k) != v for k, v in labels.items()):
+        return "labels-changed"  # a pod's node selector or GPU model may match now
+    if old.reservations and new.reservations_raw != old.reservations_raw:
+        return "reservations-changed"
+    return ""
+
+
 def _init_names(pod: dict[str, Any]) -> frozenset[str]:
     spec = pod.get("spec") or {}
     inits = spec.get("initContainers") or [] if isinstance(spec, dict) else []
@@ -205,6 +264,9 @@ class ClusterView:
         self.synced = threading.Event()
         # (kind, message) for corrupt annotations and conflicts; the metrics layer counts them
         self.on_problem = on_problem or (lambda kind, msg: None)
+        # (node, why) when a change may let waiting pods fit (see room_grew); called under the
+        # lock from the watch and bind threads, so it must not block (the Requeuer only flags).
+        self.on_room: Callable[[str, str], None] = lambda node, why: None
         self.problems: dict[str, str] = {}  # object -> last problem, for status and readiness
         # Every change that can change a fit, in order: journal[i - journal_base] is the node
         # changed at sequence number i. The extender's per-shape answers only re-examine the nodes
@@ -248,8 +310,10 @@ class ClusterView:
         inv_raw = ann.get(ANN_INVENTORY)
         res_raw = ann.get(ANN_RESERVATIONS)
         slots = _allocatable_slots(obj)
+        taints, ready = _blocking_taints(obj), _ready(obj)
         with self.lock:
             info = self.nodes.get(name)
+            before = replace(info) if info is not None else None
             if (
                 info is not None
                 and info.slots == slots
@@ -258,10 +322,18 @@ class ClusterView:
                 and info.unschedulable == unsched
                 and info.labels == labels
             ):
-                return  # heartbeats and status updates: nothing gpupack reads changed
+                # heartbeats and status updates: nothing gpupack's fit reads changed
+                if info.taints != taints or info.ready != ready:
+                    info.taints, info.ready = taints, ready
+                    if why := room_grew(before, info, inv_raw, labels):
+                        self.on_room(name, why)
+                return
             if info is None:
                 info = NodeInfo(name)
                 self.nodes[name] = info
+            info.taints, info.ready = taints, ready
+            why = room_grew(before, replace(info, unschedulable=unsched, slots=slots, reservations_raw=res_raw),
+                            inv_raw, labels)  # fmt: skip
             rebuild = inv_raw != info.inventory_raw or name not in self.state.nodes
             info.unschedulable, info.labels, info.slots = unsched, labels, slots
             if rebuild:
@@ -295,6 +367,8 @@ class ClusterView:
             else:
                 self.reserved.discard(name)
             self._touch(info)
+            if why:
+                self.on_room(name, why)
             self.changed.notify_all()
 
     def delete_node(self, name: str) -> None:
@@ -378,7 +452,9 @@ class ClusterView:
         if info is not None:
             self._touch(info)
 
-    def _release(self, key: str) -> None:
+    def _release(self, key: str, freed: bool = True) -> None:
+        """Take a pod's charge off its node; `freed`: its GPUs are free for others now (not when
+        it is about to be charged again), which may let waiting pods fit (see on_room)."""
         p = self.pods.pop(key, None)
         if p is None:
             return
@@ -394,6 +470,10 @@ class ClusterView:
         if pend is not None:
             pend.discard(key)
         self._bump(p.node)
+        if freed:
+            # kube-scheduler retries its parked pods on the pod's deletion itself, but that retry
+            # can reach this extender before its watch has freed the GPUs, and is not repeated.
+            self.on_room(p.node, "pod-left")
 
     def _index_pending(self, p: PodInfo) -> None:
         pend = self.pending_by_node.setdefault(p.node, set())
@@ -459,7 +539,7 @@ class ClusterView:
                 old.resource_version = info.resource_version
                 self._index_pending(old)
             else:
-                self._release(key)
+                self._release(key, freed=False)
                 self.pods[key] = info
                 self._charge(info)
                 self._index_pending(info)
@@ -549,7 +629,7 @@ class ClusterView:
                 raise PlacementError(f"node {a.node} is not known")
             old = self.pods.get(key)
             if old is not None:
-                self._release(key)  # a re-bind of the same pod replaces its earlier assignment
+                self._release(key, freed=False)  # a re-bind of the same pod replaces its earlier one
             raw = a.to_json()
             placement, charged, problems = charged_from_assignment(node, a, init_names)
             if problems:
