@@ -190,11 +190,16 @@ def test_pending_handoff_blocks_the_node_until_the_pod_is_gone(cluster, ns, sfx,
     err = bind(b)
     assert f"node {n1}: waiting for the kubelet to admit pod {ns}/a (GPU handoff pending since" in err
     assert ANN_ASSIGNMENT not in annotations(get_pod(cluster.core, ns, "b"))
-    # A graceful delete of a bound pod leaves it Terminating (no kubelet confirms here): a pod
-    # being deleted is never admitted, so it must stop blocking at once, not when it is gone.
+    # A graceful delete of a bound pod leaves it Terminating until its kubelet confirms, and that
+    # kubelet may still be admitting it (the real device manager goes on calling Allocate for a pod
+    # deleted mid-admission): it keeps blocking until it is gone, so b can never be served in its place.
     cluster.core.delete_namespaced_pod("a", ns)
     assert get_pod(cluster.core, ns, "a")["metadata"].get("deletionTimestamp")
-    until(lambda: bind(b) == "", 30, "bind after the blocker is deleted")
+    for _ in range(4):  # long enough for the extender's watch to have seen the deletion
+        assert "waiting for the kubelet to admit pod" in bind(b)
+        time.sleep(0.5)
+    cluster.core.delete_namespaced_pod("a", ns, grace_period_seconds=0)  # what its kubelet confirms
+    until(lambda: bind(b) == "", 30, "bind after the blocker is gone")
 
 
 @pytest.fixture
