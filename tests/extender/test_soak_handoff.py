@@ -1,9 +1,8 @@
 """A reduced run of benchmarks/soak_handoff.py on the tests' control plane: mixed pod shapes, deletions
 while a handoff is pending, two extender SIGKILLs and a leader hand-over, through the real
-kube-scheduler; it must end with no over-committed GPU, no allocation that differs from its
-assignment, no node over its slots and no locked node. The kubelets here are the in-process emulator of
-the device plugin's side; the benchmark's default, `--kubelet device-manager`, runs the real device
-manager and plugin processes."""
+kube-scheduler, the kubelet's real device manager and the real device plugin processes (and two
+plugin SIGKILLs); it must end with no over-committed GPU, no container env or allocation that differs
+from its assignment, no refused admission, no node over its slots and no locked node."""
 
 from __future__ import annotations
 
@@ -19,13 +18,15 @@ def test_reduced_soak_ends_with_no_overcommit_no_mismatch_no_locked_node(cluster
     out = soak_handoff.run(
         cluster, tmp_path, pods=24, nodes=3, seed=7,
         ns=f"soak-{sfx}", lease_ns=f"soak-lease-{sfx}", prefix=f"soak-{sfx}", settle_s=4,
-        kubelet_mode="emulator",
+        kubelet_mode="device-manager",
     )  # fmt: skip
     figures = {
-        k: out[k] for k in ("overcommitted_gpus", "allocation_mismatches", "nodes_over_slots", "locked_nodes")
-    }
+        k: out[k]
+        for k in ("overcommitted_gpus", "allocation_mismatches", "env_mismatches", "admissions_refused",
+                  "not_admitted", "nodes_over_slots", "locked_nodes")
+    }  # fmt: skip
     assert figures == dict.fromkeys(figures, 0), out
-    assert len(out["events"]) == 3 and out["deleted_mid_handoff"] >= 1, out
+    assert len(out["events"]) == 5 and out["plugin_restarts"] == 2 and out["deleted_mid_handoff"] >= 1, out
     # everything that fits is placed: what stays Pending does so for capacity, with the reason
     assert out["handoffs_done"] >= 12, out
     assert not out["plugin_errors"] and not out["kubelet_errors"], out
