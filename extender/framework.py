@@ -1014,7 +1014,7 @@ class Extender:
             return 0, 0
         stamp = handoff.rfc3339(self.clock())
         try:
-            pods = self.kube.unscheduled_pods(self.scheduler_name)
+            pods = self.kube.unscheduled_pods(self.scheduler_name, cached=parked_only)
         except ApiException as e:
             log.warning("cannot list the pods waiting for %s: %s", self.scheduler_name, api_reason(e))
             return 0, 0

