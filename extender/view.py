@@ -313,7 +313,6 @@ class ClusterView:
         taints, ready = _blocking_taints(obj), _ready(obj)
         with self.lock:
             info = self.nodes.get(name)
-            before = replace(info) if info is not None else None
             if (
                 info is not None
                 and info.slots == slots
@@ -324,10 +323,12 @@ class ClusterView:
             ):
                 # heartbeats and status updates: nothing gpupack's fit reads changed
                 if info.taints != taints or info.ready != ready:
+                    before = replace(info)
                     info.taints, info.ready = taints, ready
                     if why := room_grew(before, info, inv_raw, labels):
                         self.on_room(name, why)
                 return
+            before = replace(info) if info is not None else None
             if info is None:
                 info = NodeInfo(name)
                 self.nodes[name] = info
