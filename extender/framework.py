@@ -1003,8 +1003,8 @@ class Extender:
         """Touch the pods kube-scheduler has not bound yet: an update of the pod itself moves it
         from the scheduler's unschedulable pods back to its active queue, for that pod alone.
 
-        Once after this extender (re)started, every such pod: attempts that hit the extender while
-        it was away parked them, and a v1.28 scheduler retries those only on a cluster event or its
+        Once after this extender (re)started, every such pod that failed an attempt: attempts that
+        hit the extender while it was away parked them, and a v1.28 scheduler retries those only on a cluster event or its
         5-minute flush. For the Requeuer (`parked_only`), only the pods the scheduler marked
         Unschedulable, at most `limit` of them (0: all), those not touched since `touched_since`
         (an RFC 3339 stamp of this clock) first and no others. Returns (touched, left over)."""
@@ -1045,17 +1045,19 @@ def _requeued_at(pod: dict[str, Any]) -> str:
 
 
 def _waiting(pod: dict[str, Any], parked_only: bool) -> bool:
-    """Unbound, not being deleted, Pending; with `parked_only`, also marked Unschedulable by the
-    scheduler (PodScheduled False/Unschedulable): the pods it parked until a cluster event."""
+    """Unbound, not being deleted, Pending, and an attempt of the scheduler's failed (PodScheduled
+    False; with `parked_only`, reason Unschedulable: the pods it parks until a cluster event). A pod
+    not tried yet is in the scheduler's active queue already: touching it would only make its bind
+    read it again (its resourceVersion changed since its filter)."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     if meta.get("deletionTimestamp") or (pod.get("spec") or {}).get("nodeName"):
         return False
     if status.get("phase") not in ("Pending", None):
         return False
-    if not parked_only:
-        return True
     return any(
-        c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+        c.get("type") == "PodScheduled"
+        and c.get("status") == "False"
+        and (not parked_only or c.get("reason") == "Unschedulable")
         for c in status.get("conditions") or []
         if isinstance(c, dict)
     )

@@ -92,11 +92,12 @@ class FakeKube:
     def __init__(self, pods: list[dict[str, Any]]) -> None:
         self.pods = pods
         self.lists = 0
+        self.cached = False
         self.patched: list[str] = []
         self.lock = threading.Lock()
 
     def unscheduled_pods(self, scheduler_name: str, cached: bool = False) -> list[dict[str, Any]]:
-        assert cached, "a list repeated every few seconds must come from the API server's cache"
+        self.cached = cached
         with self.lock:
             self.lists += 1
             return copy.deepcopy(self.pods)
@@ -153,6 +154,7 @@ def test_requeuer_touches_only_parked_pods_and_coalesces_a_burst(requeuer):
     time.sleep(0.8)
     # one pass (two if a slow machine spread the pokes across the first one's start)
     assert 1 <= kube.lists <= 2 and set(kube.patched) == {"parked"}, (kube.lists, kube.patched)
+    assert kube.cached, "a list repeated every few seconds must come from the API server's cache"
     assert (kube.pods[0]["metadata"]["annotations"] or {}).get(ANN_REQUEUED)
 
 
@@ -178,3 +180,13 @@ def test_requeuer_passes_are_rate_limited_and_capped(requeuer):
         time.sleep(0.01)
     time.sleep(0.2)
     assert 1 <= kube.lists - lists <= 4, kube.lists - lists
+
+
+def test_the_restart_pass_touches_each_pod_whose_attempt_failed_and_no_fresh_one():
+    pods = [waiting("parked"), waiting("errored", reason="SchedulerError"), waiting("fresh"),
+            waiting("going", deletionTimestamp="2026-01-01T00:00:00Z")]  # fmt: skip
+    pods[2]["status"] = {"phase": "Pending"}  # created after the sync: not tried yet, nothing to retry
+    kube = FakeKube(pods)
+    ext = Extender(ClusterView(), get_policy(DEFAULT_POLICY), kube)  # type: ignore[arg-type]
+    assert ext.requeue_waiting() == (2, 0)
+    assert sorted(kube.patched) == ["errored", "parked"] and not kube.cached
