@@ -178,6 +178,47 @@ def workload_of(pod: PodRequest) -> tuple[str, str, str] | None:
     return (pod.namespace, pod.owner[0], pod.owner[1])
 
 
+class _Caps:
+    """The safety caps (`Limits`) both planners apply to a group of evictions, and what the plan
+    has used of them so far."""
+
+    def __init__(self, limits: Limits, state: ClusterState) -> None:
+        self.limits = limits
+        self.per_node: Counter[str] = Counter()
+        self.per_ns: Counter[str] = Counter()
+        self.per_workload: Counter[tuple[str, str, str]] = Counter()
+        self.replicas: Counter[tuple[str, str, str]] = Counter(
+            wl for pod, _, _ in state.pods.values() if (wl := workload_of(pod)) is not None
+        )
+
+    def refuse(self, pods: list[PodRequest], node: str, evictions: int) -> str | None:
+        """Why evicting `pods` from `node` would pass a cap (after `evictions` already planned), or None."""
+        lim = self.limits
+        if evictions + len(pods) > lim.max_evictions:
+            return "cap:run"
+        if lim.max_per_node > 0 and self.per_node[node] + len(pods) > lim.max_per_node:
+            return "cap:node"
+        if lim.max_per_namespace > 0:
+            for ns, n in Counter(p.namespace for p in pods).items():
+                if self.per_ns[ns] + n > lim.max_per_namespace:
+                    return "cap:namespace"
+        if lim.max_workload_share > 0:
+            for wl, n in Counter(workload_of(p) for p in pods).items():
+                if wl is None:
+                    continue
+                allowed = max(1, math.floor(lim.max_workload_share * self.replicas[wl]))
+                if self.per_workload[wl] + n > allowed:
+                    return "cap:workload"
+        return None
+
+    def record(self, pod: PodRequest, node: str) -> None:
+        self.per_node[node] += 1
+        self.per_ns[pod.namespace] += 1
+        wl = workload_of(pod)
+        if wl is not None:
+            self.per_workload[wl] += 1
+
+
 class _Planner:
     def __init__(
         self,
@@ -208,14 +249,7 @@ class _Planner:
                     self._block(name, i)
                 else:
                     self._refresh(name, i)
-        self.evicted_per_node: Counter[str] = Counter()
-        self.evicted_per_ns: Counter[str] = Counter()
-        self.evicted_per_workload: Counter[tuple[str, str, str]] = Counter()
-        self.replicas: Counter[tuple[str, str, str]] = Counter()
-        for pod, _, _ in state.pods.values():
-            wl = workload_of(pod)
-            if wl is not None:
-                self.replicas[wl] += 1
+        self.caps = _Caps(self.limits, state)
         self.plan = Plan(used_gpus_before=used_gpus(state))
 
     # --- blocking ---------------------------------------------------------------------------
@@ -290,25 +324,7 @@ class _Planner:
         return (len(pods) / len(freed), not node_empties, used_on_node, load, node.name, idx)
 
     def caps_allow(self, pods: list[str], node: str) -> str | None:
-        lim = self.limits
-        if self.plan.evictions + len(pods) > lim.max_evictions:
-            return "cap:run"
-        if lim.max_per_node > 0 and self.evicted_per_node[node] + len(pods) > lim.max_per_node:
-            return "cap:node"
-        per_ns = Counter(self.w.pods[k][0].namespace for k in pods)
-        if lim.max_per_namespace > 0:
-            for ns, n in per_ns.items():
-                if self.evicted_per_ns[ns] + n > lim.max_per_namespace:
-                    return "cap:namespace"
-        per_wl = Counter(workload_of(self.w.pods[k][0]) for k in pods)
-        if lim.max_workload_share > 0:
-            for wl, n in per_wl.items():
-                if wl is None:
-                    continue
-                allowed = max(1, math.floor(lim.max_workload_share * self.replicas[wl]))
-                if self.evicted_per_workload[wl] + n > allowed:
-                    return "cap:workload"
-        return None
+        return self.caps.refuse([self.w.pods[k][0] for k in pods], node, self.plan.evictions)
 
     # --- placing ------------------------------------------------------------------------------
     def find_target(self, pod: PodRequest) -> Fit | None:
@@ -479,11 +495,7 @@ class _Planner:
             dst = self.w.nodes[f.placement.node]
             self.plan.moves.append(_move(len(self.plan.moves), gid, k, originals[k], src, f, dst))
             self.moved.add(k)
-            self.evicted_per_node[placement.node] += 1
-            self.evicted_per_ns[pod.namespace] += 1
-            wl = workload_of(pod)
-            if wl is not None:
-                self.evicted_per_workload[wl] += 1
+            self.caps.record(pod, placement.node)
         node_freed = all(g.empty for g in node.gpus)
         self.plan.groups.append(
             Group(
@@ -684,13 +696,7 @@ class _NodePlanner:
         self.plan = Plan(used_gpus_before=used_gpus(state))
         self.drained: set[str] = set()
         self.kept: set[str] = set()
-        self.evicted_per_ns: Counter[str] = Counter()
-        self.evicted_per_workload: Counter[tuple[str, str, str]] = Counter()
-        self.replicas: Counter[tuple[str, str, str]] = Counter()
-        for pod, _, _ in state.pods.values():
-            wl = workload_of(pod)
-            if wl is not None:
-                self.replicas[wl] += 1
+        self.caps = _Caps(limits, state)
         self.pods_on: dict[str, list[str]] = {}
         for k, (_, placement, _) in state.pods.items():
             self.pods_on.setdefault(placement.node, []).append(k)
@@ -717,27 +723,6 @@ class _NodePlanner:
                 continue
             out.append(name)
         return sorted(out, key=self.cost)
-
-    def caps_allow(self, pods: list[str]) -> str | None:
-        lim = self.limits
-        if self.plan.evictions + len(pods) > lim.max_evictions:
-            return "cap:run"
-        if lim.max_per_node > 0 and len(pods) > lim.max_per_node:
-            return "cap:node"
-        per_ns = Counter(self.w.pods[k][0].namespace for k in pods)
-        if lim.max_per_namespace > 0 and any(
-            self.evicted_per_ns[ns] + n > lim.max_per_namespace for ns, n in per_ns.items()
-        ):
-            return "cap:namespace"
-        if lim.max_workload_share > 0:
-            per_wl = Counter(workload_of(self.w.pods[k][0]) for k in pods)
-            for wl, n in per_wl.items():
-                if wl is None:
-                    continue
-                allowed = max(1, math.floor(lim.max_workload_share * self.replicas[wl]))
-                if self.evicted_per_workload[wl] + n > allowed:
-                    return "cap:workload"
-        return None
 
     def targets(self, source: str) -> list[Node]:
         nodes = [
@@ -807,7 +792,7 @@ class _NodePlanner:
                 self.plan.skipped["kept-as-target"] += 1
                 continue
             pods = self.pods_on.get(name, [])
-            why = self.caps_allow(pods)
+            why = self.caps.refuse([self.w.pods[k][0] for k in pods], name, self.plan.evictions)
             if why is not None:
                 self.plan.skipped[why] += 1
                 continue
@@ -825,10 +810,7 @@ class _NodePlanner:
                 dst = self.w.nodes[f.placement.node]
                 self.kept.add(f.placement.node)
                 self.plan.moves.append(_move(len(self.plan.moves), gid, k, originals[k], node, f, dst))
-                self.evicted_per_ns[pod.namespace] += 1
-                wl = workload_of(pod)
-                if wl is not None:
-                    self.evicted_per_workload[wl] += 1
+                self.caps.record(pod, placement.node)
             self.plan.groups.append(
                 Group(gid, name, tuple(node.gpus[i].uuid for i in freed), tuple(k for k, _ in done), True)
             )
