@@ -32,10 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,6 +54,7 @@ from ext_helpers import (  # noqa: E402
     container,
     create_pod,
     gpu_node,
+    kill_tree,
     list_pods,
     pod_obj,
 )
@@ -106,20 +104,6 @@ def shapes(rng: random.Random, i: int, ns: str = NS) -> dict[str, Any]:
         name, [container("app", 1, mem, sm)], cls=cls, namespace=ns,
         init=[container("warmup", 1, rng.choice([2000, mem]), rng.choice([5, sm]))],
     )  # fmt: skip
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL gunicorn's arbiter and its worker."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
-                children.append(int(stat.parent.name))
-    proc.kill()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
 
 
 class Leader:
@@ -197,10 +181,8 @@ class Pair:
         return time.monotonic() - t0
 
     def start_scheduler(self) -> None:
-        from test_extender_scheduler import scheduler_config
-
         self.sched = self.cp.start_scheduler(
-            scheduler_config(self.ext.url), name=f"gpupack-scheduler-{self.name}"
+            realk8s.gpupack_scheduler_config(self.ext.url), name=f"gpupack-scheduler-{self.name}"
         )
 
     def stop(self) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import realk8s
+from ext_helpers import DevicePluginEmulator
 from processes import ExtenderProcess
 
 
@@ -50,6 +51,17 @@ def start_extender(kubeconfig: Path, tmp_path: Path):
     yield start
     for p in procs:
         p.stop()
+
+
+@pytest.fixture
+def kubelet(cluster: realk8s.ControlPlane, ns: str) -> Iterator[DevicePluginEmulator]:
+    """The kubelet of every fake node, with gpupack's device plugin finishing each handoff; fails
+    the test on any error either of them met."""
+    plugin = DevicePluginEmulator(cluster)
+    with realk8s.KubeletEmulator(cluster, ns, on_admit=plugin) as k:
+        yield plugin
+    assert not plugin.errors, plugin.errors
+    assert not k.errors, k.errors
 
 
 @pytest.fixture

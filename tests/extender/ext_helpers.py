@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import realk8s
 from kubernetes import client
+from processes import ExtenderProcess
 
 from gpupack import handoff
 from gpupack.contract import (
@@ -249,3 +256,38 @@ class DevicePluginEmulator:
 
 def get_node(core: client.CoreV1Api, name: str) -> dict[str, Any]:
     return json.loads(core.read_node(name, _preload_content=False).data)
+
+
+def extender_with_scheduler(
+    k8s: realk8s.ControlPlane, tmp: Path, scheduler_name: str, *flags: str
+) -> Iterator[SimpleNamespace]:
+    """The real `gpupack extender` (with `flags`) and the real kube-scheduler running gpupack's
+    shipped profile pointed at it, for a module fixture: yields `ext`, `proc` (the scheduler) and
+    what a test needs to restart the extender behind the same URL (`kc`, `tmp`, `port`, `flags`).
+    A test may replace `ext`; the one there at the end is stopped."""
+    kc = k8s.write_kubeconfig(tmp / "kubeconfig")
+    ext = ExtenderProcess(kc, tmp / "extender-0.log", *flags)
+    st = SimpleNamespace(ext=ext, kc=kc, tmp=tmp, port=ext.port, flags=flags, proc=None)
+    try:
+        ext.wait_ready()
+        st.proc = k8s.start_scheduler(realk8s.gpupack_scheduler_config(ext.url), name=scheduler_name)
+        yield st
+    finally:
+        if st.proc is not None:
+            st.proc.stop()
+        st.ext.stop()
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL gunicorn's arbiter and its worker (a lone SIGKILL of the arbiter leaves the worker
+    serving until it notices)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                children.append(int(stat.parent.name))
+    proc.kill()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()

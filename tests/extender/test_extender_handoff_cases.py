@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -33,14 +30,16 @@ from ext_helpers import (
     annotations,
     container,
     create_pod,
+    extender_with_scheduler,
     get_pod,
     gpu_node,
+    kill_tree,
     list_pods,
     pod_obj,
 )
 from faultproxy import FaultProxy
-from processes import ExtenderProcess, free_port
-from test_extender_scheduler import events, scheduler_config
+from processes import ExtenderProcess
+from test_extender_scheduler import events
 
 from gpupack import handoff
 from gpupack.contract import (
@@ -163,21 +162,6 @@ def test_extender_killed_between_patch_and_binding_leaves_no_locked_node(
     assert out["NodeNames"] == [node], out
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL gunicorn's arbiter and its worker (a lone SIGKILL of the arbiter leaves the worker
-    serving until it notices)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
-                children.append(int(stat.parent.name))
-    proc.kill()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-
-
 def _quiet(fn, *a) -> None:
     with contextlib.suppress(Exception):  # the extender was killed under this request
         fn(*a, timeout=30)
@@ -281,7 +265,7 @@ def test_real_scheduler_with_leader_election_binds_through_its_fenced_extender(
     le = {"leaderElect": True, "resourceNamespace": ns, "resourceName": "gpupack-scheduler",
           "resourceLock": "leases", "leaseDuration": "15s", "renewDeadline": "10s", "retryPeriod": "2s"}  # fmt: skip
     sched = cluster.start_scheduler(
-        scheduler_config(ext.url), name="gpupack-scheduler-le", leader_election=le
+        realk8s.gpupack_scheduler_config(ext.url), name="gpupack-scheduler-le", leader_election=le
     )
     try:
         with realk8s.KubeletEmulator(cluster, ns, on_admit=DevicePluginEmulator(cluster)):
@@ -323,20 +307,9 @@ def test_a_hung_api_call_ends_the_bind_within_its_timeout_and_holds_no_lock(
 # --- cases 5, 6, 9: the real kube-scheduler ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def sched(k8s: realk8s.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    tmp = tmp_path_factory.mktemp("sched-handoff")
-    kc = k8s.write_kubeconfig(tmp / "kubeconfig")
-    port = free_port()
-    flags = ("--bind-wait-s", "3")
-    ext = ExtenderProcess(kc, tmp / "extender-0.log", *flags, port=port)
-    st = SimpleNamespace(ext=ext, kc=kc, tmp=tmp, port=port, flags=flags, proc=None)
-    try:
-        ext.wait_ready()
-        st.proc = k8s.start_scheduler(scheduler_config(ext.url), name="gpupack-scheduler-handoff")
-        yield st
-    finally:
-        if st.proc is not None:
-            st.proc.stop()
-        st.ext.stop()
+    yield from extender_with_scheduler(
+        k8s, tmp_path_factory.mktemp("sched-handoff"), "gpupack-scheduler-handoff", "--bind-wait-s", "3"
+    )
 
 
 def _bound(cluster, ns: str) -> dict[str, str]:

@@ -17,7 +17,6 @@ import realk8s
 import requests
 from ext_helpers import (
     H100_MIB,
-    DevicePluginEmulator,
     annotations,
     container,
     create_pod,
@@ -46,16 +45,6 @@ until = realk8s.until
 def bind_body(pod: dict, node: str) -> dict:
     m = pod["metadata"]
     return {"PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node}
-
-
-@pytest.fixture
-def kubelet(cluster, ns):
-    """The kubelet of every fake node, with gpupack's device plugin finishing each handoff."""
-    plugin = DevicePluginEmulator(cluster)
-    with realk8s.KubeletEmulator(cluster, ns, on_admit=plugin) as k:
-        yield plugin
-    assert not plugin.errors, plugin.errors
-    assert not k.errors, k.errors
 
 
 def _rename(body: dict, names: dict[str, str], ns: str) -> dict:

@@ -15,9 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import realk8s
-from ext_helpers import DevicePluginEmulator, container, create_pod, get_pod, gpu_node, pod_obj
-from processes import ExtenderProcess
-from test_extender_scheduler import diag, events, scheduler_config
+from ext_helpers import container, create_pod, extender_with_scheduler, get_pod, gpu_node, pod_obj
+from test_extender_scheduler import diag, events
 
 until = realk8s.until
 BIG_MIB = 60000  # more than the 40 GiB GPU of the small node, less than an H100
@@ -27,26 +26,7 @@ REQUEUE_LIMIT_S = 15.0  # the scheduler alone takes ~5 minutes (its flush of uns
 
 @pytest.fixture(scope="module")
 def sched(k8s: realk8s.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    tmp = tmp_path_factory.mktemp("requeue")
-    ext = ExtenderProcess(k8s.write_kubeconfig(tmp / "kubeconfig"), tmp / "extender.log")
-    try:
-        ext.wait_ready()
-        proc = k8s.start_scheduler(scheduler_config(ext.url), name="gpupack-scheduler-requeue")
-        try:
-            yield SimpleNamespace(ext=ext, proc=proc)
-        finally:
-            proc.stop()
-    finally:
-        ext.stop()
-
-
-@pytest.fixture
-def kubelet(cluster: realk8s.ControlPlane, ns: str) -> Iterator[DevicePluginEmulator]:
-    plugin = DevicePluginEmulator(cluster)
-    with realk8s.KubeletEmulator(cluster, ns, on_admit=plugin) as k:
-        yield plugin
-    assert not plugin.errors, plugin.errors
-    assert not k.errors, k.errors
+    yield from extender_with_scheduler(k8s, tmp_path_factory.mktemp("requeue"), "gpupack-scheduler-requeue")
 
 
 def parked(cluster: realk8s.ControlPlane, ns: str, name: str, reason: str, sched: SimpleNamespace) -> None:

@@ -8,24 +8,21 @@ handoff (which frees the node for the next bind) is emulated in its admit hook."
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import realk8s
-import yaml
 from ext_helpers import (
     H100_MIB,
-    DevicePluginEmulator,
     annotations,
     container,
     create_pod,
+    extender_with_scheduler,
     gpu_node,
     list_pods,
     pod_obj,
 )
-from processes import ExtenderProcess
 
 from gpupack.contract import (
     ANN_ALLOCATED,
@@ -38,42 +35,13 @@ from gpupack.contract import (
 )
 
 until = realk8s.until
-REPO = Path(__file__).resolve().parents[2]
-
-
-def scheduler_config(extender_url: str) -> dict[str, Any]:
-    """The KubeSchedulerConfiguration gpupack ships, pointed at `extender_url`."""
-    cm = yaml.safe_load((REPO / "deploy" / "scheduler" / "config.yaml").read_text())
-    cfg = yaml.safe_load(cm["data"]["config.yaml"])
-    (ext,) = cfg["extenders"]
-    ext["urlPrefix"] = extender_url
-    return cfg
 
 
 @pytest.fixture(scope="module")
 def sched(k8s: realk8s.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     """One extender and one kube-scheduler for the module (each test brings its own nodes and
     namespace; the `cluster` fixture clears them, and both processes follow through their watches)."""
-    tmp = tmp_path_factory.mktemp("sched")
-    ext = ExtenderProcess(k8s.write_kubeconfig(tmp / "kubeconfig"), tmp / "extender.log")
-    try:
-        ext.wait_ready()
-        proc = k8s.start_scheduler(scheduler_config(ext.url), name="gpupack-scheduler")
-        try:
-            yield SimpleNamespace(ext=ext, proc=proc)
-        finally:
-            proc.stop()
-    finally:
-        ext.stop()
-
-
-@pytest.fixture
-def kubelet(cluster: realk8s.ControlPlane, ns: str) -> Iterator[DevicePluginEmulator]:
-    plugin = DevicePluginEmulator(cluster)
-    with realk8s.KubeletEmulator(cluster, ns, on_admit=plugin) as k:
-        yield plugin
-    assert not plugin.errors, plugin.errors
-    assert not k.errors, k.errors
+    yield from extender_with_scheduler(k8s, tmp_path_factory.mktemp("sched"), "gpupack-scheduler")
 
 
 def diag(sched: SimpleNamespace) -> str:
