@@ -192,6 +192,12 @@ def list_pods(core: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
     return json.loads(core.list_namespaced_pod(namespace, _preload_content=False).data)["items"]
 
 
+def bind_body(pod: dict, node: str) -> dict:
+    """The extender's bind request (kube-scheduler's ExtenderBindingArgs) for `pod` on `node`."""
+    m = pod["metadata"]
+    return {"PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node}
+
+
 def annotations(pod: dict[str, Any]) -> dict[str, str]:
     return pod["metadata"].get("annotations") or {}
 

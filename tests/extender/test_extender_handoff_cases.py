@@ -28,6 +28,7 @@ import realk8s
 from ext_helpers import (
     DevicePluginEmulator,
     annotations,
+    bind_body,
     container,
     create_pod,
     extender_with_scheduler,
@@ -54,11 +55,6 @@ from gpupack.contract import (
 )
 
 until = realk8s.until
-
-
-def bind_body(pod: dict, node: str) -> dict:
-    m = pod["metadata"]
-    return {"PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node}
 
 
 def filter_body(pod: dict, nodes: list[str]) -> dict:

@@ -18,6 +18,7 @@ import requests
 from ext_helpers import (
     H100_MIB,
     annotations,
+    bind_body,
     container,
     create_pod,
     get_pod,
@@ -40,11 +41,6 @@ from gpupack.contract import (
 )
 
 until = realk8s.until
-
-
-def bind_body(pod: dict, node: str) -> dict:
-    m = pod["metadata"]
-    return {"PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"], "Node": node}
 
 
 def _rename(body: dict, names: dict[str, str], ns: str) -> dict:

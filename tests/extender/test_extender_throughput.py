@@ -15,9 +15,9 @@ import threading
 import time
 
 import realk8s
-from ext_helpers import DevicePluginEmulator, annotations, create_pod, get_pod, gpu_node
+from ext_helpers import DevicePluginEmulator, annotations, bind_body, create_pod, get_pod, gpu_node
 from faultproxy import FaultProxy
-from test_extender_handoff_cases import _lease, bind_body, filter_body, small
+from test_extender_handoff_cases import _lease, filter_body, small
 
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, decode_assignment
 
