@@ -190,23 +190,6 @@ def ident(o: Obj) -> str:
     return f"{o.get('kind')}/{ns + '/' if ns else ''}{md.get('name')}"
 
 
-def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    for k, v in (selector.get("matchLabels") or {}).items():
-        if labels.get(k) != v:
-            return False
-    for e in selector.get("matchExpressions") or []:
-        key, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
-        if op == "In" and labels.get(key) not in vals:
-            return False
-        if op == "NotIn" and labels.get(key) in vals:
-            return False
-        if op == "Exists" and key not in labels:
-            return False
-        if op == "DoesNotExist" and key in labels:
-            return False
-    return True
-
-
 # --- schema validation ---------------------------------------------------------------------------
 # The JSON schemas (generated from each release's OpenAPI spec) ship in the kubernetes-validate
 # package. Its validate() re-reads the 1.4 MB definitions file on every call; the schemas are
@@ -446,7 +429,7 @@ def semantic_errors(objs: list[Obj]) -> list[str]:
     for o in workloads:
         ps = pod_spec(o) or {}
         sel = (o.get("spec") or {}).get("selector")
-        if sel and o.get("kind") in ("Deployment", "DaemonSet", "StatefulSet", "ReplicaSet") and not selector_matches(sel, pod_labels(o)):
+        if sel and o.get("kind") in ("Deployment", "DaemonSet", "StatefulSet", "ReplicaSet") and not contract.selector_matches(sel, pod_labels(o)):
             errs.append(f"{ident(o)}: spec.selector does not match the pod template's labels")
         sa = ps.get("serviceAccountName")
         if sa and sa != "default" and not exists("ServiceAccount", sa, ns(o)):
@@ -501,7 +484,7 @@ def semantic_errors(objs: list[Obj]) -> list[str]:
                     pass
     for svc in by_kind.get("Service", []):
         sel = (svc.get("spec") or {}).get("selector") or {}
-        pods = [w for w in workloads if ns(w) == ns(svc) and selector_matches({"matchLabels": sel}, pod_labels(w))]
+        pods = [w for w in workloads if ns(w) == ns(svc) and contract.selector_matches({"matchLabels": sel}, pod_labels(w))]
         if sel and not pods:
             errs.append(f"{ident(svc)}: selector {sel} matches no pod template")
         for p in (svc.get("spec") or {}).get("ports") or []:
@@ -537,7 +520,7 @@ def semantic_errors(objs: list[Obj]) -> list[str]:
                     errs.append(f"{ident(b)}: subject ServiceAccount {s.get('namespace')}/{s.get('name')} not found")
     for np_ in by_kind.get("NetworkPolicy", []):
         sel = (np_.get("spec") or {}).get("podSelector") or {}
-        pods = [w for w in workloads if ns(w) == ns(np_) and selector_matches(sel, pod_labels(w))]
+        pods = [w for w in workloads if ns(w) == ns(np_) and contract.selector_matches(sel, pod_labels(w))]
         if not pods:
             errs.append(f"{ident(np_)}: podSelector matches no pod template")
         named = {q.get("name") for w in pods for c in (pod_spec(w) or {}).get("containers") or [] for q in c.get("ports") or []}
@@ -551,7 +534,7 @@ def semantic_errors(objs: list[Obj]) -> list[str]:
             errs.append(f"{ident(hpa)}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} not found")
     for pdb in by_kind.get("PodDisruptionBudget", []):
         sel = (pdb.get("spec") or {}).get("selector") or {}
-        if not any(ns(w) == ns(pdb) and selector_matches(sel, pod_labels(w)) for w in workloads):
+        if not any(ns(w) == ns(pdb) and contract.selector_matches(sel, pod_labels(w)) for w in workloads):
             errs.append(f"{ident(pdb)}: selector matches no pod template")
     return errs
 

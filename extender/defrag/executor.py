@@ -34,7 +34,14 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from gpupack.contract import ANN_ASSIGNMENT, ContractError, GPUShare, Reservation, decode_assignment
+from gpupack.contract import (
+    ANN_ASSIGNMENT,
+    ContractError,
+    GPUShare,
+    Reservation,
+    decode_assignment,
+    selector_matches,
+)
 from gpupack.core.defrag import Move, Plan
 from gpupack.core.model import PlacementError
 
@@ -183,27 +190,6 @@ TAINT_VALUE = "emptying"  # while a run moves its pods; a later run removes a st
 TAINT_EMPTIED = "emptied"  # left by --keep-taint on a node the run emptied; the operator's to remove
 # A node the operator (or CA itself) says must never be scaled down: emptying it gains nothing.
 CA_SCALE_DOWN_DISABLED = "cluster-autoscaler.kubernetes.io/scale-down-disabled"
-
-
-def selector_matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
-    """A metav1.LabelSelector against a pod's labels; in policy/v1 an empty selector matches every
-    pod of the namespace, a null one none."""
-    if selector is None:
-        return False
-    for k, v in (selector.get("matchLabels") or {}).items():
-        if labels.get(k) != v:
-            return False
-    for e in selector.get("matchExpressions") or []:
-        key, op, vals = e.get("key"), e.get("operator"), e.get("values") or []
-        if op == "In" and labels.get(key) not in vals:
-            return False
-        if op == "NotIn" and key in labels and labels[key] in vals:
-            return False
-        if op == "Exists" and key not in labels:
-            return False
-        if op == "DoesNotExist" and key in labels:
-            return False
-    return True
 
 
 def _budget_state(pdb: dict[str, Any]) -> tuple[bool, str]:
