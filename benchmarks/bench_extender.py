@@ -365,7 +365,7 @@ def bench_memory(cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Pa
         time.sleep(1.0)
         rss = base.worker_rss_mib()
         metrics = requests.get(base.url + "/metrics", timeout=30).text
-        pods_line = next(ln for ln in metrics.splitlines() if ln.startswith("gpupack_extender_pods "))
+        pods_line = next(ln for ln in metrics.splitlines() if ln.startswith("gpupack_cluster_pods "))
     finally:
         base.stop()
     cluster.core.delete_collection_namespaced_pod("default", grace_period_seconds=0)

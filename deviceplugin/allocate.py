@@ -58,7 +58,7 @@ class Allocator:
                 env = self._allocate(device_ids)
         except HandoffError as e:
             if self.metrics:
-                self.metrics.handoff_failures.labels(reason=_reason(str(e))).inc()
+                self.metrics.handoff_failed(_reason(str(e)))
             log.error("Allocate(%d device(s)) failed: %s", len(device_ids), e)
             raise
         finally:

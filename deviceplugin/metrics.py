@@ -1,5 +1,8 @@
 """Prometheus metrics of the device plugin (served on /metrics by prometheus-client).
 
+Named as the extender's (extender/metrics.py): base units, counters `_total`, a GPU labelled by
+`node`, `uuid` and `index`; the plugin's own series start `gpupack_deviceplugin_`.
+
 Per-GPU reservations are computed at scrape time from the assignments of the live pods on this
 node (state lives in Kubernetes), cached briefly so a scrape storm does not hammer the API.
 """
@@ -22,6 +25,8 @@ from deviceplugin.health import DeviceState
 from gpupack import handoff
 
 log = logging.getLogger("gpupack.deviceplugin.metrics")
+
+MIB = 1 << 20
 
 
 def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]]:
@@ -61,7 +66,9 @@ def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]
 
 
 class _GPUCollector(Collector):
-    def __init__(self, node: str, state: DeviceState, list_pods: Callable[[], list[dict]] | None, ttl_s: float):
+    def __init__(
+        self, node: str, state: DeviceState, list_pods: Callable[[], list[dict]] | None, ttl_s: float
+    ):
         self.node = node
         self.state = state
         self.list_pods = list_pods
@@ -85,45 +92,62 @@ class _GPUCollector(Collector):
             return val
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        labels = ["node", "gpu", "index", "model"]
-        cap = GaugeMetricFamily("gpupack_gpu_memory_mib", "GPU memory capacity (MiB)", labels=labels)
+        labels = ["node", "uuid", "index", "model"]
+        cap = GaugeMetricFamily("gpupack_gpu_memory_bytes", "GPU memory of each GPU", labels=labels)
         sms = GaugeMetricFamily("gpupack_gpu_sm_count", "Streaming multiprocessors of the GPU", labels=labels)
         healthy = GaugeMetricFamily("gpupack_gpu_healthy", "1 when the GPU is healthy", labels=labels)
         rmem = GaugeMetricFamily(
-            "gpupack_gpu_reserved_memory_mib", "GPU memory reserved by assigned pods (MiB)", labels=labels
+            "gpupack_gpu_reserved_memory_bytes", "GPU memory reserved by gpupack pods", labels=labels
         )
         rsm = GaugeMetricFamily(
-            "gpupack_gpu_reserved_sm_percent", "SM share reserved by assigned pods (percent)", labels=labels
+            "gpupack_gpu_reserved_sm_ratio", "Share of the SMs reserved on each GPU (0-1)", labels=labels
         )
         reserved = self._reserved()
         for g in self.state.gpus():
             lv = [self.node, g.uuid, str(g.index), g.model]
-            cap.add_metric(lv, g.mem_mib)
+            cap.add_metric(lv, g.mem_mib * MIB)
             sms.add_metric(lv, g.sm_count)
             healthy.add_metric(lv, 1 if g.healthy else 0)
             m, s = reserved.get(g.uuid, (0, 0))
-            rmem.add_metric(lv, m)
-            rsm.add_metric(lv, s)
+            rmem.add_metric(lv, m * MIB)
+            rsm.add_metric(lv, s / 100)
         yield from (cap, sms, healthy, rmem, rsm)
 
 
 class Metrics:
     def __init__(
-        self, node: str, state: DeviceState, list_pods: Callable[[], list[dict]] | None = None, ttl_s: float = 5.0
+        self,
+        node: str,
+        state: DeviceState,
+        list_pods: Callable[[], list[dict]] | None = None,
+        ttl_s: float = 5.0,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_GPUCollector(node, state, list_pods, ttl_s))
+        self.node = node
         self.handoff_failures = Counter(
-            "gpupack_handoff_failures", "Allocate calls that failed the handoff, by reason",
-            ["reason"], registry=self.registry,
+            "gpupack_deviceplugin_handoff_failures_total",
+            "Allocate calls that failed the handoff, by reason",
+            ["node", "reason"],
+            registry=self.registry,
         )
+        # node-labelled like the GPU series, so one dashboard filter selects a node's everything
         self.allocate_latency = Histogram(
-            "gpupack_allocate_seconds", "Allocate latency (including the Kubernetes API calls)",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry,
-        )
+            "gpupack_deviceplugin_allocate_seconds",
+            "Allocate latency (including the Kubernetes API calls)",
+            ["node"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        ).labels(node)
         self.registrations = Counter(
-            "gpupack_kubelet_registrations", "Successful registrations with the kubelet", registry=self.registry
-        )
+            "gpupack_deviceplugin_kubelet_registrations_total",
+            "Successful registrations with the kubelet",
+            ["node"],
+            registry=self.registry,
+        ).labels(node)
+
+    def handoff_failed(self, reason: str) -> None:
+        self.handoff_failures.labels(node=self.node, reason=reason).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0", ready: Callable[[], str] | None = None) -> Any:
         """/metrics, plus /healthz and /readyz for the kubelet's probes. The probes never touch

@@ -1,7 +1,14 @@
 """Prometheus metrics of the extender, in a registry of its own.
 
-Per-GPU gauges are produced at scrape time from the view (a collector), so keeping them costs
-nothing on the scheduling path.
+Names follow one scheme across the components (docs/operator-guide.md, Metrics): base units
+(`_bytes`, `_ratio`, `_seconds`), counters end in `_total`, a GPU is labelled by `node`, `uuid`
+and `index`, and the same quantity has the same name wherever it is exported (the device plugin
+exports `gpupack_gpu_memory_bytes` too).
+
+Per-GPU and cluster gauges are produced at scrape time from the view (a collector), so keeping
+them costs nothing on the scheduling path. Every scheduler replica's extender holds the same
+view, so only the active one (beside the kube-scheduler holding the leader Lease) exports them:
+otherwise each sum over the cluster would count every GPU once per replica.
 
 Fragmentation (`gpupack_cluster_fragmentation_ratio`): the share of free GPU memory that sits on
 partly used GPUs, 0 when every free MiB is on an idle GPU, towards 1 when free memory is spread
@@ -10,7 +17,7 @@ in slivers no large model can use. Computed over healthy GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -19,6 +26,9 @@ from prometheus_client.registry import Collector
 from gpupack.core.model import FULL
 
 from .view import ClusterView
+
+MIB = 1 << 20
+GPU_LABELS = ["node", "uuid", "index", "model"]
 
 # fine below 50 ms: the verbs' latency targets are 10 ms (1,000 nodes) and 50 ms (5,000 nodes)
 BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
@@ -30,11 +40,17 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.latency = Histogram(
-            "gpupack_extender_request_seconds", "Extender request latency by verb", ["verb"],
-            buckets=BUCKETS, registry=r,
+            "gpupack_extender_request_seconds",
+            "Extender request latency by verb",
+            ["verb"],
+            buckets=BUCKETS,
+            registry=r,
         )
         self.rejections = Counter(
-            "gpupack_extender_node_rejections_total", "Nodes rejected at filter, by reason", ["reason"], registry=r
+            "gpupack_extender_node_rejections_total",
+            "Nodes rejected at filter, by reason",
+            ["reason"],
+            registry=r,
         )
         self.bind_failures = Counter(
             "gpupack_extender_bind_failures_total", "Failed binds, by reason", ["reason"], registry=r
@@ -42,7 +58,8 @@ class Metrics:
         self.bind_wait = Histogram(
             "gpupack_extender_bind_wait_seconds",
             "Time a bind waited for its node: behind other binds there and for a pending GPU handoff",
-            buckets=BUCKETS, registry=r,
+            buckets=BUCKETS,
+            registry=r,
         )
         self.binds = Counter("gpupack_extender_binds_total", "Successful binds", registry=r)
         self.bad_requests = Counter(
@@ -50,20 +67,28 @@ class Metrics:
         )
         self.problems = Counter(
             "gpupack_extender_annotation_problems_total",
-            "Corrupt or conflicting annotations seen in the cluster, by kind", ["kind"], registry=r,
+            "Corrupt or conflicting annotations seen in the cluster, by kind",
+            ["kind"],
+            registry=r,
         )
         self.requeued = Counter(
             "gpupack_extender_requeued_pods_total",
             "Waiting pods asked to retry (gpupack.io/requeued-at), by why: restart (the extender's "
-            "first sync) or room (a node gained room; see Requeuer)", ["why"], registry=r,
+            "first sync) or room (a node gained room; see Requeuer)",
+            ["why"],
+            registry=r,
         )
         self.admission = Counter(
-            "gpupack_webhook_admission_total", "Admission reviews, by kind and result", ["kind", "result"],
+            "gpupack_webhook_admission_total",
+            "Admission reviews, by kind and result",
+            ["kind", "result"],
             registry=r,
         )
 
-    def attach_view(self, view: ClusterView) -> None:
-        self.registry.register(ViewCollector(view))
+    def attach_view(self, view: ClusterView, active: Callable[[], bool] = lambda: True) -> None:
+        """`active`: whether this replica exports the cluster's gauges (the one whose scheduler
+        holds the leader Lease; always, for a single replica)."""
+        self.registry.register(ViewCollector(view, active))
 
 
 def fragmentation(view: ClusterView) -> float:
@@ -79,34 +104,65 @@ def fragmentation(view: ClusterView) -> float:
 
 
 class ViewCollector(Collector):
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, active: Callable[[], bool] = lambda: True) -> None:
         self.view = view
+        self.active = active
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ["node", "gpu", "uuid"]
-        mem = GaugeMetricFamily("gpupack_gpu_reserved_mem_mib", "GPU memory reserved by gpupack pods", labels=labels)
-        total = GaugeMetricFamily("gpupack_gpu_mem_mib", "GPU memory of each GPU", labels=labels)
-        sm = GaugeMetricFamily("gpupack_gpu_reserved_sm_percent", "SM share reserved on each GPU", labels=labels)
+        yield GaugeMetricFamily(
+            "gpupack_extender_synced", "1 after the first full list", value=int(self.view.synced.is_set())
+        )
+        try:
+            active = bool(self.active())
+        except Exception:  # a scrape must not fail because the Lease cannot be read
+            active = False
+        yield GaugeMetricFamily(
+            "gpupack_extender_active",
+            "1 on the replica that exports the cluster's gauges (the leader)",
+            value=int(active),
+        )
+        if active:
+            yield from self._cluster()
+
+    def _cluster(self) -> Iterator[GaugeMetricFamily]:
+        mem = GaugeMetricFamily(
+            "gpupack_gpu_reserved_memory_bytes", "GPU memory reserved by gpupack pods", labels=GPU_LABELS
+        )
+        total = GaugeMetricFamily("gpupack_gpu_memory_bytes", "GPU memory of each GPU", labels=GPU_LABELS)
+        sm = GaugeMetricFamily(
+            "gpupack_gpu_reserved_sm_ratio", "Share of the SMs reserved on each GPU (0-1)", labels=GPU_LABELS
+        )
         cls = GaugeMetricFamily(
-            "gpupack_gpu_class", "1 for the class of the pods on a GPU", labels=[*labels, "class"]
+            "gpupack_gpu_class", "1 for the class of the pods on a GPU", labels=[*GPU_LABELS, "class"]
         )
         # Copied under the view's lock, formatted after it: the scheduling verbs wait for that lock,
         # and building some 30,000 samples for 1,000 nodes held it for ~40 ms per scrape.
         with self.view.lock:
             gpus = [
-                (node.name, g.index, g.uuid, g.mem_used, g.mem_mib, g.milli_used, g.pod_class, g.healthy,
-                 g.free_mem, not g.empty)  # fmt: skip
+                (
+                    node.name,
+                    g.index,
+                    g.uuid,
+                    g.model,
+                    g.mem_used,
+                    g.mem_mib,
+                    g.milli_used,
+                    g.pod_class,
+                    g.healthy,
+                    g.free_mem,
+                    not g.empty,
+                )  # fmt: skip
                 for node in self.view.state.nodes.values()
                 for g in node.gpus
             ]
             pods = len(self.view.pods)
             pending = sum(len(s) for s in self.view.pending_by_node.values())
         free_total = free_partial = 0
-        for name, index, uuid, mem_used, mem_mib, milli_used, pod_class, healthy, free, held in gpus:
-            lv = [name, str(index), uuid]
-            mem.add_metric(lv, mem_used)
-            total.add_metric(lv, mem_mib)
-            sm.add_metric(lv, milli_used * 100 / FULL)
+        for name, index, uuid, model, mem_used, mem_mib, milli_used, pod_class, healthy, free, held in gpus:
+            lv = [name, uuid, str(index), model]
+            mem.add_metric(lv, mem_used * MIB)
+            total.add_metric(lv, mem_mib * MIB)
+            sm.add_metric(lv, milli_used / FULL)
             if pod_class:
                 cls.add_metric([*lv, pod_class], 1)
             if healthy:  # as fragmentation()
@@ -118,6 +174,7 @@ class ViewCollector(Collector):
         yield GaugeMetricFamily(
             "gpupack_cluster_fragmentation_ratio", "Share of free GPU memory on partly used GPUs", value=frag
         )
-        yield GaugeMetricFamily("gpupack_extender_pods", "gpupack pods holding GPU reservations", value=pods)
-        yield GaugeMetricFamily("gpupack_extender_pending_handoffs", "Pods bound but not yet allocated", value=pending)
-        yield GaugeMetricFamily("gpupack_extender_synced", "1 after the first full list", value=int(self.view.synced.is_set()))
+        yield GaugeMetricFamily("gpupack_cluster_pods", "gpupack pods holding GPU reservations", value=pods)
+        yield GaugeMetricFamily(
+            "gpupack_cluster_pending_handoffs", "Pods bound but not yet allocated", value=pending
+        )

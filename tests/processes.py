@@ -80,15 +80,19 @@ class ExtenderProcess:
             f"{self.url}/{verb}", data=data, headers={"Content-Type": "application/json"}, timeout=timeout
         )
 
-    def reserved(self, key_label: str = "gpu") -> dict[tuple[str, str], tuple[float, float]]:
-        """(node, GPU `key_label` — index or uuid) -> (reserved MiB, reserved SM %) from /metrics."""
+    def reserved(self, key_label: str = "index") -> dict[tuple[str, str], tuple[float, float]]:
+        """(node, GPU `key_label` — index or uuid) -> (reserved MiB, reserved SM %) from /metrics
+        (exported in bytes and as a ratio)."""
         out: dict[tuple[str, str], list[float]] = {}
+        scale = (1 / (1 << 20), 100.0)
         for line in self.http.get(self.url + "/metrics", timeout=5).text.splitlines():
-            for i, name in enumerate(("gpupack_gpu_reserved_mem_mib{", "gpupack_gpu_reserved_sm_percent{")):
+            for i, name in enumerate(
+                ("gpupack_gpu_reserved_memory_bytes{", "gpupack_gpu_reserved_sm_ratio{")
+            ):
                 if line.startswith(name):
                     labels = dict(kv.split("=", 1) for kv in line[len(name) : line.index("}")].split(","))
                     key = (labels["node"].strip('"'), labels[key_label].strip('"'))
-                    out.setdefault(key, [0.0, 0.0])[i] = float(line.rsplit(" ", 1)[1])
+                    out.setdefault(key, [0.0, 0.0])[i] = round(float(line.rsplit(" ", 1)[1]) * scale[i], 6)
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def stop(self) -> None:

@@ -15,16 +15,16 @@ class RunMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.evictions = Counter(
-            "gpupack_defrag_evictions",
+            "gpupack_defrag_evictions_total",
             "Evictions attempted, by result (evicted, pdb-refused, gone, error)",
             ["result"],
             registry=r,
         )
         self.moves = Counter(
-            "gpupack_defrag_moves", "Moves by outcome (done, skipped, aborted)", ["outcome"], registry=r
+            "gpupack_defrag_moves_total", "Moves by outcome (done, skipped, aborted)", ["outcome"], registry=r
         )
         self.moves_aborted = Counter(
-            "gpupack_defrag_moves_aborted",
+            "gpupack_defrag_moves_aborted_total",
             "Moves aborted (replacement not running in time, lease lost, window closed)",
             registry=r,
         )

@@ -44,7 +44,7 @@ def known(name: str, defined: set[str]) -> bool:
 
 
 def test_code_defines_metrics():
-    assert {"gpupack_extender_binds_total", "gpupack_gpu_healthy", "gpupack_allocate_seconds"} <= code_metrics()
+    assert {"gpupack_extender_binds_total", "gpupack_gpu_healthy", "gpupack_deviceplugin_allocate_seconds"} <= code_metrics()
 
 
 def test_guide_names_only_real_metrics_and_all_of_them():

@@ -243,7 +243,7 @@ def test_pod_without_a_gpupack_assignment_is_rejected_with_a_reason(dp):
     assert err["container"] == "main" and err["expected"] is True
     assert f"no pending gpupack assignment for a pod on node {dp.node}" in err["error"]
     assert "schedulerName" in err["error"]
-    assert 'gpupack_handoff_failures_total{reason="no_pending"} 1.0' in _metrics(port)
+    assert f'gpupack_deviceplugin_handoff_failures_total{{node="{dp.node}",reason="no_pending"}} 1.0' in _metrics(port)
 
 
 def test_pod_of_another_scheduler_with_copied_annotations_is_not_served(dp):
@@ -339,10 +339,10 @@ def test_pods_bound_at_once_are_served_one_by_one_each_with_its_own_assignment(d
     reserved = sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("gpupack_gpu_reserved_memory_mib{")
+        if line.startswith("gpupack_gpu_reserved_memory_bytes{")
     )
-    assert reserved == sum(5000 + 100 * i for i in range(len(names)))
-    assert f"gpupack_allocate_seconds_count {float(len(names))}" in text
+    assert reserved == sum(5000 + 100 * i for i in range(len(names))) * (1 << 20)
+    assert f'gpupack_deviceplugin_allocate_seconds_count{{node="{dp.node}"}} {float(len(names))}' in text
 
 
 def _pods(dp: DP) -> list[dict]:
