@@ -46,7 +46,7 @@ import numpy as np
 from gpupack.core.fgd import SIGMOID_STEPS, Shape, Workload, shape_of, sigmoid_score
 from gpupack.core.fit import Fit, FitFailure, fit
 from gpupack.core.model import FULL, GPU, Node, PodRequest
-from gpupack.core.policies import POLICIES, Policy
+from gpupack.core.policy_base import Policy
 
 # One GPU as the policy sees it: (free milli, free memory MiB, memory size MiB, class or None, usable)
 GpuView = tuple[int, int, int, "str | None", bool]
@@ -256,9 +256,6 @@ def gain(before: tuple[int, int], after: tuple[int, int], weight: int) -> int:
 
 def _take(v: GpuView, mem: int, milli: int, cls: str) -> GpuView:
     return (v[0] - milli, v[1] - mem, v[2], cls, v[4])
-
-
-POLICIES["gpupack"] = GpupackPolicy
 
 
 def fast_scores(

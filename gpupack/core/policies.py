@@ -1,47 +1,22 @@
-"""Placement policies, selectable by name. Each one answers two questions over plain data:
-which GPU inside a node (`gpu_rank`, lower first) and how good a node is (`node_score`, higher first).
+"""Placement policies, selectable by name: the registry (`POLICIES`, `get_policy`, `DEFAULT_POLICY`)
+and the simple policies (random, bestfit, fgd).
 
-`schedule` is the Filter → Score → pick loop the replay and the extender's bind share; the
-extender runs the filter and score halves separately per HTTP verb.
+The interface and the shared Filter → Score → pick loop (`Policy`, `schedule`, ...) live in
+:mod:`gpupack.core.policy_base` and are re-exported here; the default policy lives in
+:mod:`gpupack.core.gpupack_policy`. Both build on the base only, so importing this module imports
+them, and the registry below lists every policy by name without any module registering itself.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from gpupack.core.fgd import FGDPolicy, Workload
-from gpupack.core.fit import Fit, FitFailure, fit, tightest
-from gpupack.core.model import FULL, GPU, ClusterState, Node, PodRequest
-
-
-class Policy:
-    name = "base"
-
-    def __init__(self, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-        # Per-seed random order of the nodes: ties go to the node first in it (openb-replay.md).
-        self.tie_key: dict[str, float] = {}
-
-    def rank_nodes(self, names: Iterable[str]) -> None:
-        """Give every node not seen before its place in the tie order (one RNG draw each, in order)."""
-        for n in names:
-            if n not in self.tie_key:
-                self.tie_key[n] = self.rng.random()
-
-    def gpu_rank(self, node: Node, gpu: GPU, mem: int, milli: int) -> float:
-        return tightest(node, gpu, mem, milli)
-
-    def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
-        raise NotImplementedError
-
-    def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
-        return fit(node, pod, self.gpu_rank)
-
-    def observe(self, pod: PodRequest) -> None:
-        """Called once per arriving pod; policies that learn the workload's shape override it."""
+from gpupack.core.fit import Fit
+from gpupack.core.gpupack_policy import GpupackPolicy
+from gpupack.core.model import FULL, GPU, Node, PodRequest
+from gpupack.core.policy_base import Decision, Policy, filter_nodes, pick_best, schedule
 
 
 class RandomPolicy(Policy):
@@ -85,64 +60,6 @@ def bestfit_score(gpu_left: float, cpu_left: float) -> int:
     return int((1.0 - (cpu_left / MAX_SPEC_CPU * 0.5 + gpu_left / MAX_SPEC_GPU * 0.5)) * 100)
 
 
-@dataclass
-class Decision:
-    node: str | None
-    fit: Fit | None
-    failures: dict[str, FitFailure] = field(default_factory=dict)
-
-    @property
-    def placed(self) -> bool:
-        return self.fit is not None
-
-
-def filter_nodes(
-    nodes: Iterable[Node], pod: PodRequest, policy: Policy
-) -> tuple[dict[str, Fit], dict[str, FitFailure]]:
-    ok: dict[str, Fit] = {}
-    bad: dict[str, FitFailure] = {}
-    for node in nodes:
-        r = policy.fit(node, pod)
-        if isinstance(r, Fit):
-            ok[node.name] = r
-        else:
-            bad[node.name] = r
-    return ok, bad
-
-
-def pick_best(scored: list[tuple[str, float]], policy: Policy) -> str:
-    """Highest score; ties go to the node first in the policy's seeded random node order.
-
-    A fixed order (not a fresh draw per decision) is what the published openb runs did; it also
-    makes ties pack onto the same nodes instead of spreading. The replay's fast path does the same.
-    """
-    policy.rank_nodes(n for n, _ in scored)
-    top = max(s for _, s in scored)
-    return min((n for n, s in scored if s == top), key=policy.tie_key.__getitem__)
-
-
-def schedule(state: ClusterState, pod: PodRequest, policy: Policy, commit: bool = True) -> Decision:
-    """Filter every node, score the feasible ones, pick the best (ties: the policy's seeded order)."""
-    policy.rank_nodes(state.nodes)
-    ok, bad = filter_nodes(state.nodes.values(), pod, policy)
-    if not ok:
-        return Decision(None, None, bad)
-    best_name = pick_best(
-        [(name, policy.node_score(state.nodes[name], pod, f)) for name, f in ok.items()], policy
-    )
-    chosen = ok[best_name]
-    if commit:
-        state.place(pod, chosen.placement, chosen.charged)
-    return Decision(best_name, chosen, bad)
-
-
-POLICIES: dict[str, Callable[..., Policy]] = {
-    "random": RandomPolicy,
-    "bestfit": BestFitPolicy,
-}
-DEFAULT_POLICY = "gpupack"
-
-
 class FGD(FGDPolicy, Policy):
     """`fgd`: fragmentation gradient descent (see :mod:`gpupack.core.fgd`)."""
 
@@ -151,7 +68,14 @@ class FGD(FGDPolicy, Policy):
         self._setup(workload)
 
 
-POLICIES["fgd"] = FGD
+# Every policy by the name `--policy`, the replay and the extender select it with.
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "random": RandomPolicy,
+    "bestfit": BestFitPolicy,
+    "fgd": FGD,
+    "gpupack": GpupackPolicy,
+}
+DEFAULT_POLICY = "gpupack"
 
 
 class UnknownPolicy(ValueError):
@@ -166,6 +90,21 @@ def get_policy(name: str, seed: int = 0, **kwargs: Any) -> Policy:
     return factory(seed=seed, **kwargs)
 
 
-# The default policy's module builds on Policy above and registers itself in POLICIES; importing it
-# last keeps every policy listed as soon as this module is imported, whichever is imported first.
-from gpupack.core import gpupack_policy  # noqa: E402, F401
+__all__ = [
+    "DEFAULT_POLICY",
+    "FGD",
+    "MAX_SPEC_CPU",
+    "MAX_SPEC_GPU",
+    "POLICIES",
+    "BestFitPolicy",
+    "Decision",
+    "GpupackPolicy",
+    "Policy",
+    "RandomPolicy",
+    "UnknownPolicy",
+    "bestfit_score",
+    "filter_nodes",
+    "get_policy",
+    "pick_best",
+    "schedule",
+]

@@ -1,5 +1,8 @@
 """fgd and gpupack as the extender uses them: get_policy, fit, node_score, schedule."""
 
+import subprocess
+import sys
+
 import pytest
 
 from gpupack.core.fgd import Shape, Workload
@@ -30,6 +33,24 @@ def test_registry_and_default():
         UnknownPolicy, match="unknown policy 'nope'; choose one of bestfit, fgd, gpupack, random"
     ):
         get_policy("nope")
+
+
+@pytest.mark.parametrize(
+    "first", ["gpupack.core.gpupack_policy", "gpupack.core.policies", "gpupack.core.policy_base"]
+)
+def test_registry_has_no_import_cycle(first):
+    """Whichever policy module is imported first, the registry lists every policy, and the default
+    policy's module builds on the base without importing the registry (no circular import)."""
+    code = (
+        f"import sys, importlib; importlib.import_module({first!r}); "
+        "import gpupack.core.gpupack_policy as g; "
+        "assert ('gpupack.core.policies' in sys.modules) == (sys.argv[1] == 'gpupack.core.policies'); "
+        "from gpupack.core.policies import POLICIES, get_policy; "
+        "assert POLICIES['gpupack'] is g.GpupackPolicy and type(get_policy('gpupack')) is g.GpupackPolicy; "
+        "print(sorted(POLICIES))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["['bestfit',", "'fgd',", "'gpupack',", "'random']"]
 
 
 @pytest.mark.parametrize("name", ["fgd", "gpupack"])
