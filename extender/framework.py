@@ -9,6 +9,7 @@ uses the cache; it fits again under the view's lock, so a cached answer can neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -40,7 +41,7 @@ from gpupack.core.request import RequestError, parse_pod
 from . import reservations as resv
 from .kube import Kube, NamespaceUnreadable
 from .metrics import Metrics
-from .view import ClusterView, PodInfo, _init_names, pod_slots, request_slots
+from .view import ClusterView, PodInfo, _init_names, pod_host_request, pod_slots, ram_mib, request_slots
 from .wire import (
     BindArgs,
     ExtenderArgs,
@@ -66,6 +67,7 @@ EXPECT_MAX_NODES = 4
 EXPECT_S = 2.0
 LEASE_REUSE_S = 1.0  # see LeaseFence.problem
 BIND_BUSY = "gpupack extender: every bind slot stayed busy for the whole bind wait"
+NOT_BEST = "gpupack: a better-packed node was chosen"
 # Written on pods kube-scheduler may have parked while the extender was away: an update of the
 # pod itself moves it from the scheduler's unschedulable pods back to its active queue.
 ANN_REQUEUED = "gpupack.io/requeued-at"
@@ -84,7 +86,8 @@ def api_reason(e: ApiException) -> str:
 
 
 def shape_of(pod: PodRequest) -> tuple:
-    return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models)
+    # host CPU/memory decide fits (free CPU) and scores (the policy's CPU terms) once nodes carry them
+    return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models, pod.cpu_milli, pod.ram_mib)
 
 
 class FitCache:
@@ -343,8 +346,12 @@ class Extender:
         unbound_grace_s: float = 15.0,
         scheduler_name: str = "gpupack-scheduler",
         bind_concurrency: int = 0,
+        keep_best: int = 0,
     ) -> None:
         self.fence = fence
+        # Filter passes only this many of the fitting nodes, the policy's best first (0: all of
+        # them, and kube-scheduler's own scores and random ties pick among them with prioritize's).
+        self.keep_best = keep_best
         # Binds past their claim at most this many at a time (0: no limit): a burst of pods must
         # not become a burst of API calls the API server answers only after the API timeout (seen
         # at 1,000 nodes: 150 of 620 binds failed so with 128 at once). The rest wait their turn,
@@ -389,6 +396,8 @@ class Extender:
             req = parse_pod(pod, ns_labels)
         except (RequestError, ContractError) as e:
             raise PodRequestError(str(e)) from e
+        use = pod_host_request(pod)
+        req = dataclasses.replace(req, cpu_milli=use.cpu_milli, ram_mib=ram_mib(use.mem_bytes))
         if not req.needs_gpu:
             raise PodRequestError(
                 f"pod {req.key} requests no gpupack GPU resources; the extender only handles pods "
@@ -415,6 +424,8 @@ class Extender:
         that did not change can be reused (see `_score`). Early on, while the learned workload
         is small, batches are small too; later a workload's mix changes slowly, so a flush per
         minute (or per OBSERVE_BATCH_MAX pods) keeps up. Call with the view's lock held."""
+        if not getattr(self.policy, "learn", True):
+            return  # a given workload (--workload-file): nothing to learn, scores stay put
         ident = pod.uid or pod.key
         if ident in self._observed:
             return
@@ -581,9 +592,59 @@ class Extender:
                         failed[n] = f"node {n}: pod {locked[n]} is being bound there or waits for its kubelet (GPU handoff)"
                         codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
                 passed = free
+        if self.keep_best > 0 and len(passed) > self.keep_best:
+            passed, dropped = self._keep_best(pod, passed, now)
+            failed.update(dropped)
+            codes["not-best"] = codes.get("not-best", 0) + len(dropped)
         for code, k in codes.items():
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
+
+    def _keep_best(self, pod: PodRequest, passed: list[str], now: datetime) -> tuple[list[str], dict[str, str]]:
+        """The `keep_best` nodes the policy prefers among those that pass, and a reason for each of
+        the others. Order as :func:`gpupack.core.policies.schedule` picks: highest score, ties to the
+        node first in the policy's seeded node order (ranked over every node of the view, in the
+        order the view first saw them, as schedule() ranks its state's nodes). So for the same
+        state, the node kept first is schedule()'s, and the bind's fit there its GPUs."""
+        with self.view.lock:
+            scored = self._raw_scores(pod, passed, now)
+            self.policy.rank_nodes(self.view.state.nodes)
+            tie = self.policy.tie_key
+            # a node whose fit changed since (no score) stays a candidate only after every scored one
+            order = sorted(passed, key=lambda n: (scored.get(n) is None, -(scored.get(n) or 0.0), tie.get(n, 2.0)))
+        keep = order[: self.keep_best]
+        why = f"{NOT_BEST} ({keep[0]})"
+        if pod.uid:
+            # kube-scheduler binds there (alone, it skips prioritize): the next pod's filter may come
+            # before this pod's bind and must steer clear of it, as prioritize's expectation does
+            self.view.expect(pod.uid, pod.key, tuple(keep[:EXPECT_MAX_NODES]), time.monotonic() + EXPECT_S)
+        return keep, {n: why for n in order[self.keep_best :]}
+
+    def _raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
+        """The policy's raw score of each node in `names` the pod fits (view lock held); cached per
+        (shape, epoch) and node version like prioritize's."""
+        shape = shape_of(pod)
+        fits = self.cache.table(shape)
+        table = self.scores.table((shape, self.epoch))
+        nodes, state = self.view.nodes, self.view.state.nodes
+        out: dict[str, float] = {}
+        for n in names:
+            info = nodes.get(n)
+            if info is None:
+                continue
+            if not info.reservations:
+                hit = table.get(n)
+                if hit is not None and hit[0] == info.version:
+                    if hit[1] is not None:
+                        out[n] = hit[1]
+                    continue
+            r, _res = self.node_fit(n, pod, now, fits)
+            score = self.policy.node_score(state[n], pod, r) if isinstance(r, Fit) else None
+            if score is not None:
+                out[n] = score
+            if not info.reservations:
+                table[n] = (info.version, score)
+        return out
 
     # --- prioritize ------------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
@@ -843,7 +904,7 @@ class Extender:
                     node, req, f, now, reservation.id if reservation else "", self.view.nodes[args.node].gpu_indexes
                 )
                 try:
-                    self.view.assume(key, uid, a, _init_names(pod), pod_slots(pod))
+                    self.view.assume(key, uid, a, _init_names(pod), pod_slots(pod), pod_host_request(pod))
                 except PlacementError as e:
                     raise BindError(f"node {args.node}: {e}", "conflict") from e
             rv = (pod.get("metadata") or {}).get("resourceVersion")

@@ -23,6 +23,9 @@ MERGE_PATCH = "application/merge-patch+json"
 # a lease read and a Binding, and must answer within kube-scheduler's extender httpTimeout (15 s).
 API_TIMEOUT_S = 2.0
 API_CONNECTIONS = 128  # at least the extender's request threads (see api_client)
+# Every pod on a node that still holds its requests there (what kube-scheduler counts): the node's
+# CPU and memory in use. A pod that ends (Succeeded/Failed) leaves this selection as DELETED.
+ASSIGNED_PODS = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 
 
 def api_client(kubeconfig: str | None = None) -> client.ApiClient:
@@ -134,6 +137,9 @@ class Kube:
     def pod_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
         return self.pages(self.core.list_pod_for_all_namespaces, label_selector=LABEL_MANAGED)
 
+    def assigned_pod_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        return self.pages(self.core.list_pod_for_all_namespaces, field_selector=ASSIGNED_PODS)
+
     def node_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
         return self.pages(self.core.list_node)
 
@@ -146,14 +152,26 @@ class Kube:
     def watch_pods(self, resource_version: str, timeout_s: int) -> Any:
         return self._watch(self.core.list_pod_for_all_namespaces, resource_version, timeout_s, LABEL_MANAGED)
 
+    def watch_assigned_pods(self, resource_version: str, timeout_s: int) -> Any:
+        return self._watch(
+            self.core.list_pod_for_all_namespaces, resource_version, timeout_s, field_selector=ASSIGNED_PODS
+        )
+
     def watch_nodes(self, resource_version: str, timeout_s: int) -> Any:
         return self._watch(self.core.list_node, resource_version, timeout_s)
 
     @staticmethod
-    def _watch(list_fn: Any, resource_version: str, timeout_s: int, label_selector: str | None = None) -> Any:
+    def _watch(
+        list_fn: Any,
+        resource_version: str,
+        timeout_s: int,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> Any:
         # The read timeout outlives the server-side one, so a quiet watch ends cleanly, not in error.
         return list_fn(
             label_selector=label_selector,
+            field_selector=field_selector,
             watch=True,
             allow_watch_bookmarks=True,
             resource_version=resource_version,

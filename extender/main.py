@@ -9,6 +9,7 @@ node watch (for the largest GPU in the cluster); it holds no reservation state.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -22,7 +23,8 @@ from gunicorn.app.base import BaseApplication
 from gunicorn.config import KNOWN_SETTINGS
 
 from gpupack.contract import SCHEDULER_NAME
-from gpupack.core.policies import DEFAULT_POLICY, UnknownPolicy, get_policy
+from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
+from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy
 
 from .app import DEFAULT_MAX_BODY
 
@@ -66,6 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="PEM certificate for the webhook")
     p.add_argument("--tls-key", help="PEM private key for the webhook")
     p.add_argument("--policy", default=None, help=f"placement policy (default {DEFAULT_POLICY})")
+    p.add_argument(
+        "--policy-seed", type=int, default=0,
+        help="seed of the policy's node order that breaks score ties (as `gpupack simulate` seeds it; default 0)",
+    )
+    p.add_argument(
+        "--filter-keep-best", type=int, default=0, metavar="N",
+        help="filter passes only the N fitting nodes the policy scores best (ties as the simulator breaks "
+        "them), so kube-scheduler's own scores and random ties cannot override it; 0: every fitting "
+        "node (default). Use with percentageOfNodesToScore: 100 (docs/operator-guide.md)",
+    )
+    p.add_argument(
+        "--workload-file", metavar="PATH",
+        help="JSON pod shapes and counts the policy packs for (`gpupack simulate workload` writes one); "
+        "given, the policy does not learn the workload from the pods it sees",
+    )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     p.add_argument("--scheduler-name", default=SCHEDULER_NAME, help=f"scheduler name (default {SCHEDULER_NAME})")
     p.add_argument(
@@ -111,6 +128,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class ConfigError(ValueError):
+    """A flag or the file it names that cannot be used; one line for the operator."""
+
+
+def read_workload(path: str) -> Workload:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--workload-file {path}: cannot read it: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"--workload-file {path}: not valid JSON: {e}") from None
+    try:
+        return workload_from_json(doc)
+    except WorkloadError as e:
+        raise ConfigError(f"--workload-file {path}: {e}") from None
+
+
+def make_policy(args: argparse.Namespace) -> Policy:
+    """The policy the flags ask for; ConfigError when they do not go together."""
+    name = args.policy or DEFAULT_POLICY
+    if args.filter_keep_best < 0:
+        raise ConfigError(f"--filter-keep-best must be 0 (off) or more, got {args.filter_keep_best}")
+    if not args.workload_file:
+        return get_policy(name, seed=args.policy_seed)
+    workload = read_workload(args.workload_file)
+    try:
+        return get_policy(name, seed=args.policy_seed, workload=workload)
+    except TypeError:
+        raise ConfigError(f"--workload-file: policy {name} does not use a workload") from None
+
+
 def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
     def make() -> Any:
         from .app import create_extender_app, only_probes_on
@@ -121,10 +170,10 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         from .view import ClusterView
 
         metrics = Metrics()
-        view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc())
+        view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc(), track_host=True)
         metrics.attach_view(view)
         kube = Kube(api_client(args.kubeconfig), timeout_s=args.api_timeout_s)
-        policy = get_policy(args.policy or DEFAULT_POLICY)
+        policy = make_policy(args)
         fence = None
         if args.lease_name:
             identity = args.identity or socket.gethostname()
@@ -136,12 +185,14 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         ext = Extender(
             view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s, fence=fence,
             unbound_grace_s=args.unbound_grace_s, scheduler_name=args.scheduler_name,
-            bind_concurrency=args.bind_concurrency,
+            bind_concurrency=args.bind_concurrency, keep_best=args.filter_keep_best,
         )  # fmt: skip
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         Sync(view, kube).start()
         Janitor(ext, args.sweep_interval_s).start()
-        log.info("extender policy=%s; syncing with the API server", policy.name)
+        log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
+                 policy.name, args.policy_seed, args.filter_keep_best,
+                 args.workload_file or "learnt from the pods seen")  # fmt: skip
         app = create_extender_app(ext, args.max_body_bytes)
         return only_probes_on(app, args.metrics_port) if args.metrics_port else app
 
@@ -202,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     try:
-        get_policy(args.policy or DEFAULT_POLICY)
-    except UnknownPolicy as e:
+        make_policy(args)  # in the arbiter: a bad flag or file is one line and status 2, not a dead worker
+    except (UnknownPolicy, ConfigError) as e:
         print(f"gpupack extender: {e}", file=sys.stderr)
         return 2
     if args.role in ("all", "webhook") and args.webhook_port:

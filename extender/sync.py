@@ -2,8 +2,10 @@
 
 Nodes: all of them (a few thousand objects at most; heartbeats are dropped early by the view).
 Pods: only those labelled `gpupack.io/managed` (set at bind), so memory follows gpupack's pods,
-not the cluster's. Each loop resumes from the last resourceVersion (bookmarks included) and
-relists on 410 Gone; the view stays readable throughout.
+not the cluster's. Assigned pods (with `track_host`): every non-terminal pod with a node, of which
+the view keeps only key, uid, node and CPU/memory request, for each node's CPU and memory in use.
+Each loop resumes from the last resourceVersion (bookmarks included) and relists on 410 Gone; the
+view stays readable throughout.
 """
 
 from __future__ import annotations
@@ -158,10 +160,24 @@ class Sync:
             self.stop,
             watch_timeout_s,
         )
+        self.watchers = [self.nodes, self.pods]
+        if view.track_host:
+            self.watchers.append(
+                Watcher(
+                    "assigned-pods",
+                    kube.assigned_pod_pages,
+                    kube.watch_assigned_pods,
+                    view.replace_host_pod_pages,
+                    view.apply_host_pod,
+                    view.delete_host_pod,
+                    self.stop,
+                    watch_timeout_s,
+                )
+            )
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        for w in (self.nodes, self.pods):
+        for w in self.watchers:
             t = threading.Thread(target=w.run, name=f"watch-{w.kind}", daemon=True)
             t.start()
             self.threads.append(t)
@@ -199,7 +215,7 @@ class Sync:
     def _mark_ready(self) -> None:
         # Nodes first: pods are charged onto nodes, so the first pod list is complete only after.
         while not self.stop.is_set():
-            if self.nodes.listed.wait(0.5) and self.pods.listed.wait(0.5):
+            if all(w.listed.wait(0.5) for w in self.watchers):
                 self.view.synced.set()
                 return
 

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from decimal import ROUND_CEILING, ROUND_FLOOR
+from typing import Any, NamedTuple
 
 from gpupack import handoff
 from gpupack.contract import (
@@ -35,6 +36,7 @@ from gpupack.contract import (
     decode_assignment,
     decode_inventory,
     decode_reservations,
+    parse_quantity,
 )
 from gpupack.core.model import FULL, GPU, ClusterState, Node, Placement, PlacementError, PodRequest, Share
 
@@ -44,6 +46,87 @@ log = logging.getLogger("gpupack.extender.view")
 
 TERMINAL = ("Succeeded", "Failed")
 JOURNAL_MAX = 200_000
+MIB = 1024 * 1024
+
+
+class HostUse(NamedTuple):
+    """Host CPU (milli) and memory (bytes) a pod requests, as kube-scheduler counts them."""
+
+    cpu_milli: int = 0
+    mem_bytes: int = 0
+
+
+class HostPod(NamedTuple):
+    """What the extender keeps of an assigned pod (any pod, gpupack's or not) for its node's CPU
+    and memory: a 50,000-pod cluster costs a few MiB, not its full Pod objects."""
+
+    uid: str
+    node: str
+    use: HostUse
+
+
+NO_HOST_USE = HostUse()
+
+
+def _amount(raw: Any, scale: int, rounding: str) -> int:
+    """A quantity times `scale`, rounded as kube-scheduler does (requests: MilliValue rounds up);
+    an unreadable one counts 0 (the API server validated it, so none should be)."""
+    if raw is None:
+        return 0
+    try:
+        q = parse_quantity(raw, "quantity")
+    except ContractError:
+        return 0
+    return max(0, int((q * scale).to_integral_value(rounding=rounding)))
+
+
+def _container_use(c: Any) -> HostUse:
+    if not isinstance(c, dict):
+        return HostUse()
+    res = c.get("resources") or {}
+    req = res.get("requests") or {}
+    lim = res.get("limits") or {}
+    # the API server defaults a missing request to its limit; read the limit as it would have
+    cpu = req.get("cpu", lim.get("cpu"))
+    mem = req.get("memory", lim.get("memory"))
+    return HostUse(_amount(cpu, 1000, ROUND_CEILING), _amount(mem, 1, ROUND_CEILING))
+
+
+def pod_host_request(obj: Any) -> HostUse:
+    """A pod's CPU and memory request as kube-scheduler computes it (k8s.io/component-helpers
+    resource.PodRequests): per resource, max(sum of app containers plus restartable (sidecar) init
+    containers, the largest init container plus the sidecars started before it), plus the pod's
+    overhead."""
+    spec = (obj.get("spec") or {}) if isinstance(obj, dict) else {}
+    if not isinstance(spec, dict):
+        return HostUse()
+    app_cpu = app_mem = 0
+    for c in spec.get("containers") or []:
+        u = _container_use(c)
+        app_cpu, app_mem = app_cpu + u.cpu_milli, app_mem + u.mem_bytes
+    side_cpu = side_mem = init_cpu = init_mem = 0
+    for c in spec.get("initContainers") or []:
+        u = _container_use(c)
+        if isinstance(c, dict) and c.get("restartPolicy") == "Always":
+            side_cpu, side_mem = side_cpu + u.cpu_milli, side_mem + u.mem_bytes
+            cpu, mem = side_cpu, side_mem
+        else:
+            cpu, mem = u.cpu_milli + side_cpu, u.mem_bytes + side_mem
+        init_cpu, init_mem = max(init_cpu, cpu), max(init_mem, mem)
+    over = spec.get("overhead") or {}
+    over_cpu = _amount(over.get("cpu"), 1000, ROUND_CEILING) if isinstance(over, dict) else 0
+    over_mem = _amount(over.get("memory"), 1, ROUND_CEILING) if isinstance(over, dict) else 0
+    return HostUse(max(app_cpu + side_cpu, init_cpu) + over_cpu, max(app_mem + side_mem, init_mem) + over_mem)
+
+
+def ram_mib(mem_bytes: int) -> int:
+    """Requested bytes as the core's whole MiB, rounded up (never less than is asked)."""
+    return -(-mem_bytes // MIB)
+
+
+def _allocatable_host(obj: dict[str, Any]) -> HostUse:
+    alloc = (obj.get("status") or {}).get("allocatable") or {}
+    return HostUse(_amount(alloc.get("cpu"), 1000, ROUND_FLOOR), _amount(alloc.get("memory"), 1, ROUND_FLOOR))
 
 
 @dataclass
@@ -65,6 +148,7 @@ class NodeInfo:
     # change that lets waiting pods on (see ClusterView.on_room) is noticed.
     taints: frozenset[tuple[str, str, str]] = frozenset()
     ready: bool = False
+    allocatable: HostUse = HostUse()  # status.allocatable cpu (milli) and memory (bytes)
 
 
 @dataclass
@@ -81,6 +165,7 @@ class PodInfo:
     bound_node: str = ""  # spec.nodeName
     slots: int = 0  # `gpupack.io/gpu` slots the kubelet charges the pod (see pod_slots)
     resource_version: str = ""
+    host: HostUse = HostUse()  # its CPU/memory request, charged on `node` (see ClusterView.host_pods)
 
     @property
     def pending(self) -> bool:
@@ -253,8 +338,19 @@ def _init_names(pod: dict[str, Any]) -> frozenset[str]:
 class ClusterView:
     """Thread-safe cluster state. Every public method takes the lock."""
 
-    def __init__(self, on_problem: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self, on_problem: Callable[[str, str], None] | None = None, track_host: bool = False
+    ) -> None:
         self.lock = threading.RLock()
+        # Host CPU/memory in the core's Nodes (cpu_milli/ram_mib allocatable, cpu_used/ram_used
+        # requested by every non-terminal pod assigned there), so the policy's CPU terms see them.
+        # Off, the core treats CPU and memory as not tracked (kube-scheduler still checks both).
+        self.track_host = track_host
+        # Assigned pods of the whole cluster (a second, field-selected watch): pod key -> HostPod.
+        # A gpupack pod not in it yet (assumed, or its Binding not echoed) is charged from its
+        # PodInfo instead; by key and uid, never both (see _host_recount).
+        self.host_pods: dict[str, HostPod] = {}
+        self.host_by_node: dict[str, set[str]] = {}
         self.changed = threading.Condition(self.lock)
         self.state = ClusterState()
         self.nodes: dict[str, NodeInfo] = {}
@@ -311,6 +407,7 @@ class ClusterView:
         res_raw = ann.get(ANN_RESERVATIONS)
         slots = _allocatable_slots(obj)
         taints, ready = _blocking_taints(obj), _ready(obj)
+        alloc = _allocatable_host(obj)
         with self.lock:
             info = self.nodes.get(name)
             if (
@@ -320,6 +417,7 @@ class ClusterView:
                 and info.reservations_raw == res_raw
                 and info.unschedulable == unsched
                 and info.labels == labels
+                and info.allocatable == alloc
             ):
                 # heartbeats and status updates: nothing gpupack's fit reads changed
                 if info.taints != taints or info.ready != ready:
@@ -336,7 +434,16 @@ class ClusterView:
             why = room_grew(before, replace(info, unschedulable=unsched, slots=slots, reservations_raw=res_raw),
                             inv_raw, labels)  # fmt: skip
             rebuild = inv_raw != info.inventory_raw or name not in self.state.nodes
-            info.unschedulable, info.labels, info.slots = unsched, labels, slots
+            if (
+                not why
+                and self.track_host
+                and (
+                    alloc.cpu_milli > info.allocatable.cpu_milli
+                    or alloc.mem_bytes > info.allocatable.mem_bytes
+                )
+            ):
+                why = "allocatable-grew"
+            info.unschedulable, info.labels, info.slots, info.allocatable = unsched, labels, slots, alloc
             if rebuild:
                 info.inventory_raw = inv_raw
                 inv = None
@@ -353,6 +460,7 @@ class ClusterView:
             else:
                 node = self.state.nodes[name]
                 node.schedulable, node.labels = not unsched, labels
+                self._host_recount(name)
             if res_raw != info.reservations_raw:
                 info.reservations_raw = res_raw
                 info.reservations, info.reservations_error = (), ""
@@ -391,6 +499,88 @@ class ClusterView:
         for p in self.pods.values():
             if p.node == name:
                 self._charge(p)
+        self._host_recount(name)
+
+    # --- host CPU and memory ----------------------------------------------------------------------
+    def _host_recount(self, name: str) -> bool:
+        """Set the core Node's CPU/memory from the node's allocatable and the requests of the pods
+        assigned to it; True when what the policy sees changed. A gpupack pod the assigned-pod watch
+        shows already (same uid, same node) is counted from there, else from its PodInfo: binds
+        charge at assume time, before any watch has seen them, and nothing is counted twice."""
+        node = self.state.nodes.get(name)
+        info = self.nodes.get(name)
+        if node is None or info is None or not self.track_host:
+            return False
+        cpu = mem = 0
+        for k in self.host_by_node.get(name, ()):
+            u = self.host_pods[k].use
+            cpu, mem = cpu + u.cpu_milli, mem + u.mem_bytes
+        for k in self.slot_use.get(name, ()):
+            p = self.pods.get(k)
+            if p is None or p.node != name:
+                continue
+            hp = self.host_pods.get(k)
+            if hp is not None and hp.uid == p.uid and hp.node == name:
+                continue
+            cpu, mem = cpu + p.host.cpu_milli, mem + p.host.mem_bytes
+        new = (info.allocatable.cpu_milli, info.allocatable.mem_bytes // MIB, cpu, ram_mib(mem))
+        if new == (node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used):
+            return False
+        node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used = new
+        return True
+
+    def apply_host_pod(self, obj: dict[str, Any], deleted: bool = False) -> None:
+        """An event of the assigned-pod watch (every pod with a node, not terminal)."""
+        meta = obj.get("metadata") or {}
+        name = meta.get("name")
+        if not isinstance(name, str) or not name:
+            return
+        key = f"{meta.get('namespace') or 'default'}/{name}"
+        node = str((obj.get("spec") or {}).get("nodeName") or "")
+        gone = deleted or not node or (obj.get("status") or {}).get("phase") in TERMINAL
+        new = None if gone else HostPod(str(meta.get("uid") or ""), node, pod_host_request(obj))
+        with self.lock:
+            old = self.host_pods.get(key)
+            if old == new:
+                return
+            if old is not None:
+                keys = self.host_by_node.get(old.node)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self.host_by_node[old.node]
+                del self.host_pods[key]
+            if new is not None:
+                self.host_pods[key] = new
+                self.host_by_node.setdefault(new.node, set()).add(key)
+            for n in {x.node for x in (old, new) if x is not None}:
+                nd = self.state.nodes.get(n)
+                before = (nd.cpu_used, nd.ram_used) if nd is not None else (0, 0)
+                if self._host_recount(n):
+                    self._bump(n)
+                    after = (self.state.nodes[n].cpu_used, self.state.nodes[n].ram_used)
+                    if after[0] < before[0] or after[1] < before[1]:
+                        # kube-scheduler retries parked pods on a pod's deletion, but that retry can
+                        # reach this extender before this watch has freed the CPU
+                        self.on_room(n, "host-freed")
+            self.changed.notify_all()
+
+    def delete_host_pod(self, obj: dict[str, Any]) -> None:
+        self.apply_host_pod(obj, deleted=True)
+
+    def replace_host_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        """A fresh list of the assigned pods: apply it and drop the pods missing from it."""
+        seen: set[str] = set()
+        for page in pages:
+            with self.lock:
+                for o in page:
+                    m = o.get("metadata") or {}
+                    seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
+                    self.apply_host_pod(o)
+        with self.lock:
+            for key in [k for k in self.host_pods if k not in seen]:
+                ns, _, name = key.partition("/")
+                self.apply_host_pod({"metadata": {"namespace": ns, "name": name}}, deleted=True)
 
     # --- pods ----------------------------------------------------------------------------------
     def _charge(self, p: PodInfo) -> None:
@@ -411,6 +601,7 @@ class ClusterView:
             self._force_place(node, req, placement, charged)
         if p.assignment.reservation:
             self.consumed.setdefault(p.node, set()).add(p.assignment.reservation)
+        self._host_recount(p.node)
         self._bump(p.node)
 
     def _force_place(self, node: Node, req: PodRequest, placement: Placement, charged: dict) -> None:
@@ -470,6 +661,7 @@ class ClusterView:
         pend = self.pending_by_node.get(p.node)
         if pend is not None:
             pend.discard(key)
+        self._host_recount(p.node)
         self._bump(p.node)
         if freed:
             # kube-scheduler retries its parked pods on the pod's deletion itself, but that retry
@@ -530,6 +722,7 @@ class ClusterView:
                 bound_node=bound,
                 slots=pod_slots(obj),
                 resource_version=str(meta.get("resourceVersion") or ""),
+                host=pod_host_request(obj) if self.track_host else HostUse(),
             )
             if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw:
                 return  # an event from before our bind's PATCH (an earlier assignment)
@@ -622,8 +815,12 @@ class ClusterView:
                 self.delete_node(name)
 
     # --- the bind step's reservation -------------------------------------------------------------
-    def assume(self, key: str, uid: str, a: Assignment, init_names: frozenset[str], slots: int = 0) -> None:
-        """Hold an assignment this process is about to write; PlacementError if it no longer fits."""
+    def assume(
+        self, key: str, uid: str, a: Assignment, init_names: frozenset[str], slots: int = 0,
+        host: HostUse = NO_HOST_USE,
+    ) -> None:  # fmt: skip
+        """Hold an assignment this process is about to write; PlacementError if it no longer fits.
+        `host`: the pod's CPU/memory request, charged on the node from now on (see _host_recount)."""
         with self.lock:
             node = self.state.nodes.get(a.node)
             if node is None:
@@ -637,10 +834,12 @@ class ClusterView:
                 raise PlacementError("; ".join(problems))
             self.state.place(PodRequest(key=key, pod_class=a.pod_class, uid=uid), placement, charged)
             info = PodInfo(
-                key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True, slots=slots
-            )
+                key, uid, a.node, a, raw, init_names, HANDOFF_PENDING, False, assumed=True, slots=slots,
+                host=host if self.track_host else HostUse(),
+            )  # fmt: skip
             self.pods[key] = info
             self.slot_use.setdefault(a.node, {})[key] = slots
+            self._host_recount(a.node)
             self.inflight.add(key)  # until mark_bound, unassume or the bind's end
             if a.reservation:
                 self.consumed.setdefault(a.node, set()).add(a.reservation)

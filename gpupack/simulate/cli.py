@@ -15,6 +15,10 @@
         defrag --objective nodes) against none and an emptiest-node-first baseline
         (gpupack.simulate.tidal, docs/defrag.md). Writes DIR/tidal.png.
 
+    gpupack simulate workload --trace PODS.csv -o FILE [--coverage 0.95]
+        Writes the trace's workload (pod shapes and counts, as the replay gives it to the
+        policies) as JSON, for `gpupack extender --workload-file FILE`.
+
 Bad input (a malformed CSV row, an unknown policy) is one line on stderr and exit status 2.
 """
 
@@ -265,10 +269,39 @@ def run_fleet(args) -> int:
     return 0
 
 
+def run_workload(argv: list[str]) -> int:
+    """`gpupack simulate workload`: the trace's workload as the extender's --workload-file."""
+    from gpupack.core.fgd import workload_to_json
+    from gpupack.simulate.openb import read_pods
+    from gpupack.simulate.replay import trace_workload
+
+    p = _Parser(prog="gpupack simulate workload", description=run_workload.__doc__)
+    p.add_argument("--trace", required=True, help="openb pod list CSV")
+    p.add_argument("-o", "--out", required=True, help="JSON file to write ('-': stdout)")
+    p.add_argument(
+        "--coverage", type=float, default=0.95, help="share of pods the typical shapes cover (0.95)"
+    )
+    args = p.parse_args(argv)
+    if not 0 < args.coverage <= 1:
+        raise UsageError("--coverage: must be in (0, 1]")
+    text = json.dumps(workload_to_json(trace_workload(read_pods(args.trace), args.coverage)), indent=1) + "\n"
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).write_text(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from gpupack.simulate.openb import TraceError
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["workload"]:
+        try:
+            return run_workload(argv[1:])
+        except (UsageError, TraceError, OSError) as e:
+            print(f"gpupack simulate workload: {e}", file=sys.stderr)
+            return 2
     if "--churn" in argv:
         # Departures + periodic defrag is its own experiment with its own options.
         from gpupack.simulate import churn
