@@ -84,6 +84,8 @@ class ReplayResult:
     placed: int
     failed_gpu_milli: int
     decisions: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (node, gpus) or (-1, ())
+    # Steps where a random draw among equally scored nodes decided (pipeline mode: kube-scheduler's).
+    tied: list[int] = field(default_factory=list)
 
     @property
     def unallocated_pct_at_100(self) -> float:
@@ -479,3 +481,31 @@ def replay_generic(
             failed += req
         curve.add(arrived, allocated)
     return ReplayResult(policy_name, seed, curve.values(), len(order), placed, failed, decisions)
+
+
+# --- modes ------------------------------------------------------------------------------------
+
+REPLAY_MODES = ("default", "pipeline")
+
+
+def replay_mode(
+    mode: str,
+    nodes: NodeList,
+    pods: PodList,
+    policy_name: str,
+    seed: int,
+    order: np.ndarray | None = None,
+    workload: Workload | None = None,
+    **pipeline_options: object,
+) -> ReplayResult:
+    """`default`: :func:`replay` (decisions kept); `pipeline`: the same arrivals through the model of
+    kube-scheduler in front of the extender (:mod:`gpupack.simulate.pipeline`; `pipeline_options`
+    are :class:`~gpupack.simulate.pipeline.PipelineConfig` fields)."""
+    if mode == "default":
+        return replay(nodes, pods, policy_name, seed, order, workload, keep_decisions=True)
+    if mode == "pipeline":
+        from gpupack.simulate.pipeline import PipelineConfig, replay_pipeline
+
+        cfg = PipelineConfig(**pipeline_options)  # type: ignore[arg-type]
+        return replay_pipeline(nodes, pods, policy_name, seed, order, workload, cfg)
+    raise ValueError(f"unknown replay mode {mode!r}; choose one of {', '.join(REPLAY_MODES)}")
