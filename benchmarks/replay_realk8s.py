@@ -72,6 +72,7 @@ from gpupack.contract import (  # noqa: E402
 )
 from gpupack.core.model import FULL  # noqa: E402
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList, read_nodes, read_pods  # noqa: E402
+from gpupack.simulate.pipeline import PipelineConfig, follow_pipeline  # noqa: E402
 from gpupack.simulate.replay import ReplayResult, _Curve, arrival_order, replay_mode  # noqa: E402
 
 NAMESPACE = "replay"
@@ -383,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pod-timeout", type=float, default=60.0)
     ap.add_argument("--sim-only", action="store_true", help="skip the real cluster")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--what-if", action="append", default=[], metavar="FIELD=VALUE",
+                    help="also run the pipeline model with this PipelineConfig field changed (repeatable; "
+                         "e.g. cpu_pods_via_extender=true, filter_keep_best=0)")  # fmt: skip
     args = ap.parse_args(argv)
 
     d = args.data or data_dir()
@@ -406,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         pipe = replay_mode("pipeline", sl, sub, args.policy, args.seed, order, **st.pipeline)
         pipe_s = time.monotonic() - t
+        what_if = None
+        if args.what_if:
+            changed = dict(st.pipeline)
+            for kv in args.what_if:
+                k, v = kv.split("=", 1)
+                changed[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
+            what_if = (changed, replay_mode("pipeline", sl, sub, args.policy, args.seed, order, **changed))
         real, info = (None, {}) if args.sim_only else run_real(args, sl, sub, order, st, workdir)
 
     out: dict[str, Any] = {
@@ -420,7 +431,23 @@ def main(argv: list[str] | None = None) -> int:
         "differ_sim_pipeline_vs_default": differ(pipe, sim),
         "pipeline_s": round(pipe_s, 1),
     }  # fmt: skip
+    if what_if is not None:
+        out["what_if_config"] = what_if[0]
+        out["unallocated_pct_at_100"][f"sim_pipeline_what_if_{args.policy}"] = round(
+            what_if[1].unallocated_pct_at_100, 2
+        )
     if real is not None:
+        follow = follow_pipeline(
+            sl, sub, args.policy, order, real.decisions, config=PipelineConfig(**st.pipeline)
+        )
+        agree = 0
+        for (node, gpus), (best, mgpus) in zip(real.decisions, follow, strict=False):
+            if not ((node < 0 and not best) or (node in best and gpus == mgpus)):
+                break
+            agree += 1
+        # Pods in a row, from the first, whose real decision the model (forced along the real run)
+        # had among its equal best, GPUs included.
+        out["real_decisions_the_model_could_take"] = f"{agree}/{len(order)}"
         out["unallocated_pct_at_100"][f"real_{args.policy}"] = round(real.unallocated_pct_at_100, 2)
         out["placed"]["real"] = real.placed
         out["differ_real_vs_sim_default"] = differ(real, sim)
@@ -453,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         if real is not None:
             print(f"  real vs sim default {tuple(out['differ_real_vs_sim_default'].values())}, "
                   f"real vs sim pipeline {tuple(out['differ_real_vs_sim_pipeline'].values())}")  # fmt: skip
+            print(f"real decisions the pipeline model could take (forced along the real run): "
+                  f"{out['real_decisions_the_model_could_take']}")  # fmt: skip
             print(f"real - sim ({args.policy}): {out['real_vs_sim_same_policy_points']:+.2f} points; "
                   f"real below sim FGD by {out['real_below_sim_fgd_pct']}%; "
                   f"setup {info['setup_s']}s, replay {info['replay_s']}s")  # fmt: skip
