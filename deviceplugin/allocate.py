@@ -59,7 +59,7 @@ class Allocator:
         except HandoffError as e:
             if self.metrics:
                 self.metrics.handoff_failed(_reason(str(e)))
-            log.error("Allocate(%d device(s)) failed: %s", len(device_ids), e)
+            log.error("Allocate(%d device(s)) failed: %s", len(device_ids), e, extra={"node": self.node})
             raise
         finally:
             if self.metrics:
@@ -116,6 +116,12 @@ class Allocator:
                 ",".join(sorted(ids)),
                 plan.env["NVIDIA_VISIBLE_DEVICES"],
                 " (handoff done)" if plan.completes else "",
+                extra={
+                    "node": self.node,
+                    "pod": plan.pod.key,
+                    "container": plan.container,
+                    "gpu": plan.env["NVIDIA_VISIBLE_DEVICES"],
+                },  # fmt: skip
             )
             return plan.env
         raise HandoffError(f"node {self.node}: the pending pod kept changing during Allocate; try again")
@@ -132,7 +138,12 @@ class Allocator:
                 resource_version=pod.resource_version,
             )
         except (ApiException, OSError) as e:
-            log.warning("cannot mark the handoff of pod %s failed: %s", pod.key, e)
+            log.warning(
+                "cannot mark the handoff of pod %s failed: %s",
+                pod.key,
+                e,
+                extra={"node": self.node, "pod": pod.key},
+            )
 
     def _remember_init(self, pod_uid: str, container: str, ids: frozenset[str]) -> None:
         self._init_ids.setdefault(pod_uid, {})[container] = ids

@@ -50,7 +50,13 @@ class DeviceState:
             self._gpus[uuid] = dataclasses.replace(g, healthy=False, unhealthy_reason=reason)
             self.version += 1
             self._cond.notify_all()
-        log.warning("GPU %s (index %d) marked unhealthy: %s", uuid, g.index, reason)
+        log.warning(
+            "GPU %s (index %d) marked unhealthy: %s",
+            uuid,
+            g.index,
+            reason,
+            extra={"gpu": g.index, "uuid": uuid},
+        )
         for fn in self._listeners:
             try:
                 fn()

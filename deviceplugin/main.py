@@ -23,7 +23,7 @@ import threading
 from deviceplugin.api import DEFAULT_PLUGIN_DIR
 from deviceplugin.discovery import NvmlUnavailable, discover, init_nvml
 from deviceplugin.nvml_facade import NvmlFacade
-from gpupack import handoff
+from gpupack import handoff, logs
 
 PROG = "gpupack device-plugin"
 
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between GPU health probes")
     p.add_argument("--discover", action="store_true", help="print the GPU inventory and exit")
     p.add_argument("--json", action="store_true", help="with --discover: print JSON")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    logs.add_log_flags(p, verbose_alias=True)
     return p
 
 
@@ -98,10 +98,7 @@ def make_nvml(args: argparse.Namespace) -> NvmlFacade:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.setup(args)
     try:
         nvml = make_nvml(args)
         init_nvml(nvml)

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from gpupack import logs
 from gpupack.core.model import FULL
 
 from .view import ClusterView
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", action="append", help="only this node (repeatable)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--all", action="store_true", help="also list nodes without a gpupack inventory")
+    logs.add_log_flags(p)
     return p
 
 
@@ -85,8 +87,13 @@ def render(data: dict[str, Any]) -> str:
             pods = ", ".join(f"{p['pod']} ({p['mem_mib']} MiB, {p['sm_pct']:g}%)" for p in g["pods"]) or "-"
             rows.append(
                 (
-                    n["node"], str(g["index"]), g["model"], cls,
-                    f"{g['mem_reserved_mib']}/{g['mem_total_mib']}", f"{g['sm_reserved_pct']:g}%", pods,
+                    n["node"],
+                    str(g["index"]),
+                    g["model"],
+                    cls,
+                    f"{g['mem_reserved_mib']}/{g['mem_total_mib']}",
+                    f"{g['sm_reserved_pct']:g}%",
+                    pods,
                 )
             )
         if n["pending_handoffs"]:
@@ -101,6 +108,7 @@ def render(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.setup(args)
     try:
         from kubernetes.client.rest import ApiException
         from kubernetes.config import ConfigException

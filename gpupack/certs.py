@@ -23,8 +23,10 @@ import base64
 import datetime as dt
 import ipaddress
 import json
+import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from gpupack import logs
+
 PROG = "gpupack.certs"
+log = logging.getLogger(PROG)
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 CA_CERT, CA_KEY, TLS_CERT, TLS_KEY = "ca.crt", "ca.key", "tls.crt", "tls.key"
 
@@ -56,7 +61,12 @@ class Bundle:
 
 
 def dns_names(service: str, namespace: str) -> list[str]:
-    return [service, f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
+    return [
+        service,
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+    ]
 
 
 def _now() -> dt.datetime:
@@ -84,9 +94,15 @@ def new_ca(days: int, now: dt.datetime | None = None) -> tuple[bytes, bytes]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                key_encipherment=False, data_encipherment=False, key_agreement=False,
-                encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -95,8 +111,9 @@ def new_ca(days: int, now: dt.datetime | None = None) -> tuple[bytes, bytes]:
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
 
-def issue(ca_cert_pem: bytes, ca_key_pem: bytes, names: list[str], days: int,
-          now: dt.datetime | None = None) -> tuple[bytes, bytes]:
+def issue(
+    ca_cert_pem: bytes, ca_key_pem: bytes, names: list[str], days: int, now: dt.datetime | None = None
+) -> tuple[bytes, bytes]:
     """A serving certificate for `names`, signed by the CA."""
     now = now or _now()
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
@@ -125,8 +142,9 @@ def issue(ca_cert_pem: bytes, ca_key_pem: bytes, names: list[str], days: int,
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
 
-def needs_new_ca(ca_cert_pem: bytes, ca_key_pem: bytes, renew_before: dt.timedelta,
-                 now: dt.datetime | None = None) -> str:
+def needs_new_ca(
+    ca_cert_pem: bytes, ca_key_pem: bytes, renew_before: dt.timedelta, now: dt.datetime | None = None
+) -> str:
     """Why the CA cannot be kept ("" when it can)."""
     now = now or _now()
     try:
@@ -136,15 +154,18 @@ def needs_new_ca(ca_cert_pem: bytes, ca_key_pem: bytes, renew_before: dt.timedel
         return f"CA unreadable ({e})"
     if key.public_key().public_bytes(  # type: ignore[union-attr]
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    ) != ca.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+    ) != ca.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    ):
         return "CA key does not match CA certificate"
     if ca.not_valid_after_utc - now < renew_before:
         return f"CA expires {ca.not_valid_after_utc.isoformat()}"
     return ""
 
 
-def needs_new_cert(bundle: Bundle, names: list[str], renew_before: dt.timedelta,
-                   now: dt.datetime | None = None) -> str:
+def needs_new_cert(
+    bundle: Bundle, names: list[str], renew_before: dt.timedelta, now: dt.datetime | None = None
+) -> str:
     """Why the serving certificate cannot be kept ("" when it can)."""
     now = now or _now()
     try:
@@ -163,7 +184,11 @@ def needs_new_cert(bundle: Bundle, names: list[str], renew_before: dt.timedelta,
     except (ValueError, TypeError, Exception) as e:  # InvalidSignature is not a ValueError
         return f"serving certificate not signed by the CA ({type(e).__name__})"
     try:
-        have = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+        have = set(
+            cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+                x509.DNSName
+            )
+        )
     except x509.ExtensionNotFound:
         have = set()
     missing = [n for n in names if n not in have]
@@ -177,13 +202,21 @@ def needs_new_cert(bundle: Bundle, names: list[str], renew_before: dt.timedelta,
 def _decode_secret(secret: dict[str, Any]) -> Bundle | None:
     data = secret.get("data") or {}
     try:
-        return Bundle(*(base64.b64decode(data[k], validate=True) for k in (CA_CERT, CA_KEY, TLS_CERT, TLS_KEY)))
+        return Bundle(
+            *(base64.b64decode(data[k], validate=True) for k in (CA_CERT, CA_KEY, TLS_CERT, TLS_KEY))
+        )
     except (KeyError, ValueError, TypeError):
         return None
 
 
-def plan(existing: Bundle | None, names: list[str], ca_days: int, cert_days: int,
-         renew_before: dt.timedelta, now: dt.datetime | None = None) -> tuple[Bundle, str]:
+def plan(
+    existing: Bundle | None,
+    names: list[str],
+    ca_days: int,
+    cert_days: int,
+    renew_before: dt.timedelta,
+    now: dt.datetime | None = None,
+) -> tuple[Bundle, str]:
     """The bundle to store and why it changed ("" = keep `existing` as it is)."""
     now = now or _now()
     if existing is not None:
@@ -218,8 +251,9 @@ class Kube:
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        m, url, hdrs, b, _ = self.c.param_serialize(method=method, resource_path=path, header_params=headers,
-                                                    body=body, auth_settings=["BearerToken"])
+        m, url, hdrs, b, _ = self.c.param_serialize(
+            method=method, resource_path=path, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
         resp = self.c.call_api(m, url, header_params=hdrs, body=b, _request_timeout=30)
         data = resp.read()
         if not 200 <= resp.status <= 299:
@@ -233,8 +267,16 @@ class Kube:
         return out
 
 
-def ensure_secret(kube: Kube, namespace: str, name: str, names: list[str], ca_days: int, cert_days: int,
-                  renew_before: dt.timedelta, log: Any = print) -> Bundle:
+def ensure_secret(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    names: list[str],
+    ca_days: int,
+    cert_days: int,
+    renew_before: dt.timedelta,
+    report: Callable[[str], Any] = log.info,
+) -> Bundle:
     from kubernetes.client.exceptions import ApiException
 
     path = f"/api/v1/namespaces/{namespace}/secrets"
@@ -252,7 +294,11 @@ def ensure_secret(kube: Kube, namespace: str, name: str, names: list[str], ca_da
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "gpupack"}},
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/part-of": "gpupack"},
+            },
             "type": "kubernetes.io/tls",
             "data": bundle.secret_data(),
         }
@@ -267,12 +313,14 @@ def ensure_secret(kube: Kube, namespace: str, name: str, names: list[str], ca_da
             if e.status == 409:  # another replica wrote first: use what it wrote
                 continue
             raise CertError(f"cannot write Secret {namespace}/{name}: {e.status} {e.reason}") from e
-        log(f"{PROG}: wrote Secret {namespace}/{name}: {why}")
+        report(f"wrote Secret {namespace}/{name}: {why}")
         return bundle
     raise CertError(f"Secret {namespace}/{name} kept changing under us; giving up after 5 tries")
 
 
-def inject_ca_bundle(kube: Kube, kind: str, name: str, ca_pem: bytes, log: Any = print) -> bool:
+def inject_ca_bundle(
+    kube: Kube, kind: str, name: str, ca_pem: bytes, report: Callable[[str], Any] = log.info
+) -> bool:
     """Set caBundle on every webhook of one configuration; True when something changed."""
     from kubernetes.client.exceptions import ApiException
 
@@ -298,15 +346,27 @@ def inject_ca_bundle(kube: Kube, kind: str, name: str, ca_pem: bytes, log: Any =
             if e.status == 409:
                 continue
             raise CertError(f"cannot update {what}: {e.status} {e.reason}") from e
-        log(f"{PROG}: set caBundle on {what} ({len(stale)} webhook(s))")
+        report(f"set caBundle on {what} ({len(stale)} webhook(s))")
         return True
     raise CertError(f"{what} kept changing; giving up after 5 tries")
 
 
-def ensure(kube: Kube, namespace: str, secret: str, service: str, mutating: list[str], validating: list[str],
-           out_dir: Path | None, ca_days: int, cert_days: int, renew_before: dt.timedelta) -> Bundle:
+def ensure(
+    kube: Kube,
+    namespace: str,
+    secret: str,
+    service: str,
+    mutating: list[str],
+    validating: list[str],
+    out_dir: Path | None,
+    ca_days: int,
+    cert_days: int,
+    renew_before: dt.timedelta,
+) -> Bundle:
     """The whole job: Secret, caBundles, files. Raises CertError or ApiException."""
-    bundle = ensure_secret(kube, namespace, secret, dns_names(service, namespace), ca_days, cert_days, renew_before)
+    bundle = ensure_secret(
+        kube, namespace, secret, dns_names(service, namespace), ca_days, cert_days, renew_before
+    )
     for name in mutating:
         inject_ca_bundle(kube, "mutating", name, bundle.ca_cert)
     for name in validating:
@@ -318,8 +378,11 @@ def ensure(kube: Kube, namespace: str, secret: str, service: str, mutating: list
 
 def write_files(bundle: Bundle, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    for fname, content, mode in ((TLS_CERT, bundle.cert, 0o644), (TLS_KEY, bundle.key, 0o600),
-                                 (CA_CERT, bundle.ca_cert, 0o644)):
+    for fname, content, mode in (
+        (TLS_CERT, bundle.cert, 0o644),
+        (TLS_KEY, bundle.key, 0o600),
+        (CA_CERT, bundle.ca_cert, 0o644),
+    ):
         tmp = out_dir / f".{fname}.tmp"
         tmp.write_bytes(content)
         tmp.chmod(mode)
@@ -336,27 +399,54 @@ def _default_namespace() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Create/renew the admission webhook's certificates "
-                                "and inject the CA into the webhook configurations.")
-    p.add_argument("--namespace", default=_default_namespace(), help="namespace of Secret and Service "
-                   "(default $POD_NAMESPACE, then the pod's service account namespace)")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Create/renew the admission webhook's certificates "
+        "and inject the CA into the webhook configurations.",
+    )
+    p.add_argument(
+        "--namespace",
+        default=_default_namespace(),
+        help="namespace of Secret and Service "
+        "(default $POD_NAMESPACE, then the pod's service account namespace)",
+    )
     p.add_argument("--secret", default="gpupack-webhook-tls", help="Secret holding CA and serving cert")
-    p.add_argument("--service", default="gpupack-webhook", help="Service the API server calls the webhook through")
-    p.add_argument("--mutating-webhook-configuration", action="append", default=[], metavar="NAME",
-                   help="inject the CA into this MutatingWebhookConfiguration (repeatable)")
-    p.add_argument("--validating-webhook-configuration", action="append", default=[], metavar="NAME",
-                   help="inject the CA into this ValidatingWebhookConfiguration (repeatable)")
+    p.add_argument(
+        "--service", default="gpupack-webhook", help="Service the API server calls the webhook through"
+    )
+    p.add_argument(
+        "--mutating-webhook-configuration",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="inject the CA into this MutatingWebhookConfiguration (repeatable)",
+    )
+    p.add_argument(
+        "--validating-webhook-configuration",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="inject the CA into this ValidatingWebhookConfiguration (repeatable)",
+    )
     p.add_argument("--out-dir", default="", help="write tls.crt, tls.key, ca.crt here")
     p.add_argument("--ca-days", type=int, default=3650, help="validity of a new CA (days)")
     p.add_argument("--cert-days", type=int, default=365, help="validity of a new serving certificate (days)")
-    p.add_argument("--renew-before-days", type=int, default=30,
-                   help="re-issue a certificate that expires within this many days")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    p.add_argument(
+        "--renew-before-days",
+        type=int,
+        default=30,
+        help="re-issue a certificate that expires within this many days",
+    )
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)"
+    )
+    logs.add_log_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logs.setup(args)
     if not args.namespace:
         print(f"{PROG}: --namespace is required outside a pod", file=sys.stderr)
         return 2
@@ -381,9 +471,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: no Kubernetes credentials: {e}", file=sys.stderr)
         return 1
     try:
-        ensure(kube, args.namespace, args.secret, args.service, args.mutating_webhook_configuration,
-               args.validating_webhook_configuration, Path(args.out_dir) if args.out_dir else None,
-               args.ca_days, args.cert_days, dt.timedelta(days=args.renew_before_days))
+        ensure(
+            kube,
+            args.namespace,
+            args.secret,
+            args.service,
+            args.mutating_webhook_configuration,
+            args.validating_webhook_configuration,
+            Path(args.out_dir) if args.out_dir else None,
+            args.ca_days,
+            args.cert_days,
+            dt.timedelta(days=args.renew_before_days),
+        )
     except CertError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1

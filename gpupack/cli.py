@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from gpupack import logs
 
 # subcommand -> (module, help). Imported lazily so `gpupack simulate` never loads gRPC or Flask.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("gpupack.simulate.cli", "compare placements offline: embedded fleet or an openb trace replay"),
+    "simulate": (
+        "gpupack.simulate.cli",
+        "compare placements offline: embedded fleet or an openb trace replay",
+    ),
     "extender": ("extender.main", "run the kube-scheduler extender and admission webhook (HTTP)"),
     "device-plugin": ("deviceplugin.main", "run the per-node kubelet device plugin (gRPC)"),
     "status": ("extender.status_cli", "show per-node, per-GPU reservations from the cluster"),
@@ -18,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     width = max(len(c) for c in COMMANDS)
-    lines = ["usage: gpupack COMMAND [options]", "", "commands:"]
+    lines = ["usage: gpupack [--log-level LEVEL] [--log-format text|json] COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run `gpupack COMMAND --help` for a command's options."]
     return "\n".join(lines)
@@ -26,6 +32,11 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    try:
+        args = _global_log_options(args)
+    except ValueError as e:
+        print(f"gpupack: {e}\n\n{_usage()}", file=sys.stderr)
+        return 2
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0 if args else 2
@@ -38,8 +49,29 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"gpupack: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    # a command without log flags of its own (simulate) logs as asked too; one with them sets up again
+    logs.configure(logs.default_level(), logs.default_format())
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(args[1:]) or 0)
+
+
+def _global_log_options(args: list[str]) -> list[str]:
+    """Take --log-level/--log-format given before the command; they become the defaults of the
+    command's own flags (through the environment variables those read)."""
+    env = {"--log-level": (logs.ENV_LEVEL, logs.LEVELS), "--log-format": (logs.ENV_FORMAT, logs.FORMATS)}
+    while args and args[0].split("=", 1)[0] in env:
+        flag, eq, value = args[0].partition("=")
+        if not eq:
+            if len(args) < 2:
+                raise ValueError(f"{flag} needs a value")
+            value, args = args[1], args[2:]
+        else:
+            args = args[1:]
+        var, choices = env[flag]
+        if value not in choices:
+            raise ValueError(f"{flag} {value!r}: choose from {', '.join(choices)}")
+        os.environ[var] = value
+    return args
 
 
 def kubectl_main() -> int:

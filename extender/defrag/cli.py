@@ -22,6 +22,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from gpupack import logs
 from gpupack.contract import ANN_ASSIGNMENT, LABEL_MANAGED
 from gpupack.core.defrag import Limits, Plan, plan_defrag, plan_nodes
 
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-file", help="write the run's metrics here (Prometheus textfile format)")
     o.add_argument("--pushgateway", help="push the run's metrics to this Pushgateway address")
     o.add_argument("--no-events", action="store_true", help="do not record Kubernetes Events")
-    o.add_argument("-v", "--verbose", action="store_true")
+    logs.add_log_flags(o, verbose_alias=True)
     return p
 
 
@@ -174,7 +175,9 @@ def _gpupack_pods(kube: Kube) -> list[dict[str, Any]]:
     for items, _rv in kube.pages(kube.core.list_pod_for_all_namespaces):
         for p in items:
             meta = p.get("metadata") or {}
-            if LABEL_MANAGED in (meta.get("labels") or {}) or ANN_ASSIGNMENT in (meta.get("annotations") or {}):
+            if LABEL_MANAGED in (meta.get("labels") or {}) or ANN_ASSIGNMENT in (
+                meta.get("annotations") or {}
+            ):
                 out.append(p)
     return out
 
@@ -350,11 +353,7 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.setup(args)
     for name, v in (
         ("--max-evictions", args.max_evictions),
         ("--max-per-node", args.max_per_node),
