@@ -456,6 +456,17 @@ def semantic_errors(objs: list[Obj]) -> list[str]:
                 errs.append(f"{where}: invalid YAML: {e}")
                 continue
             errs += scheduler_config_errors(cfg, where)
+            keep = ext_args.get("--filter-keep-best", "0") if ext_args else "0"
+            if keep.isdigit() and int(keep) > 0:
+                # the extender passes the best of the nodes it is shown: all of them, or its choice
+                # is the best of a subset kube-scheduler's adaptive search happened to find
+                shares = [(cfg or {}).get("percentageOfNodesToScore")]
+                shares += [p.get("percentageOfNodesToScore") for p in (cfg or {}).get("profiles") or []
+                           if isinstance(p, dict) and p.get("schedulerName") == contract.SCHEDULER_NAME]
+                share = next((x for x in reversed(shares) if x is not None), None)
+                if share != 100:
+                    errs.append(f"{where}: percentageOfNodesToScore is {share}, must be 100 with the extender's "
+                                f"--filter-keep-best={keep} (it picks the best of the nodes it is shown)")
             for e in (cfg or {}).get("extenders") or []:
                 url = str(e.get("urlPrefix", ""))
                 m = re.match(r"^https?://(127\.0\.0\.1|localhost|\[::1\]):(\d+)/?$", url)
