@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
 import realk8s  # noqa: E402
-from ext_helpers import DevicePluginEmulator, annotations, container, get_pod, pod_obj  # noqa: E402
+from ext_helpers import DevicePluginEmulator, container, get_pod, pod_obj  # noqa: E402
+from ext_helpers import annotations as pod_annotations  # noqa: E402
 from kubernetes import client  # noqa: E402
 from processes import ExtenderProcess  # noqa: E402
 
@@ -211,8 +212,9 @@ def pod_body(pods: PodList, i: int, name: str) -> dict[str, Any]:
     c["resources"]["requests"].update({"cpu": f"{int(pods.cpu[i])}m", "memory": f"{int(pods.ram[i])}Mi"})
     body = pod_obj(name, [c], cls=None, namespace=NAMESPACE)
     body["spec"]["terminationGracePeriodSeconds"] = 0
-    if pods.spec[i]:
-        body["metadata"]["annotations"] = {ANN_GPU_MODELS: "|".join(sorted(pods.spec[i]))}
+    models = pods.spec[i]
+    if models:
+        body["metadata"]["annotations"] = {ANN_GPU_MODELS: "|".join(sorted(models))}
     return body
 
 
@@ -239,7 +241,7 @@ def submit_one(
     while time.monotonic() < deadline:
         pod = get_pod(core, NAMESPACE, name)
         if pod["spec"].get("nodeName"):
-            if not gpu or annotations(pod).get(ANN_HANDOFF) == HANDOFF_DONE:
+            if not gpu or pod_annotations(pod).get(ANN_HANDOFF) == HANDOFF_DONE:
                 return pod
         elif _unschedulable(pod):
             core.delete_namespaced_pod(name, NAMESPACE, grace_period_seconds=0)
@@ -292,7 +294,7 @@ def replay_on_cluster(
             else:
                 gpus: tuple[int, ...] = ()
                 got = 0
-                raw = annotations(pod).get(ANN_ASSIGNMENT)
+                raw = pod_annotations(pod).get(ANN_ASSIGNMENT)
                 if raw:
                     a = decode_assignment(raw)
                     shares = [s for ss in a.containers.values() for s in ss]
