@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
         agree = 0
         for (node, gpus), (best, mgpus) in zip(real.decisions, follow, strict=False):
             if not ((node < 0 and not best) or (node in best and gpus == mgpus)):
+                out["first_model_disagreement"] = {
+                    "step": agree, "pod": sub.names[int(order[agree])], "real": [node, gpus],
+                    "model_best": best, "model_gpus": mgpus,
+                }  # fmt: skip
                 break
             agree += 1
         # Pods in a row, from the first, whose real decision the model (forced along the real run)
