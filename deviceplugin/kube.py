@@ -6,55 +6,40 @@ client models, and patched as JSON merge patches with a resourceVersion precondi
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes import client, config
-from kubernetes.client.rest import ApiException
+from kubernetes import client
 
-MERGE_PATCH = "application/merge-patch+json"
+from gpupack import kubeclient
+
 # Allocate makes a LIST and a PATCH: both bounded, so a slow API server fails the kubelet's Allocate
 # (it retries admission) instead of holding the node's handoff for minutes.
 TIMEOUT_S = 4
-
-
-class KubeError(RuntimeError):
-    pass
+KubeError = kubeclient.KubeConfigError
 
 
 def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
-    """In-cluster config when running in a pod, else the kubeconfig (flag, $KUBECONFIG, ~/.kube/config)."""
-    try:
-        if kubeconfig:
-            return config.new_client_from_config(config_file=kubeconfig)
-        try:
-            config.load_incluster_config()
-            return client.ApiClient()
-        except config.ConfigException:
-            return config.new_client_from_config()
-    except (config.ConfigException, OSError) as e:
-        raise KubeError(f"cannot configure the Kubernetes client: {e}") from e
+    """The shared loader (gpupack.kubeclient): --kubeconfig, else in-cluster, else the default kubeconfig."""
+    return kubeclient.api_client(kubeconfig)
 
 
 class Kube:
     def __init__(self, api_client: client.ApiClient) -> None:
-        self.core = client.CoreV1Api(api_client)
+        self.kc = kubeclient.KubeClient(api_client, timeout_s=TIMEOUT_S)
+        self.core = self.kc.core
 
     def pods_on_node(self, node: str) -> list[dict[str, Any]]:
-        resp = self.core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=TIMEOUT_S
-        )
-        return list(json.loads(resp.data).get("items", []))
+        raw = self.kc.json(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
+        return list(raw.get("items") or [])
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            resp = self.core.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=TIMEOUT_S)
-        except ApiException as e:
+            return self.kc.json(self.core.read_namespaced_pod, name, namespace)
+        except kubeclient.ApiException as e:
             if e.status == 404:
                 return None
             raise
-        return json.loads(resp.data)
 
     def patch_pod_annotations(
         self, namespace: str, name: str, annotations: Mapping[str, str | None], resource_version: str = ""
@@ -62,14 +47,9 @@ class Kube:
         meta: dict[str, Any] = {"annotations": annotations}
         if resource_version:
             meta["resourceVersion"] = resource_version  # 409 Conflict if the pod changed meanwhile
-        resp = self.core.patch_namespaced_pod(
-            name, namespace, {"metadata": meta}, _content_type=MERGE_PATCH,
-            _preload_content=False, _request_timeout=TIMEOUT_S,
-        )
-        return json.loads(resp.data)
+        return self.kc.merge_patch(self.core.patch_namespaced_pod, name, namespace, {"metadata": meta})
 
     def patch_node(self, node: str, labels: dict[str, str], annotations: dict[str, str]) -> None:
-        self.core.patch_node(
-            node, {"metadata": {"labels": labels, "annotations": annotations}},
-            _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=TIMEOUT_S,
+        self.kc.merge_patch(
+            self.core.patch_node, node, {"metadata": {"labels": labels, "annotations": annotations}}
         )

@@ -22,7 +22,6 @@ import argparse
 import base64
 import datetime as dt
 import ipaddress
-import json
 import logging
 import os
 import sys
@@ -236,35 +235,19 @@ def plan(
 
 # --- Kubernetes side ----------------------------------------------------------------------------
 class Kube:
-    """JSON requests through the official client's ApiClient (auth, TLS, proxies from the config).
-
-    The generated CoreV1Api module takes seconds to import; an init container that makes four
-    requests has no use for its typed models.
-    """
+    """Raw JSON requests over an ApiClient (gpupack.kubeclient.request_json): an init container that
+    makes four requests has no use for the typed API classes."""
 
     def __init__(self, api_client: Any) -> None:
         self.c = api_client
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
-        from kubernetes.client.exceptions import ApiException
+        from gpupack.kubeclient import request_json
 
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        m, url, hdrs, b, _ = self.c.param_serialize(
-            method=method, resource_path=path, header_params=headers, body=body, auth_settings=["BearerToken"]
-        )
-        resp = self.c.call_api(m, url, header_params=hdrs, body=b, _request_timeout=30)
-        data = resp.read()
-        if not 200 <= resp.status <= 299:
-            raise ApiException.from_response(http_resp=resp, body=data.decode(errors="replace"), data=None)
         try:
-            out = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise CertError(f"{method} {path}: the API server answered with non-JSON ({e})") from e
-        if not isinstance(out, dict):
-            raise CertError(f"{method} {path}: the API server answered with a JSON {type(out).__name__}")
-        return out
+            return request_json(self.c, method, path, body, timeout_s=30)
+        except ValueError as e:
+            raise CertError(str(e)) from e
 
 
 def ensure_secret(
@@ -454,20 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: need 0 < --renew-before-days < --cert-days <= --ca-days", file=sys.stderr)
         return 2
     import urllib3
-    from kubernetes import config
-    from kubernetes.client.api_client import ApiClient
     from kubernetes.client.exceptions import ApiException
 
+    from gpupack.kubeclient import KubeConfigError, api_client
+
     try:
-        if args.kubeconfig:
-            config.load_kube_config(args.kubeconfig)
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-        kube = Kube(ApiClient())
-    except (config.ConfigException, OSError) as e:
+        kube = Kube(api_client(args.kubeconfig))
+    except KubeConfigError as e:
         print(f"{PROG}: no Kubernetes credentials: {e}", file=sys.stderr)
         return 1
     try:

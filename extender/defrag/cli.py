@@ -19,14 +19,11 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.rest import ApiException
-
 from gpupack import logs
 from gpupack.contract import ANN_ASSIGNMENT, LABEL_MANAGED
 from gpupack.core.defrag import Limits, Plan, plan_defrag, plan_nodes
+from gpupack.kubeclient import ApiException, KubeClient, api_reason
 
-from ..kube import Kube, api_client
 from .eligibility import Eligibility, why_not
 from .events import EventRecorder
 from .executor import (
@@ -167,12 +164,12 @@ def _table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _gpupack_pods(kube: Kube) -> list[dict[str, Any]]:
+def _gpupack_pods(kc: KubeClient) -> list[dict[str, Any]]:
     """Pods that hold or may hold a GPU share: labelled gpupack.io/managed, or carrying an
     assignment without the label (stripped by hand: the share is still in use, and a snapshot
     that missed it would plan moves onto an occupied GPU). All pods are listed, only these kept."""
     out: list[dict[str, Any]] = []
-    for items, _rv in kube.pages(kube.core.list_pod_for_all_namespaces):
+    for items, _rv in kc.pages(kc.core.list_pod_for_all_namespaces):
         for p in items:
             meta = p.get("metadata") or {}
             if LABEL_MANAGED in (meta.get("labels") or {}) or ANN_ASSIGNMENT in (
@@ -182,11 +179,11 @@ def _gpupack_pods(kube: Kube) -> list[dict[str, Any]]:
     return out
 
 
-def _snapshot(kube: Kube) -> Snapshot:
-    return build_snapshot(kube.list_nodes()["items"], _gpupack_pods(kube), datetime.now(UTC))
+def _snapshot(kc: KubeClient) -> Snapshot:
+    return build_snapshot(kc.list_all(kc.core.list_node), _gpupack_pods(kc), datetime.now(UTC))
 
 
-def run(args: argparse.Namespace, api: Any) -> int:
+def run(args: argparse.Namespace, kc: KubeClient) -> int:
     now = datetime.now(UTC)
     window = parse_window(args.window, args.timezone) if args.window else None
     metrics = RunMetrics()
@@ -210,7 +207,7 @@ def run(args: argparse.Namespace, api: Any) -> int:
     lease = None
     if args.apply:
         lease = RunLease(
-            api,
+            kc,
             args.lease_namespace,
             args.lease_name,
             holder,
@@ -224,16 +221,15 @@ def run(args: argparse.Namespace, api: Any) -> int:
             metrics.export(args.metrics_file, args.pushgateway)
             return 3
     try:
-        return _plan_and_apply(args, api, run_id, metrics, lease, window)
+        return _plan_and_apply(args, kc, run_id, metrics, lease, window)
     finally:
         if lease is not None:
             lease.release()
         metrics.export(args.metrics_file, args.pushgateway)
 
 
-def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> int:
-    kube = Kube(api)
-    snap = _snapshot(kube)
+def _plan_and_apply(args, kc: KubeClient, run_id, metrics: RunMetrics, lease, window) -> int:
+    snap = _snapshot(kc)
     for msg in snap.problems:
         log.warning("%s", msg)
     rules = Eligibility(
@@ -303,7 +299,7 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
             print(json.dumps(out, indent=2, sort_keys=True))
         return 0
 
-    events = EventRecorder(None if args.no_events else api, run_id)
+    events = EventRecorder(None if args.no_events else kc, run_id)
     opts = ExecOptions(
         move_timeout_s=args.move_timeout,
         poll_s=args.poll_interval,
@@ -317,13 +313,12 @@ def _plan_and_apply(args, api, run_id, metrics: RunMetrics, lease, window) -> in
     )
     # A run that crashed while emptying a node left its taint: this run holds the lease now, so
     # no other run is using it.
-    core = client.CoreV1Api(api)
     for name, obj in sorted(snap.nodes.items()):
         for t in (obj.get("spec") or {}).get("taints") or []:
             if t.get("key") == TAINT_KEY and t.get("value") == TAINT_VALUE:
                 log.info("removing a stale %s taint from node %s (an earlier run stopped)", TAINT_KEY, name)
-                set_taint(core, name, None)
-    ex = Executor(api, lambda: _snapshot(kube), opts, run_id, events, metrics, lease)
+                set_taint(kc, name, None)
+    ex = Executor(kc, lambda: _snapshot(kc), opts, run_id, events, metrics, lease)
     result: RunResult = ex.run(plan)
     out["result"] = result.to_dict()
     metrics.result.labels("aborted" if result.aborted else "ok").set(1)
@@ -374,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.window:
             parse_window(args.window, args.timezone)
-        api = api_client(args.kubeconfig)
+        kc = KubeClient.from_kubeconfig(args.kubeconfig)
     except WindowError as e:
         print(f"gpupack defrag: {e}", file=sys.stderr)
         return 2
@@ -382,13 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpupack defrag: cannot load Kubernetes configuration: {e}", file=sys.stderr)
         return 2
     try:
-        return run(args, api)
+        return run(args, kc)
     except ApiException as e:
-        try:
-            detail = json.loads(e.body or "{}").get("message") or e.reason
-        except (ValueError, AttributeError):
-            detail = e.reason
-        print(f"gpupack defrag: Kubernetes API error {e.status}: {detail}", file=sys.stderr)
+        status, _, detail = api_reason(e).partition(" ")
+        print(f"gpupack defrag: Kubernetes API error {status}: {detail}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"gpupack defrag: cannot reach the Kubernetes API: {e}", file=sys.stderr)

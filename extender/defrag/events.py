@@ -10,8 +10,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.rest import ApiException
+from gpupack.kubeclient import ApiException, KubeClient
 
 log = logging.getLogger("gpupack.defrag.events")
 
@@ -19,15 +18,15 @@ COMPONENT = "gpupack-defrag"
 
 
 class EventRecorder:
-    def __init__(self, api: client.ApiClient | None, instance: str) -> None:
-        self.core = client.CoreV1Api(api) if api is not None else None
+    def __init__(self, kc: KubeClient | None, instance: str) -> None:
+        self.kc = kc
         self.instance = instance
         self.written = 0
 
     def _emit(
         self, namespace: str, kind: str, name: str, uid: str, reason: str, message: str, warning: bool
     ) -> None:
-        if self.core is None:
+        if self.kc is None:
             return
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body: dict[str, Any] = {
@@ -54,7 +53,7 @@ class EventRecorder:
         if kind != "Pod":
             del body["involvedObject"]["namespace"]
         try:
-            self.core.create_namespaced_event(namespace, body)
+            self.kc.json(self.kc.core.create_namespaced_event, namespace, body)
             self.written += 1
         except ApiException as e:
             log.warning("could not record event %s on %s %s: %s %s", reason, kind, name, e.status, e.reason)

@@ -32,7 +32,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from gpupack.contract import (
     ANN_ASSIGNMENT,
@@ -44,6 +43,7 @@ from gpupack.contract import (
 )
 from gpupack.core.defrag import Move, Plan
 from gpupack.core.model import PlacementError
+from gpupack.kubeclient import ApiException, KubeClient
 
 from .events import EventRecorder
 from .lease import LeaseHeld, RunLease
@@ -207,10 +207,10 @@ def _budget_state(pdb: dict[str, Any]) -> tuple[bool, str]:
     return allowed >= 1, desc
 
 
-def set_taint(core: client.CoreV1Api, node: str, value: str | None) -> bool:
+def set_taint(kc: KubeClient, node: str, value: str | None) -> bool:
     """Set the defrag status taint on `node` to `value` (NoSchedule), or remove it (None)."""
     for _ in range(8):
-        raw = json.loads(core.read_node(node, _preload_content=False).data)
+        raw = kc.json(kc.core.read_node, node)
         taints = list((raw.get("spec") or {}).get("taints") or [])
         mine = [t for t in taints if t.get("key") == TAINT_KEY]
         if (value is None and not mine) or (value is not None and [t.get("value") for t in mine] == [value]):
@@ -223,7 +223,7 @@ def set_taint(core: client.CoreV1Api, node: str, value: str | None) -> bool:
             "spec": {"taints": taints or None},
         }
         try:
-            core.patch_node(node, body, _content_type="application/merge-patch+json", _preload_content=False)
+            kc.merge_patch(kc.core.patch_node, node, body)
             return True
         except ApiException as e:
             if e.status != 409:
@@ -234,7 +234,7 @@ def set_taint(core: client.CoreV1Api, node: str, value: str | None) -> bool:
 class Executor:
     def __init__(
         self,
-        api: client.ApiClient,
+        kc: KubeClient,
         rebuild: Callable[[], Snapshot],
         opts: ExecOptions,
         run_id: str,
@@ -243,7 +243,8 @@ class Executor:
         lease: RunLease | None,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        self.core = client.CoreV1Api(api)
+        self.kc = kc
+        self.core = kc.core
         self.rebuild = rebuild
         self.opts = opts
         self.run_id = run_id
@@ -251,8 +252,8 @@ class Executor:
         self.metrics = metrics
         self.lease = lease
         self.now = now
-        self.policy = client.PolicyV1Api(api)
-        self.writer = ReservationWriter(api)
+        self.policy = kc.policy
+        self.writer = ReservationWriter(kc)
         self.written: dict[str, set[str]] = {}  # node -> reservation ids this run holds
         self.evicted: list[tuple[str, str, str, int]] = []  # (namespace, name, uid, group)
         self.tainted: set[str] = set()
@@ -263,7 +264,7 @@ class Executor:
             metadata=client.V1ObjectMeta(name=name, namespace=namespace),
             delete_options=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
         )
-        self.core.create_namespaced_pod_eviction(name, namespace, body, _preload_content=False)
+        self.kc.json(self.core.create_namespaced_pod_eviction, name, namespace, body)
 
     def _evict_retrying(self, namespace: str, name: str, uid: str) -> None:
         """Evict; a 429 that is not a budget's refusal is the API server shedding load (priority
@@ -280,7 +281,7 @@ class Executor:
                 time.sleep(wait)
 
     def _pods_of(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
-        raw = json.loads(self.core.list_namespaced_pod(namespace, _preload_content=False).data)
+        raw = self.kc.json(self.core.list_namespaced_pod, namespace)
         return [p for p in raw.get("items") or [] if _owned_by(p, kind, name)]
 
     def _wait_replacement(self, move: Move, before: set[str], rid: str) -> tuple[dict[str, Any] | None, str]:
@@ -306,7 +307,7 @@ class Executor:
     def _budgets_for(self, pod: dict[str, Any]) -> list[dict[str, Any]]:
         meta = pod.get("metadata") or {}
         ns, labels = str(meta.get("namespace")), meta.get("labels") or {}
-        raw = json.loads(self.policy.list_namespaced_pod_disruption_budget(ns, _preload_content=False).data)
+        raw = self.kc.json(self.policy.list_namespaced_pod_disruption_budget, ns)
         spec_of = lambda b: b.get("spec") or {}  # noqa: E731
         return [b for b in raw.get("items") or [] if selector_matches(spec_of(b).get("selector"), labels)]
 
@@ -331,7 +332,7 @@ class Executor:
         """Set this run's NoSchedule status taint to `value`, or remove it (None); read-modify-write
         with the Node's resourceVersion, so a concurrent writer is never overwritten. True when it
         changed anything."""
-        return set_taint(self.core, node, value)
+        return set_taint(self.kc, node, value)
 
     def _untaint_all(self, res: RunResult) -> None:
         for node in sorted(self.tainted):
@@ -360,7 +361,7 @@ class Executor:
                 if grp not in groups:
                     continue
                 if ns not in by_ns:
-                    items = json.loads(self.core.list_namespaced_pod(ns, _preload_content=False).data)
+                    items = self.kc.json(self.core.list_namespaced_pod, ns)
                     by_ns[ns] = {
                         str((p.get("metadata") or {}).get("name")): str((p.get("metadata") or {}).get("uid"))
                         for p in items.get("items") or []

@@ -12,8 +12,7 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.rest import ApiException
+from gpupack.kubeclient import ApiException, KubeClient
 
 log = logging.getLogger("gpupack.defrag.lease")
 
@@ -38,11 +37,14 @@ def _parse(v: Any) -> datetime | None:
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
+def _rv(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
 class RunLease:
-    def __init__(
-        self, api: client.ApiClient, namespace: str, name: str, holder: str, duration_s: int
-    ) -> None:
-        self.coord = client.CoordinationV1Api(api)
+    def __init__(self, kc: KubeClient, namespace: str, name: str, holder: str, duration_s: int) -> None:
+        self.kc = kc
+        self.coord = kc.coordination
         self.namespace, self.name, self.holder, self.duration_s = namespace, name, holder, duration_s
         self.held = False
 
@@ -65,12 +67,12 @@ class RunLease:
     def acquire(self, now: datetime | None = None) -> None:
         now = now or datetime.now(UTC)
         try:
-            cur = self.coord.read_namespaced_lease(self.name, self.namespace)
+            cur = self.kc.json(self.coord.read_namespaced_lease, self.name, self.namespace)
         except ApiException as e:
             if e.status != 404:
                 raise
             try:
-                self.coord.create_namespaced_lease(self.namespace, self._body(now, None))
+                self.kc.json(self.coord.create_namespaced_lease, self.namespace, self._body(now, None))
             except ApiException as e2:
                 if e2.status == 409:
                     raise LeaseHeld(
@@ -79,10 +81,10 @@ class RunLease:
                 raise
             self.held = True
             return
-        spec = cur.spec
-        holder = spec.holder_identity if spec else None
-        renewed = _parse(spec.renew_time if spec else None)
-        duration = (spec.lease_duration_seconds if spec else None) or 0
+        spec = cur.get("spec") or {}
+        holder = spec.get("holderIdentity")
+        renewed = _parse(spec.get("renewTime"))
+        duration = int(spec.get("leaseDurationSeconds") or 0)
         if holder and holder != self.holder and renewed is not None:
             until = renewed + timedelta(seconds=duration)
             if until > now:
@@ -91,8 +93,8 @@ class RunLease:
                     f"{_fmt(until)}"
                 )
         try:
-            self.coord.replace_namespaced_lease(
-                self.name, self.namespace, self._body(now, cur.metadata.resource_version)
+            self.kc.json(
+                self.coord.replace_namespaced_lease, self.name, self.namespace, self._body(now, _rv(cur))
             )
         except ApiException as e:
             if e.status == 409:
@@ -103,14 +105,15 @@ class RunLease:
     def renew(self, now: datetime | None = None) -> None:
         """Extend the lease; LeaseHeld if someone else took it (the run must stop)."""
         now = now or datetime.now(UTC)
-        cur = self.coord.read_namespaced_lease(self.name, self.namespace)
-        if cur.spec is None or cur.spec.holder_identity != self.holder:
+        cur = self.kc.json(self.coord.read_namespaced_lease, self.name, self.namespace)
+        spec = cur.get("spec") or {}
+        if spec.get("holderIdentity") != self.holder:
             self.held = False
             raise LeaseHeld(f"lease {self.namespace}/{self.name} is no longer ours")
-        acquired = _parse(cur.spec.acquire_time)
-        body = self._body(now, cur.metadata.resource_version, _fmt(acquired) if acquired else None)
+        acquired = _parse(spec.get("acquireTime"))
+        body = self._body(now, _rv(cur), _fmt(acquired) if acquired else None)
         try:
-            self.coord.replace_namespaced_lease(self.name, self.namespace, body)
+            self.kc.json(self.coord.replace_namespaced_lease, self.name, self.namespace, body)
         except ApiException as e:
             if e.status == 409:
                 self.held = False
@@ -123,12 +126,13 @@ class RunLease:
             return
         self.held = False
         try:
-            cur = self.coord.read_namespaced_lease(self.name, self.namespace)
-            if cur.spec is None or cur.spec.holder_identity != self.holder:
+            cur = self.kc.json(self.coord.read_namespaced_lease, self.name, self.namespace)
+            spec = cur.get("spec") or {}
+            if spec.get("holderIdentity") != self.holder:
                 return
-            body = client.ApiClient().sanitize_for_serialization(cur)
-            body["spec"]["holderIdentity"] = None
-            body["spec"]["leaseDurationSeconds"] = 1
-            self.coord.replace_namespaced_lease(self.name, self.namespace, body)
+            spec["holderIdentity"] = None
+            spec["leaseDurationSeconds"] = 1
+            cur["spec"] = spec
+            self.kc.json(self.coord.replace_namespaced_lease, self.name, self.namespace, cur)
         except ApiException as e:
             log.warning("could not release lease %s/%s: %s %s", self.namespace, self.name, e.status, e.reason)

@@ -8,12 +8,8 @@ move that needs it is skipped with the decoder's message.
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
-
-from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from gpupack.contract import (
     ANN_RESERVATIONS,
@@ -22,10 +18,9 @@ from gpupack.contract import (
     decode_reservations,
     encode_reservations,
 )
+from gpupack.kubeclient import ApiException, KubeClient
 
 from ..reservations import is_active
-
-MERGE_PATCH = "application/merge-patch+json"
 
 
 class ReserveError(RuntimeError):
@@ -33,12 +28,12 @@ class ReserveError(RuntimeError):
 
 
 class ReservationWriter:
-    def __init__(self, api: client.ApiClient, attempts: int = 8) -> None:
-        self.core = client.CoreV1Api(api)
+    def __init__(self, kc: KubeClient, attempts: int = 8) -> None:
+        self.kc = kc
         self.attempts = attempts
 
     def _read(self, node: str) -> tuple[list[Reservation], str]:
-        raw = json.loads(self.core.read_node(node, _preload_content=False).data)
+        raw = self.kc.json(self.kc.core.read_node, node)
         meta = raw.get("metadata") or {}
         text = (meta.get("annotations") or {}).get(ANN_RESERVATIONS)
         current: list[Reservation] = []
@@ -61,7 +56,7 @@ class ReservationWriter:
                 "metadata": {"resourceVersion": rv, "annotations": {ANN_RESERVATIONS: value}}
             }
             try:
-                self.core.patch_node(node, body, _content_type=MERGE_PATCH, _preload_content=False)
+                self.kc.merge_patch(self.kc.core.patch_node, node, body)
                 return new
             except ApiException as e:
                 if e.status != 409:

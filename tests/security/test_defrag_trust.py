@@ -8,7 +8,6 @@ import deploy_objects
 from realk8s import ControlPlane
 
 from extender.defrag.cli import _snapshot
-from extender.kube import Kube
 from gpupack.contract import (
     ANN_ASSIGNMENT,
     ANN_INVENTORY,
@@ -18,6 +17,7 @@ from gpupack.contract import (
     GPUShare,
     NodeInventory,
 )
+from gpupack.kubeclient import KubeClient
 
 
 def test_a_pod_without_the_label_but_with_its_assignment_holds_its_gpu(cluster: ControlPlane):
@@ -37,6 +37,6 @@ def test_a_pod_without_the_label_but_with_its_assignment_holds_its_gpu(cluster: 
         labels = {LABEL_MANAGED: "true"} if labelled else {}
         cluster.core.patch_namespaced_pod(name, ns, {"metadata": {"labels": labels,
                                                                   "annotations": {ANN_ASSIGNMENT: a.to_json()}}})  # fmt: skip
-    snap = _snapshot(Kube(cluster.new_api_client()))
+    snap = _snapshot(KubeClient(cluster.new_api_client()))
     assert {f"{ns}/kept", f"{ns}/stripped"} <= set(snap.state.pods)
     assert snap.state.nodes[node].gpus[0].mem_used == 60000, snap.state.nodes[node].gpus[0]
