@@ -1,6 +1,8 @@
 """The scheduling steps behind the HTTP verbs, in the kube-scheduler framework's shape:
 Filter (fit per node, reasons) -> Score (policy, 0..10) -> Reserve (assume in the view) ->
-Bind (PATCH the assignment, POST the Binding; roll back on failure).
+Bind (PATCH the assignment, POST the Binding; roll back on failure). With `keep_best` N, filter
+scores the fitting nodes itself and passes only the policy's N best (ties as the simulator's
+schedule() breaks them), so kube-scheduler's own scores cannot override the policy.
 
 Filter results are cached per pod *shape* and node version (an equivalence cache): pods of one
 Deployment share a shape, and only nodes whose state changed since are fitted again. Bind never

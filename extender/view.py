@@ -1,4 +1,5 @@
-"""The extender's picture of the cluster: GPU inventory per node and what gpupack pods hold.
+"""The extender's picture of the cluster: GPU inventory per node and what gpupack pods hold, and
+(with `track_host`) each node's CPU and memory, allocatable and requested by every pod on it.
 
 Built only from Kubernetes objects (Node inventory/reservation annotations, Pod assignment
 annotations), so a restarted extender rebuilds exactly what it had. Pure state: the watch loops
