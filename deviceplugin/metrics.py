@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from deviceplugin.health import DeviceState
 from gpupack import handoff
+from gpupack.core.fit import pod_charge
 
 log = logging.getLogger("gpupack.deviceplugin.metrics")
 
@@ -32,8 +33,8 @@ MIB = 1 << 20
 def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]]:
     """uuid -> (reserved MiB, reserved SM %) summed over the live pods assigned on `node`.
 
-    Init containers run before the app containers, so a pod holds the larger of its init
-    containers' and the sum of its app containers' shares, per GPU.
+    A pod's charge per GPU is gpupack.core.fit.pod_charge's: max(init, sum of app), as the
+    scheduler charged it.
     """
     out: dict[str, tuple[int, int]] = {}
     for p in map(handoff.pod_view, pods):
@@ -45,24 +46,22 @@ def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]
             continue
         if a.node != node:
             continue
-        init_names = {c.name for c in p.containers if c.init}
-        app: dict[str, list[int]] = {}
-        init: dict[str, list[int]] = {}
-        for cname, shares in a.containers.items():
-            target = init if cname in init_names else app
-            for s in shares:
-                acc = target.setdefault(s.uuid, [0, 0])
-                if target is init:
-                    acc[0], acc[1] = max(acc[0], s.mem_mib), max(acc[1], s.sm_pct)
-                else:
-                    acc[0] += s.mem_mib
-                    acc[1] += s.sm_pct
-        for uuid in set(app) | set(init):
-            mem = max(app.get(uuid, [0, 0])[0], init.get(uuid, [0, 0])[0])
-            sm = max(app.get(uuid, [0, 0])[1], init.get(uuid, [0, 0])[1])
+        # init containers in the pod's order: an earlier one's own GPUs are a later one's to ride on
+        by_name = _holds(a)
+        inits = [c.name for c in p.containers if c.init and c.name in by_name]
+        app = [hs for cname, hs in by_name.items() if cname not in inits]
+        charged = pod_charge(app, [by_name[cname] for cname in inits])
+        for uuid, (mem, sm, _) in charged.items():
             m0, s0 = out.get(uuid, (0, 0))
             out[uuid] = (m0 + mem, s0 + sm)
     return out
+
+
+def _holds(a: handoff.Assignment) -> dict[str, list[tuple[str, int, int, bool]]]:
+    return {
+        cname: [(s.uuid, s.mem_mib, s.sm_pct, s.exclusive) for s in shares]
+        for cname, shares in a.containers.items()
+    }
 
 
 class _GPUCollector(Collector):

@@ -12,13 +12,60 @@ How a pod's containers combine (documented in the README):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gpupack.core.model import FULL, GPU, Charged, ContainerRequest, Node, Placement, PodRequest, Share
 
 # Rank of a GPU for one container share: lower is preferred. Policies supply it.
 GpuRank = Callable[[Node, GPU, int, int], float]
+
+K = TypeVar("K", bound=Hashable)
+
+
+def pod_charge(
+    app: Iterable[Iterable[tuple[K, int, int, bool]]], init: Iterable[Iterable[tuple[K, int, int, bool]]]
+) -> dict[K, tuple[int, int, bool]]:
+    """What a pod reserves per GPU, max(init, sum of app), from its containers' holds.
+
+    Each hold is (gpu, memory, SM, exclusive) in the caller's own GPU key (node position, UUID)
+    and units (MiB and milli, MiB and percent): the rule only adds and compares. `app`: one
+    iterable of holds per app container; `init`: one per init container, in the pod's order.
+    App containers add up per GPU. An init container all of whose GPUs the pod holds already (by
+    its app containers, or an earlier init container holding its own) runs before them there and
+    is charged max(its need, what is held); one that does not holds its GPUs like an app
+    container and adds up. The one implementation of this rule: fit's placements, the extender's
+    view of an assignment and the device plugin's per-GPU metrics charge through it."""
+    held: dict[K, tuple[int, int, bool]] = {}
+
+    def add(gpu: K, mem: int, sm: int, ex: bool) -> None:
+        m, k, e = held.get(gpu, (0, 0, False))
+        held[gpu] = (m + mem, k + sm, e or ex)
+
+    for hs in app:
+        for gpu, mem, sm, ex in hs:
+            add(gpu, mem, sm, ex)
+    peak: dict[K, tuple[int, int, bool]] = {}
+    for hs in init:
+        one = list(hs)
+        if one and all(h[0] in held for h in one):
+            for gpu, mem, sm, ex in one:
+                m, k, e = peak.get(gpu, (0, 0, False))
+                peak[gpu] = (max(m, mem), max(k, sm), e or ex)
+        else:
+            for gpu, mem, sm, ex in one:
+                add(gpu, mem, sm, ex)
+    charged = dict(held)
+    for gpu, (pm, pk, pe) in peak.items():
+        m, k, e = charged[gpu]
+        charged[gpu] = (max(m, pm), max(k, pk), e or pe)
+    return charged
+
+
+def holds(shares: Iterable[Share]) -> list[tuple[int, int, int, bool]]:
+    """A container's shares as pod_charge's holds (GPU position, MiB, milli, exclusive)."""
+    return [(s.gpu_index, s.mem_mib, s.milli, s.exclusive) for s in shares]
 
 
 @dataclass(frozen=True)
@@ -239,7 +286,9 @@ def fit_general(node: Node, pod: PodRequest, rank: GpuRank = tightest) -> Fit | 
     used: Charged = {}
     containers: dict[str, tuple[Share, ...]] = {}
     # Largest first: a big container placed last is the one most likely to find no room.
-    order = sorted(pod.containers, key=lambda c: (not c.exclusive, -c.gpus, -(c.mem_mib or 0), -(c.milli or 0)))
+    order = sorted(
+        pod.containers, key=lambda c: (not c.exclusive, -c.gpus, -(c.mem_mib or 0), -(c.milli or 0))
+    )
     for c in order:
         gpus = _pick(node, pod, c, used, rank)
         if gpus is None:
@@ -278,8 +327,9 @@ def fit_general(node: Node, pod: PodRequest, rank: GpuRank = tightest) -> Fit | 
             return _explain(node, pod, c, used)
         containers[c.name] = _charge(used, gpus, c)
 
-    charged = dict(used)
-    for i, (pm, pk, pe) in init_peak.items():
-        am, ak, ae = charged[i]
-        charged[i] = (max(am, pm), max(ak, pk), ae or pe)
+    # the search above kept its own running totals; the charge is the one rule's
+    charged = pod_charge(
+        [holds(containers[c.name]) for c in pod.containers],
+        [holds(containers[c.name]) for c in pod.init_containers],
+    )
     return Fit(Placement(node.name, containers), charged)
