@@ -154,6 +154,10 @@ def decide_setup(args: argparse.Namespace, sub_csv: Path, workdir: Path) -> Setu
         n = args.keep_best if args.keep_best > 0 else int(shipped_flag("--filter-keep-best") or 1)
         st.extender_flags += ["--filter-keep-best", str(n)]
         st.pipeline["filter_keep_best"] = n
+    if "--policy-seed" in help_text:
+        # the simulator's policy breaks ties in its seeded node order: the same seed, the same order
+        st.extender_flags += ["--policy-seed", str(args.seed)]
+        st.pipeline["extender_seed"] = args.seed
     st.pipeline["learn_workload"] = True
     if "--workload-file" in help_text and args.workload:
         wl = workdir / "workload.json"
@@ -435,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     if what_if is not None:
         out["what_if_config"] = what_if[0]
+        out["differ_sim_what_if_vs_default"] = differ(what_if[1], sim)
         out["unallocated_pct_at_100"][f"sim_pipeline_what_if_{args.policy}"] = round(
             what_if[1].unallocated_pct_at_100, 2
         )

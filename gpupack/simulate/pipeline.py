@@ -306,8 +306,9 @@ def follow_pipeline(
     """Replay `order` through the pipeline model, each pod forced where `decisions` (a real
     cluster's) put it, and return per pod what the model would have done in that same state: the
     nodes of equal highest total kube-scheduler draws from ([] when the pod fits nowhere) and the
-    GPUs the extender's bind picks on the followed node. Stops (returns what it has) at the first
-    decision the model could not have taken."""
+    GPUs the extender's bind picks on the followed node. Whether each decision was among those best
+    is the caller's check; the follow stops (returns what it has, the last entry that pod's) at a
+    node the pod could not go to at all (kube-scheduler's filters or the extender's fit refuse it)."""
     cfg = config or PipelineConfig()
     kwargs = {}
     if policy_name in ("fgd", "gpupack") and not cfg.learn_workload:
