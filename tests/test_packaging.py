@@ -32,3 +32,66 @@ def test_product_code_imports_no_test_tooling() -> None:
                 f"{p.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in TEST_ONLY_IMPORTS
             ]
     assert offenders == []
+
+
+# The components' modules: what the image runs. gpupack.simulate is the simulator's, run from a
+# checkout or an install with the `simulate` extra.
+RUNTIME_PACKAGES = ("extender", "deviceplugin", "gpupack")
+BLOCK_MATPLOTLIB = """
+import importlib, importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(f"No module named {name!r} (blocked by the test)")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def runtime_modules() -> list[str]:
+    out = []
+    for p in product_modules():
+        rel = p.relative_to(REPO).with_suffix("")
+        if rel.parts[:2] == ("gpupack", "simulate") or rel.name == "__main__":
+            continue
+        if rel.parts[0] in RUNTIME_PACKAGES:
+            out.append(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+    return out
+
+
+def test_matplotlib_is_the_simulate_extras_only() -> None:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = [d.split(">")[0].split("=")[0].split("~")[0].strip() for d in project["dependencies"]]
+    assert "matplotlib" not in deps
+    assert any(d.startswith("matplotlib") for d in project["optional-dependencies"]["simulate"])
+    # what installs the checkout for the tests and `scripts/simulate` installs the charts too
+    assert "'.[test,simulate]'" in (REPO / "scripts" / "bootstrap").read_text()
+    # the image installs the package without extras
+    assert not [
+        ln for ln in (REPO / "Dockerfile").read_text().splitlines() if "pip install" in ln and "[" in ln
+    ]
+
+
+def test_the_components_run_without_matplotlib() -> None:
+    import subprocess
+    import sys
+
+    mods = runtime_modules()
+    assert {"extender.main", "deviceplugin.main", "extender.defrag.cli", "gpupack.certs"} <= set(mods)
+    code = (
+        BLOCK_MATPLOTLIB
+        + f"""
+for m in {mods!r} + ["gpupack.simulate.chart"]:
+    importlib.import_module(m)
+assert not [m for m in sys.modules if m.split(".")[0] == "matplotlib"]
+from gpupack.simulate.chart import ChartUnavailable, fleet_chart
+try:
+    fleet_chart({{}}, None, "")
+except ChartUnavailable as e:
+    print("unavailable:", e)
+"""
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "pip install 'gpupack[simulate]'" in r.stdout

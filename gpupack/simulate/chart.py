@@ -1,13 +1,31 @@
-"""PNG charts for `gpupack simulate` (matplotlib, Agg backend: no display needed)."""
+"""PNG charts for `gpupack simulate` (matplotlib, Agg backend: no display needed).
+
+matplotlib is the `simulate` extra's (`pip install 'gpupack[simulate]'`), not a runtime
+dependency: it is imported when a chart is drawn, so the components' image carries none of it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+class ChartUnavailable(RuntimeError):
+    pass
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ChartUnavailable(
+            "charts need matplotlib, in gpupack's `simulate` extra: pip install 'gpupack[simulate]'"
+        ) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 COLORS = {"random": "#999999", "bestfit": "#1f77b4", "fgd": "#ff7f0e", "gpupack": "#2ca02c"}
 
@@ -17,6 +35,7 @@ def replay_chart(curves: dict[str, list[float | None]], path: Path, title: str) 
 
     `curves`: policy -> mean unallocated % per bin 0..130.
     """
+    plt = _pyplot()
     fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
     for name, ys in curves.items():
         xs = [x for x, y in enumerate(ys) if y is not None]
@@ -52,6 +71,7 @@ def fleet_chart(rows: dict[str, dict[str, float]], path: Path, title: str) -> Pa
         ("mem_util_pct", "GPU memory used (%)"),
         ("sm_util_pct", "SM share used (%)"),
     ]
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(13, 4))
     modes = list(rows)
     colors = ["#999999", "#2ca02c", "#ff7f0e", "#1f77b4"]
