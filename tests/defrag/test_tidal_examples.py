@@ -3,13 +3,25 @@ arguments are ones `gpupack defrag` understands."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import yaml
 
 from extender.defrag.cli import build_parser
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "deploy" / "examples"
+# the release the manifests pin (tests/test_version.py holds every kustomization to it)
+RELEASE = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools_scm"]["fallback_version"]
+
+
+def pinned_image(kustomization: Path) -> str:
+    """`name:tag` the kustomization makes of the `gpupack` image."""
+    (img,) = [
+        i for i in yaml.safe_load(kustomization.read_text()).get("images", []) if i["name"] == "gpupack"
+    ]
+    return f"{img.get('newName', 'gpupack')}:{img['newTag']}"
 
 
 def rendered(cluster, where: Path) -> list[dict]:
@@ -21,7 +33,9 @@ def test_night_consolidation_cronjob_runs_gpupack_defrag_with_valid_flags(cluste
     jobs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "CronJob"}
     night = jobs["gpupack-night-consolidation"]["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     (c,) = night["containers"]
-    assert c["command"] == ["gpupack", "defrag"] and c["image"] == "gpupack:0.1.0"
+    image = pinned_image(EXAMPLES / "night-consolidation" / "kustomization.yaml")
+    assert image.endswith(f":{RELEASE}")
+    assert c["command"] == ["gpupack", "defrag"] and c["image"] == image
     args = build_parser().parse_args(c["args"])
     assert args.apply and args.objective == "nodes" and args.window == "01:00-05:00"
     # It shares the run Lease with the GPU defrag CronJob, and runs as its ServiceAccount.
