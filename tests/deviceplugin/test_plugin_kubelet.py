@@ -243,7 +243,10 @@ def test_pod_without_a_gpupack_assignment_is_rejected_with_a_reason(dp):
     assert err["container"] == "main" and err["expected"] is True
     assert f"no pending gpupack assignment for a pod on node {dp.node}" in err["error"]
     assert "schedulerName" in err["error"]
-    assert f'gpupack_deviceplugin_handoff_failures_total{{node="{dp.node}",reason="no_pending"}} 1.0' in _metrics(port)
+    assert (
+        f'gpupack_deviceplugin_handoff_failures_total{{node="{dp.node}",reason="no_pending"}} 1.0'
+        in _metrics(port)
+    )
 
 
 def test_pod_of_another_scheduler_with_copied_annotations_is_not_served(dp):
