@@ -531,7 +531,7 @@ class Executor:
                 f"gpupack defrag skipped moving it to {m.to_node}"
             )
             self.events.pod(ns, name, uid, "DefragEvictionRefused", msg, warning=True)
-            log.info("move %d %s: %s", m.step, m.pod, msg)
+            log.info("move %d %s: %s", m.step, m.pod, msg, extra={"pod": m.pod})
             return MoveResult(m.step, m.pod, "pdb-refused", refusal)
         self.evicted.append((ns, name, uid, m.group))
         res.evictions += 1
@@ -546,8 +546,9 @@ class Executor:
             f"its replacement is reserved on {target} (reservation {rid})",
         )
         log.info(
-            "move %d: evicted %s from %s, replacement reserved on %s", m.step, m.pod, m.from_node, target
-        )
+            "move %d: evicted %s from %s, replacement reserved on %s", m.step, m.pod, m.from_node, target,
+            extra={"pod": m.pod, "node": m.from_node, "fields": {"to": target, "step": m.step}},
+        )  # fmt: skip
         rep, why = self._wait_replacement(m, before, rid)
         if rep is None:
             msg = (
@@ -556,7 +557,7 @@ class Executor:
             )
             self.events.pod(ns, name, uid, "DefragAborted", msg, warning=True)
             self.events.node(m.to_node, "", "DefragAborted", msg, warning=True)
-            log.error("move %d: %s", m.step, msg)
+            log.error("move %d: %s", m.step, msg, extra={"pod": m.pod, "node": m.to_node})
             return MoveResult(m.step, m.pod, "timeout", msg)
         rmeta = rep.get("metadata") or {}
         rep_key = f"{rmeta.get('namespace')}/{rmeta.get('name')}"
