@@ -263,7 +263,7 @@ def replay_on_cluster(
     policy: str,
     extender_flags: list[str],
     workdir: Path,
-    gap_ms: float = 20.0,
+    gap_ms: float = 100.0,
     pod_timeout: float = 60.0,
     progress: bool = False,
 ) -> tuple[ReplayResult, dict[str, Any]]:
@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="whether the pipeline model's extender sees node CPU/memory (auto: guessed from --help)",
     )
-    ap.add_argument("--gap-ms", type=float, default=20.0)
+    ap.add_argument("--gap-ms", type=float, default=100.0,
+                    help="pause after each pod, so the extender's watch has seen it bound and its handoff end")  # fmt: skip
     ap.add_argument("--pod-timeout", type=float, default=60.0)
     ap.add_argument("--sim-only", action="store_true", help="skip the real cluster")
     ap.add_argument("--progress", action="store_true")
@@ -493,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"real vs sim pipeline {tuple(out['differ_real_vs_sim_pipeline'].values())}")  # fmt: skip
             print(f"real decisions the pipeline model could take (forced along the real run): "
                   f"{out['real_decisions_the_model_could_take']}")  # fmt: skip
+            if "first_model_disagreement" in out:
+                print(f"  first it could not: {out['first_model_disagreement']}")
             print(f"real - sim ({args.policy}): {out['real_vs_sim_same_policy_points']:+.2f} points; "
                   f"real below sim FGD by {out['real_below_sim_fgd_pct']}%; "
                   f"setup {info['setup_s']}s, replay {info['replay_s']}s")  # fmt: skip
