@@ -598,6 +598,10 @@ class Extender:
             passed, dropped = self._keep_best(pod, passed, now)
             failed.update(dropped)
             codes["not-best"] = codes.get("not-best", 0) + len(dropped)
+        if self.keep_best > 0 and passed and pod.uid:
+            # kube-scheduler binds there (one node: it skips prioritize, whose expectation this is):
+            # the next pod's filter may come before this pod's bind and must steer clear of it
+            self.view.expect(pod.uid, pod.key, tuple(passed[:EXPECT_MAX_NODES]), time.monotonic() + EXPECT_S)
         for code, k in codes.items():
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
@@ -616,10 +620,6 @@ class Extender:
             order = sorted(passed, key=lambda n: (scored.get(n) is None, -(scored.get(n) or 0.0), tie.get(n, 2.0)))
         keep = order[: self.keep_best]
         why = f"{NOT_BEST} ({keep[0]})"
-        if pod.uid:
-            # kube-scheduler binds there (alone, it skips prioritize): the next pod's filter may come
-            # before this pod's bind and must steer clear of it, as prioritize's expectation does
-            self.view.expect(pod.uid, pod.key, tuple(keep[:EXPECT_MAX_NODES]), time.monotonic() + EXPECT_S)
         return keep, {n: why for n in order[self.keep_best :]}
 
     def _raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
