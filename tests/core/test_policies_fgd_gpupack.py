@@ -138,12 +138,14 @@ def test_whole_gpu_pod_gets_idle_gpus_in_index_order():
         assert isinstance(f, Fit) and sorted(f.charged) == [0, 1]
 
 
-def test_gpupack_charges_added_stranding_but_does_not_reward_removing_it():
+def test_gpupack_charges_added_stranding_and_rewards_removing_it_only_where_allowed():
     from gpupack.core.gpupack_policy import gain
 
-    assert gain((100, 1600), (100, 800), 10) == 0  # stranding removed: no reward
-    assert gain((100, 0), (100, 200), 10) == -2000  # stranding added: charged
-    assert gain((500, 0), (300, 0), 10) == 200  # fragmentation removed counts as before
+    assert gain((100, 1600), (100, 800), 10, reward=False) == 0  # stranding removed: no reward
+    assert gain((100, 1600), (100, 800), 10, reward=True) == 8000  # ... unless the node allows it
+    for reward in (False, True):
+        assert gain((100, 0), (100, 200), 10, reward) == -2000  # stranding added: charged
+        assert gain((500, 0), (300, 0), 10, reward) == 200  # fragmentation removed counts as before
     # A CPU-poor node (1 core for 2 GPUs, the workload runs 1 core per GPU) strands a GPU from the
     # start; a GPU pod there removes that stranding but must not score above a CPU-rich node.
     wl = Workload.of([Shape(1000, 1, 1000)] * 4)
@@ -151,6 +153,34 @@ def test_gpupack_charges_added_stranding_but_does_not_reward_removing_it():
     poor, rich = node("poor", 2, cpu=1000), node("rich", 2, cpu=100_000)
     q = pod("ns/q", gpus=1)
     assert p.node_score(poor, q, p.fit(poor, q)) == p.node_score(rich, q, p.fit(rich, q))
+
+
+def test_gpupack_puts_a_cpu_light_gpu_pod_on_gpus_whose_cpu_others_ate():
+    from gpupack.core.gpupack_policy import rewards_unstranding
+
+    # The workload runs 1 core per GPU. "eaten" could feed both its GPUs, but a CPU-only pod took 3
+    # of its 4 cores: one GPU there is stranded until a CPU-light GPU pod takes it.
+    wl = Workload.of([Shape(1000, 1, 1000)] * 4 + [Shape(3000, 0, 0)])
+    st = ClusterState()
+    st.add_node(node("eaten", 2, cpu=4000))
+    st.add_node(node("fresh", 2, cpu=4000))
+    eaten = st.nodes["eaten"]
+    eaten.cpu_used = 3000
+    light = pod("ns/light", gpus=1, cpu=0)
+    for seed in range(5):
+        assert (
+            schedule(st, light, get_policy("gpupack", seed=seed, workload=wl), commit=False).node == "eaten"
+        )
+    # Where a model-constrained typical shape may use the model, a pod constrained to it would take
+    # that GPU later: no reward, the two nodes score alike.
+    a10_only = Shape(1000, 1, 1000, models=frozenset({"A10"}), spec="A10")
+    p = get_policy("gpupack", workload=Workload.of([Shape(1000, 1, 1000)] * 4 + [a10_only] * 2))
+    fresh = st.nodes["fresh"]
+    assert p.node_score(eaten, light, p.fit(eaten, light)) == p.node_score(fresh, light, p.fit(fresh, light))
+    assert rewards_unstranding(4000, 2000, "A10", (1, 1), frozenset())
+    assert not rewards_unstranding(4000, 2000, "A10", (1, 1), frozenset({"A10"}))
+    assert not rewards_unstranding(1999, 2000, "T4", (1, 1), frozenset())  # CPU-poor: never feeds both
+    assert not rewards_unstranding(4000, 2000, "T4", (0, 0), frozenset())  # no GPU pod seen yet
 
 
 def test_waste_table_is_what_typical_pods_cannot_fill():

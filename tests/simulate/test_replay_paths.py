@@ -16,6 +16,9 @@ from .conftest import reduced_pods
         ("default", "gpupack"),
         ("gpuspec10", "gpupack"),
         ("gpuspec10", "fgd"),
+        # CPU runs short: gpupack rewards removed stranding on some nodes (gpupack_policy.gain).
+        ("cpu300", "gpupack"),
+        ("gpuspec25", "gpupack"),
     ],
 )
 def test_fast_path_equals_generic_path(openb, small_cluster, trace, policy):
