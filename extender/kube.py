@@ -12,10 +12,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.rest import ApiException
-from urllib3.exceptions import HTTPError
 
+from gpupack import kubeclient
 from gpupack.contract import LABEL_MANAGED
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -29,41 +29,16 @@ ASSIGNED_PODS = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 
 
 def api_client(kubeconfig: str | None = None) -> client.ApiClient:
-    """In-cluster config when running in a pod, else the kubeconfig (or $KUBECONFIG)."""
-    cfg = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    else:
-        try:
-            config.load_incluster_config(client_configuration=cfg)
-        except config.ConfigException:
-            config.load_kube_config(client_configuration=cfg)
-    # urllib3 would retry a timed-out GET three times on its own: a 3 s timeout would become 12 s.
-    # Callers retry (watch loops) or answer the scheduler, which retries.
-    cfg.retries = 0
-    # Binds run concurrently (one per request thread) and each makes its API calls over this one
-    # client: with urllib3's default pool of 5 x CPUs connections, a burst of binds opened (and
-    # threw away) a new TLS connection per call beyond it, which doubled their time under load.
-    cfg.connection_pool_maxsize = API_CONNECTIONS
-    return client.ApiClient(cfg)
+    """In-cluster config when running in a pod, else the kubeconfig (or $KUBECONFIG). Binds run
+    concurrently, one per request thread, over this one client: the pool holds API_CONNECTIONS."""
+    return kubeclient.api_client(kubeconfig, connections=API_CONNECTIONS)
 
 
 class NamespaceUnreadable(Exception):
     """A namespace's labels could not be read (not: it has none)."""
 
 
-class _Bounded:
-    """A client call that fails as an ApiException (status 504) when the API server does not answer
-    in time or the connection fails, so that the bind path handles it like any API error."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __call__(self, *a: Any, **kw: Any) -> Any:
-        try:
-            return self.fn(*a, **kw)
-        except (HTTPError, OSError) as e:
-            raise ApiException(status=504, reason=f"API call failed or timed out: {type(e).__name__}: {e}") from e
+_Bounded = kubeclient.bounded
 
 
 def _collect(pages: Iterator[tuple[list[dict[str, Any]], str]]) -> dict[str, Any]:

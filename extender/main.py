@@ -22,6 +22,7 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 from gunicorn.config import KNOWN_SETTINGS
 
+from gpupack import logs
 from gpupack.contract import SCHEDULER_NAME
 from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
 from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: this host name, which kube-scheduler uses as `<hostname>_<uuid>`)",
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    logs.add_log_flags(p)
     p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
     return p
 
@@ -171,7 +172,6 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
         metrics = Metrics()
         view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc(), track_host=True)
-        metrics.attach_view(view)
         kube = Kube(api_client(args.kubeconfig), timeout_s=args.api_timeout_s)
         policy = make_policy(args)
         fence = None
@@ -182,6 +182,10 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
                                margin_s=args.api_timeout_s + 1.0)  # fmt: skip
             log.info("extender binds only while Lease %s/%s is held by %s",
                      fence.namespace, fence.name, identity)  # fmt: skip
+            leading = fence.problem  # the cluster's gauges come from the replica beside the leader only
+            metrics.attach_view(view, active=lambda: not leading(fresh=False))
+        else:
+            metrics.attach_view(view)
         ext = Extender(
             view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s, fence=fence,
             unbound_grace_s=args.unbound_grace_s, scheduler_name=args.scheduler_name,
@@ -239,6 +243,7 @@ def _options(args: argparse.Namespace, port: int, threads: int) -> dict[str, Any
         "loglevel": args.log_level,
         "accesslog": None,
         "errorlog": "-",
+        "logger_class": logs.gunicorn_logger_class(),  # gunicorn's lines in --log-format too
         "proc_name": "gpupack-extender",
     }
     if "control_socket_disable" in _GUNICORN_SETTINGS:
@@ -249,9 +254,7 @@ def _options(args: argparse.Namespace, port: int, threads: int) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logs.setup(args)
     try:
         make_policy(args)  # in the arbiter: a bad flag or file is one line and status 2, not a dead worker
     except (UnknownPolicy, ConfigError) as e:

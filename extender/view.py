@@ -39,6 +39,7 @@ from gpupack.contract import (
     decode_reservations,
     parse_quantity,
 )
+from gpupack.core.fit import holds, pod_charge
 from gpupack.core.model import FULL, GPU, ClusterState, Node, Placement, PlacementError, PodRequest, Share
 
 from . import reservations as resv
@@ -222,29 +223,10 @@ def charged_from_assignment(
             mem, milli = (g.mem_mib, FULL) if s.exclusive else (s.mem_mib, s.sm_pct * 10)
             out.append(Share(i, mem, milli, s.exclusive))
         containers[cname] = tuple(out)
-    app: dict[int, tuple[int, int, bool]] = {}
-    inits = []
-    for cname, shares in containers.items():
-        if cname in init_names:
-            inits.append(shares)
-            continue
-        for s in shares:
-            m, k, e = app.get(s.gpu_index, (0, 0, False))
-            app[s.gpu_index] = (m + s.mem_mib, k + s.milli, e or s.exclusive)
-    charged = dict(app)
-    peak: dict[int, tuple[int, int, bool]] = {}
-    for shares in inits:
-        rides = bool(shares) and all(s.gpu_index in app for s in shares)
-        for s in shares:
-            if rides:
-                m, k, e = peak.get(s.gpu_index, (0, 0, False))
-                peak[s.gpu_index] = (max(m, s.mem_mib), max(k, s.milli), e or s.exclusive)
-            else:
-                m, k, e = charged.get(s.gpu_index, (0, 0, False))
-                charged[s.gpu_index] = (m + s.mem_mib, k + s.milli, e or s.exclusive)
-    for i, (pm, pk, pe) in peak.items():
-        m, k, e = charged.get(i, (0, 0, False))
-        charged[i] = (max(m, pm), max(k, pk), e or pe)
+    charged = pod_charge(
+        [holds(shares) for cname, shares in containers.items() if cname not in init_names],
+        [holds(shares) for cname, shares in containers.items() if cname in init_names],
+    )
     return Placement(node.name, containers), charged, problems
 
 
