@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, get_policy
@@ -185,12 +186,10 @@ def run_trace(args) -> int:
         from gpupack.simulate.chart import replay_chart
 
         mean_curves = {p: out["policies"][p]["mean_curve"] for p in policies}
-        png = replay_chart(
-            mean_curves,
-            Path(args.out) / "replay.png",
-            f"{Path(args.trace).name} on {Path(args.nodes).name}: mean of seeds {args.seeds}",
-        )
-        out["chart"] = str(png)
+        title = f"{Path(args.trace).name} on {Path(args.nodes).name}: mean of seeds {args.seeds}"
+        png = _chart(lambda: replay_chart(mean_curves, Path(args.out) / "replay.png", title))
+        if png is not None:
+            out["chart"] = str(png)
     if args.json:
         print(json.dumps(out))
     else:
@@ -251,6 +250,18 @@ def _print_table(out: dict) -> None:
     )
 
 
+def _chart(draw: Callable[[], Path]) -> Path | None:
+    """The figures matter more than the picture: without the `simulate` extra (matplotlib) say so
+    in one line and print the results anyway."""
+    from gpupack.simulate.chart import ChartUnavailable
+
+    try:
+        return draw()
+    except ChartUnavailable as e:
+        print(f"gpupack simulate: no chart: {e}", file=sys.stderr)
+        return None
+
+
 def run_fleet(args) -> int:
     from gpupack.simulate.fleet import run_fleet_scenario
 
@@ -258,8 +269,9 @@ def run_fleet(args) -> int:
     if not args.no_chart:
         from gpupack.simulate.chart import fleet_chart
 
-        png = fleet_chart(result["modes"], Path(args.out) / "fleet.png", result["title"])
-        result["chart"] = str(png)
+        png = _chart(lambda: fleet_chart(result["modes"], Path(args.out) / "fleet.png", result["title"]))
+        if png is not None:
+            result["chart"] = str(png)
     if args.json:
         print(json.dumps(result))
     else:
