@@ -4,6 +4,9 @@ fault injection) live in tests/ and are never installed."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,3 +98,17 @@ except ChartUnavailable as e:
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "pip install 'gpupack[simulate]'" in r.stdout
+
+
+def test_the_wheel_carries_the_type_markers_and_the_message_stubs(tmp_path: Path) -> None:
+    # PEP 561: without py.typed (and api_pb2.pyi for the generated messages) a user's mypy sees Any
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("gpupack-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for pkg in ("gpupack", "extender", "deviceplugin"):
+        assert f"{pkg}/py.typed" in names
+    assert "deviceplugin/api/api_pb2.pyi" in names
+    assert not [n for n in names if n.startswith("tests/")]

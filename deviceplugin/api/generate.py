@@ -1,4 +1,5 @@
-"""Generate deviceplugin/api/api_pb2*.py from proto/api.proto (grpcio-tools).
+"""Generate deviceplugin/api/api_pb2*.py and the messages' type stub api_pb2.pyi from proto/api.proto
+(grpcio-tools).
 
 `python -m deviceplugin.api.generate` rewrites the stubs; `--check` exits 1 when they are stale.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO / "proto"
 OUT_DIR = Path(__file__).resolve().parent
-FILES = ("api_pb2.py", "api_pb2_grpc.py")
+FILES = ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
 
 
 def generate() -> dict[str, str]:
@@ -21,7 +22,7 @@ def generate() -> dict[str, str]:
 
     with tempfile.TemporaryDirectory() as tmp:
         rc = protoc.main(
-            ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"--python_out={tmp}", f"--grpc_python_out={tmp}", "api.proto"]
+            ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", "api.proto"]
         )
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit status {rc}")
