@@ -223,7 +223,12 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
             lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")), stop,
         )
         threading.Thread(target=w.run, daemon=True, name="watch-nodes").start()
-        threading.Thread(target=lambda: w.listed.wait() and view.synced.set(), daemon=True).start()
+
+        def mark_synced() -> None:
+            w.listed.wait()
+            view.synced.set()
+
+        threading.Thread(target=mark_synced, daemon=True).start()
         # pod_lookup: the node of the device plugin pod a token is bound to (plugin-node webhook)
         cfg = WebhookConfig(args.scheduler_name, args.set_scheduler_name, pod_lookup=kube.get_pod)
         return create_webhook_app(cfg, view, metrics, args.max_body_bytes)

@@ -41,6 +41,7 @@ from gpupack.contract import (
 )
 from gpupack.core.fit import holds, pod_charge
 from gpupack.core.model import FULL, GPU, ClusterState, Node, Placement, PlacementError, PodRequest, Share
+from gpupack.handoff import PodView
 
 from . import reservations as resv
 
@@ -175,7 +176,7 @@ class PodInfo:
         # gone or terminal (handoff.is_pending_handoff), or until the stale-handoff limit resolves it
         return self.handoff == HANDOFF_PENDING and (not self.deleting or bool(self.bound_node))
 
-    def pod_view(self) -> handoff.PodView:
+    def pod_view(self) -> PodView:  # not handoff.PodView: the class has a field named handoff
         ns, name = self.key.split("/", 1)
         return handoff.PodView(
             namespace=ns,
@@ -404,9 +405,9 @@ class ClusterView:
             ):
                 # heartbeats and status updates: nothing gpupack's fit reads changed
                 if info.taints != taints or info.ready != ready:
-                    before = replace(info)
+                    was = replace(info)
                     info.taints, info.ready = taints, ready
-                    if why := room_grew(before, info, inv_raw, labels):
+                    if why := room_grew(was, info, inv_raw, labels):
                         self.on_room(name, why)
                 return
             before = replace(info) if info is not None else None
@@ -791,7 +792,7 @@ class ClusterView:
         for page in pages:
             with self.lock:
                 for o in page:
-                    seen.add((o.get("metadata") or {}).get("name"))
+                    seen.add((o.get("metadata") or {}).get("name") or "")
                     self.apply_node(o)
         with self.lock:
             for name in [n for n in self.nodes if n not in seen]:

@@ -244,7 +244,7 @@ def _fgd_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray:
     return np.searchsorted(SIGMOID_STEPS, dec / (cl.kept_w * 1000), side="right").astype(np.int64)
 
 
-def _bestfit_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray:
+def _bestfit_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     req = milli if f is not None else whole * FULL
     gpu_left = np.maximum(0, cl.tot[idx] - req) / MAX_SPEC_GPU
     cpu_left = (cl.cpu[idx] - cpu) / MAX_SPEC_CPU
