@@ -454,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                 out["first_model_disagreement"] = {
                     "step": agree, "pod": sub.names[int(order[agree])], "real": [node, gpus],
                     "model_best": best, "model_gpus": mgpus,
+                    # the last earlier pod on each node involved: a lagging view shows up here
+                    "last_pod_on": {str(n): max((i for i, (m, _) in enumerate(real.decisions[:agree]) if m == n),
+                                                default=-1) for n in {node, *best[:3]}},
                 }  # fmt: skip
                 break
             agree += 1

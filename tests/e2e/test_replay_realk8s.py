@@ -41,7 +41,9 @@ def test_real_scheduler_and_extender_place_as_the_pipeline_model(cluster, tmp_pa
     order = full[: rr.stop_index(sub, full, sl.gpu_capacity, 101.0)]
     csv = tmp_path / "subset.csv"
     rr.write_subset_csv(sub, csv)
-    st = rr.decide_setup(argparse.Namespace(keep_best=-1, workload=True, extender_cpu="auto"), csv, tmp_path)
+    st = rr.decide_setup(
+        argparse.Namespace(keep_best=-1, workload=True, extender_cpu="auto", seed=SEED), csv, tmp_path
+    )
 
     real, info = rr.replay_on_cluster(cluster, sl, sub, order, "gpupack", st.extender_flags, tmp_path)
     assert not info["kubelet_errors"]
