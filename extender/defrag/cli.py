@@ -38,7 +38,7 @@ from .executor import (
 from .lease import LeaseHeld, RunLease
 from .metrics import RunMetrics
 from .snapshot import Snapshot, build_snapshot
-from .window import WindowError, parse_window
+from .window import Window, WindowError, parse_window
 
 log = logging.getLogger("gpupack.defrag")
 
@@ -61,6 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster autoscaler (or the operator) to remove",
     )
     g = p.add_argument_group("safety")
+    _add_limit_flags(g)
+    _add_timing_flags(g)
+    g.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "gpupack-system"))
+    g.add_argument("--lease-name", default="gpupack-defrag")
+    g.add_argument("--lease-duration", type=int, default=0, help="lease seconds (default move timeout + 300)")
+    o = p.add_argument_group("observability")
+    o.add_argument("--metrics-file", help="write the run's metrics here (Prometheus textfile format)")
+    o.add_argument("--pushgateway", help="push the run's metrics to this Pushgateway address")
+    o.add_argument("--no-events", action="store_true", help="do not record Kubernetes Events")
+    logs.add_log_flags(o, verbose_alias=True)
+    return p
+
+
+def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
+    """How much one run may disrupt, and which pods it may touch."""
     g.add_argument("--max-evictions", type=int, default=10, help="evictions per run (default 10)")
     g.add_argument(
         "--max-per-node", type=int, default=4, help="evictions per source node (default 4; 0 = no cap)"
@@ -82,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="namespaces",
         help="only move pods of this namespace (repeatable)",
     )
+
+
+def _add_timing_flags(g: argparse._ArgumentGroup) -> None:
+    """When a run may act, and how long it waits for each step."""
     g.add_argument(
         "--window", help="allowed time window HH:MM-HH:MM, e.g. 01:00-05:00; outside it --apply refuses"
     )
@@ -120,15 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="reservation lifetime in s (default move timeout + 120)",
     )
-    g.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "gpupack-system"))
-    g.add_argument("--lease-name", default="gpupack-defrag")
-    g.add_argument("--lease-duration", type=int, default=0, help="lease seconds (default move timeout + 300)")
-    o = p.add_argument_group("observability")
-    o.add_argument("--metrics-file", help="write the run's metrics here (Prometheus textfile format)")
-    o.add_argument("--pushgateway", help="push the run's metrics to this Pushgateway address")
-    o.add_argument("--no-events", action="store_true", help="do not record Kubernetes Events")
-    logs.add_log_flags(o, verbose_alias=True)
-    return p
 
 
 def _table(plan: Plan) -> str:
@@ -228,44 +238,19 @@ def run(args: argparse.Namespace, kc: KubeClient) -> int:
         metrics.export(args.metrics_file, args.pushgateway)
 
 
-def _plan_and_apply(args, kc: KubeClient, run_id, metrics: RunMetrics, lease, window) -> int:
+def _plan_and_apply(
+    args: argparse.Namespace,
+    kc: KubeClient,
+    run_id: str,
+    metrics: RunMetrics,
+    lease: RunLease | None,
+    window: Window | None,
+) -> int:
     snap = _snapshot(kc)
     for msg in snap.problems:
         log.warning("%s", msg)
-    rules = Eligibility(
-        allow_online=args.allow_online,
-        allow_jobs=args.allow_jobs,
-        namespaces=frozenset(args.namespaces) if args.namespaces else None,
-    )
-    movable: set[str] = set()
-    excluded: Counter[str] = Counter()
-    for key, (req, _, _) in snap.state.pods.items():
-        obj = snap.pods.get(key)
-        why = "no-pod-object" if obj is None else why_not(obj, req, rules)
-        if why is None:
-            movable.add(key)
-        else:
-            excluded[why] += 1
-    limits = Limits(
-        max_evictions=args.max_evictions,
-        max_per_node=args.max_per_node,
-        max_per_namespace=args.max_per_namespace,
-        max_workload_share=args.max_workload_share,
-    )
-    protected: list[str] = []
-    if args.objective == "nodes":
-        for name, obj in sorted(snap.nodes.items()):
-            ann = (obj.get("metadata") or {}).get("annotations") or {}
-            if str(ann.get(CA_SCALE_DOWN_DISABLED, "")).lower() == "true":
-                protected.append(name)
-    t0 = time.perf_counter()
-    if args.objective == "nodes":
-        plan = plan_nodes(snap.state, movable, limits, protected=protected)
-    else:
-        plan = plan_defrag(snap.state, movable, limits)
-    metrics.plan_seconds.set(time.perf_counter() - t0)
-    metrics.planned_evictions.set(plan.evictions)
-    metrics.planned_gpus.set(plan.gpus_freed)
+    movable, excluded = _movable(snap, args)
+    plan, protected = _plan(snap, movable, args, metrics)
     log.info(
         "plan %s: %d eviction(s) free %d GPU(s), %d node(s); %d movable pod(s), excluded %s",
         run_id,
@@ -283,24 +268,88 @@ def _plan_and_apply(args, kc: KubeClient, run_id, metrics: RunMetrics, lease, wi
         "movable": len(movable),
         "excluded": dict(sorted(excluded.items())),
     }
-    if not args.json:
-        print(_table(plan))
-        print(
-            f"movable pods: {len(movable)}; not movable: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(excluded.items())) or "none")
-        )
     if protected:
         out["protected_nodes"] = protected
-        if not args.json:
-            print(f"not emptied ({CA_SCALE_DOWN_DISABLED}=true): {', '.join(protected)}")
+    if not args.json:
+        _print_plan(plan, movable, excluded, protected)
     if not args.apply:
         metrics.result.labels("dry-run").set(1)
         if args.json:
             print(json.dumps(out, indent=2, sort_keys=True))
         return 0
+    result = _apply(plan, snap, args, kc, run_id, metrics, lease, window)
+    out["result"] = result.to_dict()
+    metrics.result.labels("aborted" if result.aborted else "ok").set(1)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        _print_result(result)
+    return 1 if result.aborted else 0
 
-    events = EventRecorder(None if args.no_events else kc, run_id)
-    opts = ExecOptions(
+
+def _movable(snap: Snapshot, args: argparse.Namespace) -> tuple[set[str], Counter[str]]:
+    """The GPU pods this run may move, and how many were excluded for each reason."""
+    rules = Eligibility(
+        allow_online=args.allow_online,
+        allow_jobs=args.allow_jobs,
+        namespaces=frozenset(args.namespaces) if args.namespaces else None,
+    )
+    movable: set[str] = set()
+    excluded: Counter[str] = Counter()
+    for key, (req, _, _) in snap.state.pods.items():
+        obj = snap.pods.get(key)
+        why = "no-pod-object" if obj is None else why_not(obj, req, rules)
+        if why is None:
+            movable.add(key)
+        else:
+            excluded[why] += 1
+    return movable, excluded
+
+
+def _scale_down_disabled(snap: Snapshot) -> list[str]:
+    """Nodes the cluster autoscaler must never remove: emptying them gains nothing."""
+    protected: list[str] = []
+    for name, obj in sorted(snap.nodes.items()):
+        ann = (obj.get("metadata") or {}).get("annotations") or {}
+        if str(ann.get(CA_SCALE_DOWN_DISABLED, "")).lower() == "true":
+            protected.append(name)
+    return protected
+
+
+def _plan(
+    snap: Snapshot, movable: set[str], args: argparse.Namespace, metrics: RunMetrics
+) -> tuple[Plan, list[str]]:
+    """The plan for the run's objective, and the nodes it must not empty."""
+    limits = Limits(
+        max_evictions=args.max_evictions,
+        max_per_node=args.max_per_node,
+        max_per_namespace=args.max_per_namespace,
+        max_workload_share=args.max_workload_share,
+    )
+    protected = _scale_down_disabled(snap) if args.objective == "nodes" else []
+    t0 = time.perf_counter()
+    if args.objective == "nodes":
+        plan = plan_nodes(snap.state, movable, limits, protected=protected)
+    else:
+        plan = plan_defrag(snap.state, movable, limits)
+    metrics.plan_seconds.set(time.perf_counter() - t0)
+    metrics.planned_evictions.set(plan.evictions)
+    metrics.planned_gpus.set(plan.gpus_freed)
+    return plan, protected
+
+
+def _print_plan(plan: Plan, movable: set[str], excluded: Counter[str], protected: list[str]) -> None:
+    print(_table(plan))
+    print(
+        f"movable pods: {len(movable)}; not movable: "
+        + (", ".join(f"{k} {v}" for k, v in sorted(excluded.items())) or "none")
+    )
+    if protected:
+        print(f"not emptied ({CA_SCALE_DOWN_DISABLED}=true): {', '.join(protected)}")
+
+
+def _exec_options(args: argparse.Namespace, window: Window | None) -> ExecOptions:
+    return ExecOptions(
         move_timeout_s=args.move_timeout,
         poll_s=args.poll_interval,
         reservation_ttl_s=args.reservation_ttl,
@@ -311,38 +360,53 @@ def _plan_and_apply(args, kc: KubeClient, run_id, metrics: RunMetrics, lease, wi
         objective=args.objective,
         keep_taint=args.keep_taint,
     )
-    # A run that crashed while emptying a node left its taint: this run holds the lease now, so
-    # no other run is using it.
+
+
+def _remove_stale_taints(kc: KubeClient, snap: Snapshot) -> None:
+    """A run that crashed while emptying a node left its taint: this run holds the lease now, so
+    no other run is using it."""
     for name, obj in sorted(snap.nodes.items()):
         for t in (obj.get("spec") or {}).get("taints") or []:
             if t.get("key") == TAINT_KEY and t.get("value") == TAINT_VALUE:
                 log.info("removing a stale %s taint from node %s (an earlier run stopped)", TAINT_KEY, name)
                 set_taint(kc, name, None)
+
+
+def _apply(
+    plan: Plan,
+    snap: Snapshot,
+    args: argparse.Namespace,
+    kc: KubeClient,
+    run_id: str,
+    metrics: RunMetrics,
+    lease: RunLease | None,
+    window: Window | None,
+) -> RunResult:
+    events = EventRecorder(None if args.no_events else kc, run_id)
+    opts = _exec_options(args, window)
+    _remove_stale_taints(kc, snap)
     ex = Executor(kc, lambda: _snapshot(kc), opts, run_id, events, metrics, lease)
-    result: RunResult = ex.run(plan)
-    out["result"] = result.to_dict()
-    metrics.result.labels("aborted" if result.aborted else "ok").set(1)
-    if args.json:
-        print(json.dumps(out, indent=2, sort_keys=True))
-    else:
-        for r in result.moves:
-            print(
-                f"move {r.step} {r.pod}: {r.outcome}"
-                + (f" ({r.detail})" if r.detail else "")
-                + (f" -> {r.replacement}" if r.replacement else "")
-            )
+    return ex.run(plan)
+
+
+def _print_result(result: RunResult) -> None:
+    for r in result.moves:
         print(
-            f"evicted {result.evictions}; freed {len(result.gpus_freed)} GPU(s), "
-            f"{len(result.nodes_freed)} node(s)"
-            + (f" ({', '.join(result.nodes_freed)})" if result.nodes_freed else "")
-            + (
-                f"; {len(result.still_terminating)} evicted pod(s) still terminating, not counted"
-                if result.still_terminating
-                else ""
-            )
-            + (f"; stopped: {result.aborted}" if result.aborted else "")
+            f"move {r.step} {r.pod}: {r.outcome}"
+            + (f" ({r.detail})" if r.detail else "")
+            + (f" -> {r.replacement}" if r.replacement else "")
         )
-    return 1 if result.aborted else 0
+    print(
+        f"evicted {result.evictions}; freed {len(result.gpus_freed)} GPU(s), "
+        f"{len(result.nodes_freed)} node(s)"
+        + (f" ({', '.join(result.nodes_freed)})" if result.nodes_freed else "")
+        + (
+            f"; {len(result.still_terminating)} evicted pod(s) still terminating, not counted"
+            if result.still_terminating
+            else ""
+        )
+        + (f"; stopped: {result.aborted}" if result.aborted else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

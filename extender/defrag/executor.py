@@ -153,6 +153,14 @@ def _owned_by(pod: dict[str, Any], kind: str, name: str) -> bool:
     return False
 
 
+def _placed_through(meta: dict[str, Any], key: str, rid: str) -> bool:
+    """Whether the pod with this metadata was placed through reservation `rid`."""
+    try:
+        return decode_assignment((meta.get("annotations") or {}).get(ANN_ASSIGNMENT), key).reservation == rid
+    except ContractError:
+        return False
+
+
 EVICT_THROTTLE_RETRIES = 3
 
 
@@ -460,17 +468,38 @@ class Executor:
         return ""
 
     def _move(self, m: Move, res: RunResult) -> MoveResult:
-        ns, name = m.pod.split("/", 1)
+        """One move, phase by phase: verify it on the live state, reserve the target, evict once
+        the budgets allow, wait for the replacement, drop the reservation."""
         snap = self.rebuild()
+        stale = self._verify(m, snap)
+        if stale is not None:
+            return stale
+        obj = snap.pods[m.pod]
+        uid = str((obj.get("metadata") or {}).get("uid") or "")
+        rid = f"{self.run_id}-{m.step}"
+        failed = self._reserve(m, snap, rid)
+        if failed is not None:
+            return failed
+        before = self._replica_uids(m)
+        not_evicted = self._evict_within_budget(m, obj, uid, rid)
+        if not_evicted is not None:
+            return not_evicted
+        self._record_eviction(m, res, uid, rid)
+        rep, why = self._wait_replacement(m, before, rid)
+        if rep is None:
+            return self._abort_move(m, uid, why)
+        return self._finish_move(m, rep, rid)
+
+    def _verify(self, m: Move, snap: Snapshot) -> MoveResult | None:
+        """Check the move again on the live state before anything is written or evicted; None
+        when it still holds, else why not."""
         obj = snap.pods.get(m.pod)
         entry = snap.state.pods.get(m.pod)
         if obj is None or entry is None:
             return MoveResult(m.step, m.pod, "gone", "the pod no longer holds GPUs")
-        uid = str((obj.get("metadata") or {}).get("uid") or "")
         req, placement, _ = entry
         if placement.node != m.from_node:
             return MoveResult(m.step, m.pod, "changed", f"the pod now runs on {placement.node}")
-        # Verify the move again on the live state before anything is written or evicted.
         live = snap.state.clone()
         dst = live.nodes.get(m.to_node)
         if dst is None or any(
@@ -485,8 +514,10 @@ class Executor:
             live.place(req, m.placement, m.charged)
         except PlacementError as e:
             return MoveResult(m.step, m.pod, "no-longer-fits", str(e))
+        return None
 
-        rid = f"{self.run_id}-{m.step}"
+    def _reserve(self, m: Move, snap: Snapshot, rid: str) -> MoveResult | None:
+        """Reserve the target GPUs for the replacement; None when written, else the failure."""
         now = self.now()
         ttl = self.opts.reservation_ttl_s or (self.opts.move_timeout_s + 120)
         resv = reservation_for(m, snap, rid, now + timedelta(seconds=ttl))
@@ -495,44 +526,54 @@ class Executor:
         except (ReserveError, ApiException) as e:
             return MoveResult(m.step, m.pod, "reserve-failed", str(e))
         self.written.setdefault(m.to_node, set()).add(rid)
-        before = {
-            str((p.get("metadata") or {}).get("uid")) for p in self._pods_of(ns, m.owner_kind, m.owner_name)
-        }
+        return None
+
+    def _replica_uids(self, m: Move) -> set[str]:
+        """The UIDs of the owner's pods now: a replacement is a pod not among them."""
+        pods = self._pods_of(m.pod.split("/", 1)[0], m.owner_kind, m.owner_name)
+        return {str((p.get("metadata") or {}).get("uid")) for p in pods}
+
+    def _evict_within_budget(self, m: Move, obj: dict[str, Any], uid: str, rid: str) -> MoveResult | None:
+        """Evict the pod once every PodDisruptionBudget covering it allows a disruption; None when
+        evicted, else the move's outcome (its reservation released). Other API errors propagate."""
+        ns, name = m.pod.split("/", 1)
         budget_deadline = time.monotonic() + self.opts.budget_wait_s
         while True:
             why_not = self._wait_budget(obj, budget_deadline)
-            refusal = ""
             if why_not:
                 refusal = f"waited {self.opts.budget_wait_s:g}s for a disruption budget: {why_not}"
-            else:
-                try:
-                    self._evict_retrying(ns, name, uid)
-                    break
-                except ApiException as e:
-                    budget = _budget_refusal(e) if e.status == 429 else None
-                    if budget is not None and time.monotonic() < budget_deadline:
-                        # Another disruption took the budget between our read and the eviction.
-                        log.info("move %d %s: %s; waiting for the budget again", m.step, m.pod, budget)
-                        continue
-                    if budget is not None:
-                        refusal = f"429 TooManyRequests: {budget}"
-                    elif e.status in (404, 409):
-                        self._release(m.to_node, {rid})
-                        self.metrics.evictions.labels("gone").inc()
-                        return MoveResult(m.step, m.pod, "gone", f"{e.status} {e.reason}")
-                    else:
-                        self._release(m.to_node, {rid})
+                return self._refused(m, uid, rid, refusal)
+            try:
+                self._evict_retrying(ns, name, uid)
+                return None
+            except ApiException as e:
+                budget = _budget_refusal(e) if e.status == 429 else None
+                if budget is None:
+                    self._release(m.to_node, {rid})
+                    if e.status not in (404, 409):
                         self.metrics.evictions.labels("error").inc()
                         raise
-            self._release(m.to_node, {rid})
-            self.metrics.evictions.labels("pdb-refused").inc()
-            msg = (
-                f"eviction refused by a PodDisruptionBudget ({refusal}); "
-                f"gpupack defrag skipped moving it to {m.to_node}"
-            )
-            self.events.pod(ns, name, uid, "DefragEvictionRefused", msg, warning=True)
-            log.info("move %d %s: %s", m.step, m.pod, msg, extra={"pod": m.pod})
-            return MoveResult(m.step, m.pod, "pdb-refused", refusal)
+                    self.metrics.evictions.labels("gone").inc()
+                    return MoveResult(m.step, m.pod, "gone", f"{e.status} {e.reason}")
+                if time.monotonic() >= budget_deadline:
+                    return self._refused(m, uid, rid, f"429 TooManyRequests: {budget}")
+                # Another disruption took the budget between our read and the eviction.
+                log.info("move %d %s: %s; waiting for the budget again", m.step, m.pod, budget)
+
+    def _refused(self, m: Move, uid: str, rid: str, refusal: str) -> MoveResult:
+        ns, name = m.pod.split("/", 1)
+        self._release(m.to_node, {rid})
+        self.metrics.evictions.labels("pdb-refused").inc()
+        msg = (
+            f"eviction refused by a PodDisruptionBudget ({refusal}); "
+            f"gpupack defrag skipped moving it to {m.to_node}"
+        )
+        self.events.pod(ns, name, uid, "DefragEvictionRefused", msg, warning=True)
+        log.info("move %d %s: %s", m.step, m.pod, msg, extra={"pod": m.pod})
+        return MoveResult(m.step, m.pod, "pdb-refused", refusal)
+
+    def _record_eviction(self, m: Move, res: RunResult, uid: str, rid: str) -> None:
+        ns, name = m.pod.split("/", 1)
         self.evicted.append((ns, name, uid, m.group))
         res.evictions += 1
         self.metrics.evictions.labels("evicted").inc()
@@ -549,24 +590,24 @@ class Executor:
             "move %d: evicted %s from %s, replacement reserved on %s", m.step, m.pod, m.from_node, target,
             extra={"pod": m.pod, "node": m.from_node, "fields": {"to": target, "step": m.step}},
         )  # fmt: skip
-        rep, why = self._wait_replacement(m, before, rid)
-        if rep is None:
-            msg = (
-                f"replacement of {m.pod} not running on {m.to_node} within {self.opts.move_timeout_s:g}s "
-                f"({why}); defrag run stopped and its reservations released"
-            )
-            self.events.pod(ns, name, uid, "DefragAborted", msg, warning=True)
-            self.events.node(m.to_node, "", "DefragAborted", msg, warning=True)
-            log.error("move %d: %s", m.step, msg, extra={"pod": m.pod, "node": m.to_node})
-            return MoveResult(m.step, m.pod, "timeout", msg)
+
+    def _abort_move(self, m: Move, uid: str, why: str) -> MoveResult:
+        """The replacement did not come up in time: the run stops here."""
+        ns, name = m.pod.split("/", 1)
+        msg = (
+            f"replacement of {m.pod} not running on {m.to_node} within {self.opts.move_timeout_s:g}s "
+            f"({why}); defrag run stopped and its reservations released"
+        )
+        self.events.pod(ns, name, uid, "DefragAborted", msg, warning=True)
+        self.events.node(m.to_node, "", "DefragAborted", msg, warning=True)
+        log.error("move %d: %s", m.step, msg, extra={"pod": m.pod, "node": m.to_node})
+        return MoveResult(m.step, m.pod, "timeout", msg)
+
+    def _finish_move(self, m: Move, rep: dict[str, Any], rid: str) -> MoveResult:
+        """The replacement is Ready: drop its reservation and say where it landed."""
         rmeta = rep.get("metadata") or {}
         rep_key = f"{rmeta.get('namespace')}/{rmeta.get('name')}"
-        on_res = False
-        try:
-            a = decode_assignment((rmeta.get("annotations") or {}).get(ANN_ASSIGNMENT), rep_key)
-            on_res = a.reservation == rid
-        except ContractError:
-            pass
+        on_res = _placed_through(rmeta, rep_key, rid)
         rep_node = (rep.get("spec") or {}).get("nodeName")
         self._release(m.to_node, {rid})
         if not on_res:
