@@ -356,6 +356,22 @@ def plan_allocate(
         containers = gpu_containers(p)
     except ContractError as e:
         raise HandoffError(f"pod {p.key}: {e}") from e
+    _check_placed_here(p, a, node)
+    nxt = _unallocated_container(p, containers, allocated)
+    shares = _assigned_shares(p, a, nxt, len(device_ids))
+    _check_gpus_served(p, nxt.name, shares, gpus, node)
+    _check_device_ids(p, nxt.name, shares, device_ids, _reusable(p, a, allocated, init_device_ids or {}))
+    env = container_env(shares, enforcement)
+    new_allocated = [*allocated, nxt.name]
+    completes = len(new_allocated) >= len(containers)
+    patch = {ANN_ALLOCATED: json.dumps(new_allocated, separators=(",", ":"))}
+    if completes:
+        patch[ANN_HANDOFF] = HANDOFF_DONE
+    return AllocatePlan(pod=p, container=nxt.name, shares=shares, env=env, patch=patch, completes=completes)
+
+
+def _check_placed_here(p: PodView, a: Assignment, node: str) -> None:
+    """The assignment is this pod's, written by gpupack's scheduler, for this plugin's node."""
     if p.scheduler_name != contract.SCHEDULER_NAME:
         raise HandoffError(
             f"pod {p.key}: schedulerName is {p.scheduler_name!r}, not {contract.SCHEDULER_NAME!r}; "
@@ -369,11 +385,23 @@ def plan_allocate(
         raise HandoffError(
             f"pod {p.key}: assignment is for node {a.node!r}, this device plugin serves {node!r}"
         )
+
+
+def _unallocated_container(
+    p: PodView, containers: list[ContainerView], allocated: list[str]
+) -> ContainerView:
+    """The first GPU container, in kubelet order, that has no devices yet."""
     nxt = next((c for c in containers if c.name not in set(allocated)), None)
     if nxt is None:
         raise HandoffError(f"pod {p.key}: every GPU container is already allocated ({', '.join(allocated)})")
+    return nxt
+
+
+def _assigned_shares(
+    p: PodView, a: Assignment, nxt: ContainerView, device_count: int
+) -> tuple[GPUShare, ...]:
+    """The container's assigned GPUs, as many as it requests and as the kubelet passes IDs."""
     want = nxt.gpu_count()
-    device_count = len(device_ids)
     if device_count != want:
         raise NotThisPod(
             f"pod {p.key} container {nxt.name}: the kubelet asked for {device_count} {RES_GPU} device(s) "
@@ -386,21 +414,20 @@ def plan_allocate(
         raise HandoffError(
             f"pod {p.key} container {nxt.name}: assignment lists {len(shares)} GPU(s), container requests {want}"
         )
+    return shares
+
+
+def _check_gpus_served(
+    p: PodView, container: str, shares: tuple[GPUShare, ...], gpus: Mapping[str, bool], node: str
+) -> None:
+    """Every assigned GPU is on this node and healthy."""
     for s in shares:
         if s.uuid not in gpus:
             raise HandoffError(
-                f"pod {p.key} container {nxt.name}: assigned GPU {s.uuid} is not on node {node}"
+                f"pod {p.key} container {container}: assigned GPU {s.uuid} is not on node {node}"
             )
         if not gpus[s.uuid]:
-            raise HandoffError(f"pod {p.key} container {nxt.name}: assigned GPU {s.uuid} is unhealthy")
-    _check_device_ids(p, nxt.name, shares, device_ids, _reusable(p, a, allocated, init_device_ids or {}))
-    env = container_env(shares, enforcement)
-    new_allocated = [*allocated, nxt.name]
-    completes = len(new_allocated) >= len(containers)
-    patch = {ANN_ALLOCATED: json.dumps(new_allocated, separators=(",", ":"))}
-    if completes:
-        patch[ANN_HANDOFF] = HANDOFF_DONE
-    return AllocatePlan(pod=p, container=nxt.name, shares=shares, env=env, patch=patch, completes=completes)
+            raise HandoffError(f"pod {p.key} container {container}: assigned GPU {s.uuid} is unhealthy")
 
 
 def device_gpu(device_id: str) -> str:
