@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -231,22 +232,28 @@ def run(args: argparse.Namespace, kc: KubeClient) -> int:
             metrics.export(args.metrics_file, args.pushgateway)
             return 3
     try:
-        return _plan_and_apply(args, kc, run_id, metrics, lease, window)
+        return _plan_and_apply(_Run(args, kc, run_id, metrics, lease, window))
     finally:
         if lease is not None:
             lease.release()
         metrics.export(args.metrics_file, args.pushgateway)
 
 
-def _plan_and_apply(
-    args: argparse.Namespace,
-    kc: KubeClient,
-    run_id: str,
-    metrics: RunMetrics,
-    lease: RunLease | None,
-    window: Window | None,
-) -> int:
-    snap = _snapshot(kc)
+@dataclass(frozen=True)
+class _Run:
+    """What one invocation plans and applies with."""
+
+    args: argparse.Namespace
+    kc: KubeClient
+    run_id: str
+    metrics: RunMetrics
+    lease: RunLease | None
+    window: Window | None
+
+
+def _plan_and_apply(r: _Run) -> int:
+    args, run_id, metrics = r.args, r.run_id, r.metrics
+    snap = _snapshot(r.kc)
     for msg in snap.problems:
         log.warning("%s", msg)
     movable, excluded = _movable(snap, args)
@@ -277,7 +284,7 @@ def _plan_and_apply(
         if args.json:
             print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    result = _apply(plan, snap, args, kc, run_id, metrics, lease, window)
+    result = _apply(r, plan, snap)
     out["result"] = result.to_dict()
     metrics.result.labels("aborted" if result.aborted else "ok").set(1)
     if args.json:
@@ -372,20 +379,12 @@ def _remove_stale_taints(kc: KubeClient, snap: Snapshot) -> None:
                 set_taint(kc, name, None)
 
 
-def _apply(
-    plan: Plan,
-    snap: Snapshot,
-    args: argparse.Namespace,
-    kc: KubeClient,
-    run_id: str,
-    metrics: RunMetrics,
-    lease: RunLease | None,
-    window: Window | None,
-) -> RunResult:
-    events = EventRecorder(None if args.no_events else kc, run_id)
-    opts = _exec_options(args, window)
+def _apply(r: _Run, plan: Plan, snap: Snapshot) -> RunResult:
+    kc = r.kc
+    events = EventRecorder(None if r.args.no_events else kc, r.run_id)
+    opts = _exec_options(r.args, r.window)
     _remove_stale_taints(kc, snap)
-    ex = Executor(kc, lambda: _snapshot(kc), opts, run_id, events, metrics, lease)
+    ex = Executor(kc, lambda: _snapshot(kc), opts, r.run_id, events, r.metrics, r.lease)
     return ex.run(plan)
 
 
