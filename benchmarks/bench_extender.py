@@ -14,6 +14,10 @@ Memory: extender worker RSS and resync time with N GPU pods already assigned in 
     python benchmarks/bench_extender.py                  # 100, 1000, 5000 nodes; 50,000 pods
     python benchmarks/bench_extender.py --nodes 1000 --pods 500 --json
     python benchmarks/bench_extender.py --nodes 1000 --pods 500 --inproc   # one process, no HTTP
+
+With --keep-best N (default 1, as deploy/ runs the extender: --filter-keep-best=1) filter passes the
+policy's best node only and, as kube-scheduler does with one feasible node, no prioritize follows:
+"filter+prioritize" is then the filter alone. --keep-best 0: every fitting node, then prioritize.
 """
 
 from __future__ import annotations
@@ -143,8 +147,8 @@ def pod_obj(name: str, shape: tuple) -> dict[str, Any]:
 class Extender(ExtenderProcess):
     """The shared launcher with more request threads, a benchmark's patience and RSS readings."""
 
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        super().__init__(kubeconfig, log, "--threads", "32")
+    def __init__(self, kubeconfig: Path, log: Path, *extra: str) -> None:
+        super().__init__(kubeconfig, log, "--threads", "32", *extra)
 
     def wait_ready(self, timeout: float = 900) -> float:
         return super().wait_ready(timeout)
@@ -167,14 +171,14 @@ def kubeconfig_in(tmp: Path, cluster: Cluster) -> Path:
 
 
 def bench_scheduling(
-    cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: int
+    cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: int, keep_best: int = 1
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     cluster.empty()
     names = [f"node-{i:05d}" for i in range(n_nodes)]
     cluster.create_nodes(names)
     pods = cluster.create_pods([pod_obj(f"p{i:06d}", rng.choice(SHAPES)) for i in range(n_pods)])
-    ext = Extender(kubeconfig_in(tmp, cluster), tmp / f"extender-{n_nodes}.log")
+    ext = Extender(kubeconfig_in(tmp, cluster), tmp / f"extender-{n_nodes}.log", f"--filter-keep-best={keep_best}")
     try:
         ready_s = ext.wait_ready()
         http = requests.Session()
@@ -246,6 +250,12 @@ def bench_scheduling(
                     unschedulable += 1
                     filt.append(df)
                     continue
+                if len(ok) == 1 and keep_best:
+                    # kube-scheduler calls no prioritize for a single feasible node
+                    filt.append(df)
+                    both.append(df)
+                    pool.submit(bind, p, ok[0])
+                    continue
                 dp, scores = post("prioritize", {"Pod": p, "NodeNames": ok, "Nodes": None})
                 filt.append(df)
                 prio.append(dp)
@@ -258,13 +268,17 @@ def bench_scheduling(
         filt, prio, both = filt[warm_n[0]:], prio[warm_n[1]:], both[warm_n[2]:]
         for k in ("filter", "prioritize"):
             server[k] = server[k][warm[k]:]
-        n_sv = min(len(server["filter"]), len(server["prioritize"]))
-        sv_both = [a + b for a, b in zip(server["filter"][-n_sv:], server["prioritize"][-n_sv:], strict=True)]
+        if keep_best:  # (nearly) every pod had one feasible node and no prioritize
+            sv_both = list(server["filter"])
+        else:
+            n_sv = min(len(server["filter"]), len(server["prioritize"]))
+            sv_both = [a + b for a, b in zip(server["filter"][-n_sv:], server["prioritize"][-n_sv:], strict=True)]
         return {
             "server_ms": {
                 v: {"p50": ms(pct(server[v], 50)), "p99": ms(pct(server[v], 99))} for v in server
             } | {"filter_plus_prioritize": {"p50": ms(pct(sv_both, 50)), "p99": ms(pct(sv_both, 99))}},
             "load_avg_1m": round(os.getloadavg()[0], 2),
+            "keep_best": keep_best,
             "nodes": n_nodes,
             "gpus": n_nodes * 8,
             "pods": n_pods,
@@ -287,11 +301,11 @@ def bench_scheduling(
         ext.stop()
 
 
-def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int) -> dict[str, Any]:
+def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int, keep_best: int = 1) -> dict[str, Any]:
     """The same stream in one process without HTTP or API server: JSON decode + parse, filter,
     prioritize, encode, then an immediate bind into the view (assume). Shows the extender's own
     cost apart from the GIL contention with bind and watch threads that the HTTP run includes."""
-    from extender.app import _encode, _encode_scores
+    from extender.app import _encode
     from extender.framework import Extender as Ext
     from extender.framework import assignment_from_fit
     from extender.view import ClusterView
@@ -302,7 +316,7 @@ def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int) -> dict[str,
     view = ClusterView()
     view.replace_nodes([node_obj(f"node-{i:05d}") for i in range(n_nodes)])
     view.synced.set()
-    ext = Ext(view, get_policy("gpupack"), None)
+    ext = Ext(view, get_policy("gpupack"), None, keep_best=keep_best)
     names = list(view.nodes)
     t: dict[str, list[float]] = {"filter": [], "prioritize": [], "filter_plus_prioritize": []}
     for i in range(n_pods):
@@ -316,14 +330,14 @@ def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int) -> dict[str,
         ok = out["NodeNames"]
         if not ok:
             continue
-        body = json.dumps({"Pod": p, "NodeNames": ok, "Nodes": None}).encode()
-        t0 = time.perf_counter()
-        hosts, scores = ext.scores_for(parse_extender_args(json.loads(body)))
-        _encode_scores(hosts, scores)
-        dp = time.perf_counter() - t0
+        if len(ok) == 1 and keep_best:
+            hosts, scores, dp = ok, [1], 0.0
+        else:
+            hosts, scores, dp = prioritized(ext, p, ok)
         if i >= warmup:
             t["filter"].append(df)
-            t["prioritize"].append(dp)
+            if dp:
+                t["prioritize"].append(dp)
             t["filter_plus_prioritize"].append(df + dp)
         top = max(scores)
         best = min((h for h, s in zip(hosts, scores, strict=True) if s == top), key=lambda _: rng.random())
@@ -332,10 +346,23 @@ def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int) -> dict[str,
             f, _ = ext.node_fit(best, req, ext.clock(), None)
             a = assignment_from_fit(view.state.nodes[best], req, f, ext.clock(), "", view.nodes[best].gpu_indexes)
             view.assume(req.key, req.uid, a, frozenset())
+        view.expect(req.uid, req.key, (), 0.0)  # its bind has come (ClusterView.claim drops it so)
     ms = lambda v: round(v * 1000, 2)  # noqa: E731
-    return {"nodes": n_nodes, "pods": n_pods, "warmup_pods": warmup} | {
+    return {"nodes": n_nodes, "pods": n_pods, "warmup_pods": warmup, "keep_best": keep_best} | {
         k: {"p50": ms(pct(v, 50)), "p99": ms(pct(v, 99))} for k, v in t.items()
     }
+
+
+def prioritized(ext: Any, p: dict[str, Any], ok: list[str]) -> tuple[list[str], list[int], float]:
+    """Prioritize over the nodes that passed: (hosts, scores, seconds it took, encoding included)."""
+    from extender.app import _encode_scores
+    from extender.wire import parse_extender_args
+
+    body = json.dumps({"Pod": p, "NodeNames": ok, "Nodes": None}).encode()
+    t0 = time.perf_counter()
+    hosts, scores = ext.scores_for(parse_extender_args(json.loads(body)))
+    _encode_scores(hosts, scores)
+    return hosts, scores, time.perf_counter() - t0
 
 
 def bench_memory(cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Path) -> dict[str, Any]:
@@ -400,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         help="pods scheduled before measuring (the learning policy's first batches, cold shapes)",
     )
     ap.add_argument("--inproc", action="store_true", help="one process without HTTP (no memory run)")
+    ap.add_argument(
+        "--keep-best", type=int, default=1,
+        help="the extender's --filter-keep-best (default 1, as deployed; 0: filter then prioritize)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
@@ -408,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {"cpus": os.cpu_count(), "inproc": []}
         for n in args.nodes or [100, 1000, 5000]:
             pods = args.pods or min(3000, max(300, 3 * n))
-            r = bench_inproc(n, pods + args.warmup, args.seed, args.warmup)
+            r = bench_inproc(n, pods + args.warmup, args.seed, args.warmup, args.keep_best)
             results["inproc"].append(r)
             if not args.json:
                 print(f"{n:>5} nodes, in-process: " + ", ".join(
@@ -432,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_http(args: argparse.Namespace, results: dict[str, Any], cluster: Cluster, tmp: Path) -> None:
     for n in args.nodes or [100, 1000, 5000]:
         pods = args.pods or min(3000, max(300, 3 * n))
-        r = bench_scheduling(cluster, n, pods + args.warmup, args.seed, tmp, args.warmup)
+        r = bench_scheduling(cluster, n, pods + args.warmup, args.seed, tmp, args.warmup, args.keep_best)
         results["scheduling"].append(r)
         if not args.json:
             print(

@@ -6,8 +6,10 @@ device plugin publishes them (inventory annotation, allocatable `gpupack.io/gpu`
 kube-schedulers run side by side with the same raised clientConnection qps/burst:
 
 - plain: the default profile, no extender; it gets cpu/memory-only pods;
-- gpupack: the shipped profile (deploy/scheduler/config.yaml) calling the real `gpupack extender`,
-  which is fenced by that scheduler's leader-election Lease as in deploy/ (--no-fence: without).
+- gpupack: the shipped profile (deploy/scheduler/config.yaml) calling the real `gpupack extender`
+  with the flags deploy/scheduler/deployment.yaml gives it (less ports, TLS and the webhook's; so
+  --filter-keep-best=1), fenced by that scheduler's leader-election Lease as in deploy/ (--no-fence:
+  without). --extender-arg adds flags after those (a later flag wins).
 
 Each phase creates --pods pods at once (gpupack: 70 % shares, 20 % whole GPUs, 10 % 2-GPU pods,
 20 % of them offline); the kubelets are a KubeletEmulator admitting bound pods after --admit-ms,
@@ -41,6 +43,7 @@ from typing import Any
 
 import requests
 import urllib3
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,6 +65,22 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))]
+
+
+# Flags of the deployed extender that only concern where it listens, TLS, the webhook or the Lease
+# (set here), not how it schedules.
+_NOT_SCHEDULING = ("--host", "--port", "--metrics-port", "--webhook-port", "--tls-cert", "--tls-key",
+                   "--set-scheduler-name", "--lease-namespace", "--lease-name")  # fmt: skip
+
+
+def shipped_extender_args() -> list[str]:
+    """The `gpupack extender` flags of deploy/scheduler/deployment.yaml that decide scheduling."""
+    docs = yaml.safe_load_all((ROOT / "deploy" / "scheduler" / "deployment.yaml").read_text())
+    for doc in docs:
+        for c in ((((doc or {}).get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers", []):
+            if c.get("name") == "extender":
+                return [a for a in c.get("args", []) if a.split("=", 1)[0] not in _NOT_SCHEDULING]
+    raise SystemExit("deploy/scheduler/deployment.yaml has no extender container")
 
 
 def gpu_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
@@ -266,8 +285,16 @@ def run_phase(
         c = counter(s1, name + "_count") - counter(s0, name + "_count")
         return (counter(s1, name + "_sum") - counter(s0, name + "_sum")) / c if c else float("nan")
 
+    def point_mean(point: str) -> float:
+        name, match = "scheduler_framework_extension_point_duration_seconds", f'extension_point="{point}"'
+        c = counter(s1, name + "_count", match) - counter(s0, name + "_count", match)
+        return (counter(s1, name + "_sum", match) - counter(s0, name + "_sum", match)) / c if c else float("nan")
+
     out["scheduler"] = {
         "algorithm_mean_ms": ms(mean("scheduler_scheduling_algorithm_duration_seconds")),
+        # its own filter plugins over every node; the rest of the algorithm is mostly the extender calls
+        "own_filters_mean_ms": ms(point_mean("Filter")),
+        "own_prefilter_mean_ms": ms(point_mean("PreFilter")),
         "algorithm_p50_ms": ms(hquantile(alg, 0.5)), "algorithm_p99_ms": ms(hquantile(alg, 0.99)),
         "attempt_p50_ms": ms(hquantile(att, 0.5)), "attempt_p99_ms": ms(hquantile(att, 0.99)),
         "bind_p50_ms": ms(hquantile(bind, 0.5)), "bind_p99_ms": ms(hquantile(bind, 0.99)),
@@ -373,10 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                 cp.ensure_namespace(ns)
             # as deployed: the extender writes only while its kube-scheduler holds the Lease (on one
             # machine the host name is both the scheduler's holder identity prefix and the extender's)
+            shipped = shipped_extender_args()
+            result["extender_args"] = shipped + args.extender_arg
             fence = ["--lease-namespace", "gpupack-system", "--lease-name", "gpupack-scheduler"]
             cp.ensure_namespace("gpupack-system")
             ext = ExtenderProcess(cp.write_kubeconfig(tmp / "ext.kubeconfig"), tmp / "extender.log",
-                                  *([] if args.no_fence else fence), *args.extender_arg)  # fmt: skip
+                                  *([] if args.no_fence else fence), *shipped, *args.extender_arg)  # fmt: skip
             ext.wait_ready(120)
             plain_cfg = {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration"}
             scheds.append(Scheduler(cp, plain_cfg, "plain-scheduler", args.qps, args.burst))

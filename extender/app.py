@@ -8,13 +8,13 @@ taking the worker down.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import re
 import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from flask import Flask, Response, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
@@ -33,15 +33,18 @@ DEFAULT_MAX_BODY = 8 * 1024 * 1024
 _PLAIN_NAMES = re.compile(r"[A-Za-z0-9._:-]*\Z")
 
 
-def _encode(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+def _encode(obj: Any) -> bytes:
+    # orjson: a keep-best filter answer names every node (~90 KB at 1,000 nodes); several times
+    # faster than the json module, and it holds the GIL for that much less
+    return orjson.dumps(obj)
 
 
-def _encode_scores(names: list[str], scores: list[int]) -> str:
+def _encode_scores(names: list[str], scores: list[int]) -> bytes:
     """A prioritize answer (a long list of {Host, Score}) written directly when every host name is
     plain (Kubernetes node names are): several times faster than building and encoding dicts."""
     if _PLAIN_NAMES.match("".join(names)):
-        return "[" + ",".join([f'{{"Host":"{n}","Score":{s}}}' for n, s in zip(names, scores, strict=True)]) + "]"
+        text = ",".join([f'{{"Host":"{n}","Score":{s}}}' for n, s in zip(names, scores, strict=True)])
+        return b"[" + text.encode() + b"]"
     return _encode([{"Host": n, "Score": s} for n, s in zip(names, scores, strict=True)])
 
 
@@ -59,7 +62,7 @@ def _body() -> Any:
     if not data:
         raise WireError("empty request body; expected JSON")
     try:
-        return json.loads(data)
+        return orjson.loads(data)
     except (ValueError, RecursionError) as e:
         raise WireError(f"request body is not valid JSON: {e}") from e
 
@@ -177,7 +180,7 @@ def only_probes_on(app: Flask, port: int) -> Callable[..., Any]:
         except (OSError, ValueError, IndexError, TypeError):
             local = port  # unknown: treat as the open listener
         if local == port and environ.get("PATH_INFO") not in PROBE_PATHS:
-            body = _encode({"Error": "only /metrics, /healthz and /readyz are served on this port"}).encode()
+            body = _encode({"Error": "only /metrics, /healthz and /readyz are served on this port"})
             start_response("404 NOT FOUND", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         return inner(environ, start_response)

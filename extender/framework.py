@@ -12,6 +12,7 @@ uses the cache; it fits again under the view's lock, so a cached answer can neve
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import logging
 import threading
@@ -616,11 +617,17 @@ class Extender:
             scored = self._raw_scores(pod, passed, now)
             self.policy.rank_nodes(self.view.state.nodes)
             tie = self.policy.tie_key
-            # a node whose fit changed since (no score) stays a candidate only after every scored one
-            order = sorted(passed, key=lambda n: (scored.get(n) is None, -(scored.get(n) or 0.0), tie.get(n, 2.0)))
-        keep = order[: self.keep_best]
+            get = scored.get
+            # a node whose fit changed since (no score) stays a candidate only after every scored one;
+            # only the first `keep_best` in this order are needed: no sort of every passing node
+            keep = heapq.nsmallest(
+                self.keep_best, passed, key=lambda n: (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0))
+            )
         why = f"{NOT_BEST} ({keep[0]})"
-        return keep, {n: why for n in order[self.keep_best :]}
+        dropped = dict.fromkeys(passed, why)
+        for n in keep:
+            del dropped[n]
+        return keep, dropped
 
     def _raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
         """The policy's raw score of each node in `names` the pod fits (view lock held); cached per
@@ -630,6 +637,10 @@ class Extender:
         table = self.scores.table((shape, self.epoch))
         nodes, state = self.view.nodes, self.view.state.nodes
         out: dict[str, float] = {}
+        # Nodes in the same state fit and score the same (a fresh or evenly filled cluster, and after
+        # the policy learned more pods, when every node is scored again), as in scores_for.
+        memo: dict[tuple, float] = {}
+        fit_memo: dict = {}
         for n in names:
             info = nodes.get(n)
             if info is None:
@@ -640,8 +651,14 @@ class Extender:
                     if hit[1] is not None:
                         out[n] = hit[1]
                     continue
-            r, _res = self.node_fit(n, pod, now, fits)
-            score = self.policy.node_score(state[n], pod, r) if isinstance(r, Fit) else None
+            r, _res = self.node_fit(n, pod, now, fits, fit_memo)
+            score = None
+            if isinstance(r, Fit):
+                node = state[n]
+                sig = (self._signature(n, node, info.version), tuple(sorted(r.charged.items())))
+                score = memo.get(sig)
+                if score is None:
+                    score = memo[sig] = self.policy.node_score(node, pod, r)
             if score is not None:
                 out[n] = score
             if not info.reservations:

@@ -209,7 +209,9 @@ class Kube:
             metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid or None),
             target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
         )
-        # The response is a Status the client's model cannot always deserialise; do not try.
+        # The response is a Status the client's model cannot always deserialise; do not try. Its
+        # bytes are read all the same: only a response read to its end gives its connection back to
+        # the pool; left unread, each bind cost the next API call a new TLS connection.
         _Bounded(self.core.create_namespaced_pod_binding)(
             name, namespace, body, _preload_content=False, _request_timeout=self.timeout_s
-        )
+        ).drain_conn()

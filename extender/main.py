@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=128,
         help="request threads of the extender worker (each bind holds one while it waits on the API server)",
     )
+    p.add_argument(
+        "--serving", choices=["connection", "gthread"], default="connection",
+        help="how the verbs are served: a thread per connection, woken by its request (default), or "
+        "gunicorn's gthread (a poller thread hands each request to --threads pool threads)",
+    )
     p.add_argument("--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff")
     p.add_argument(
         "--bind-concurrency", type=int, default=64,
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
 
     # Import in the arbiter: the forked worker then starts in milliseconds, not seconds.
-    from . import app, framework, kube, sync, webhook  # noqa: F401
+    from . import app, framework, kube, serving, sync, webhook  # noqa: F401
 
     if args.role == "webhook":
         opts = _options(args, args.webhook_port, 8)
@@ -289,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "extender.main", *(argv if argv is not None else sys.argv[1:]), "--role", "webhook"]
         child = subprocess.Popen(cmd)
     opts = _options(args, args.port, args.threads)
+    if args.serving == "connection":
+        opts["worker_class"] = "extender.serving.ConnectionThreadWorker"
     if args.metrics_port:
         opts["bind"].append(f"{args.metrics_host}:{args.metrics_port}")
     try:

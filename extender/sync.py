@@ -10,13 +10,13 @@ view stays readable throughout.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import orjson
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
@@ -77,7 +77,7 @@ class Watcher:
                     return
                 if not line.strip():
                     continue
-                ev = json.loads(line)
+                ev = orjson.loads(line)
                 typ, obj = ev.get("type"), ev.get("object") or {}
                 if typ == "ERROR":
                     if obj.get("code") == 410:
@@ -121,16 +121,16 @@ class Watcher:
                 backoff = min(backoff * 2, 5.0)
 
 
-def _lines(resp: Any):
-    """Yield complete lines from a streaming urllib3 response."""
+def _lines(resp: Any) -> Iterator[bytes]:
+    """Yield complete lines (bytes, UTF-8) from a streaming urllib3 response. A chunk is split once,
+    not line by line: a burst of pod events arrives as many lines per chunk."""
     buf = b""
     for chunk in resp.stream(65536, decode_content=False):
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            yield line.decode("utf-8")
+        parts = (buf + chunk).split(b"\n") if buf else chunk.split(b"\n")
+        buf = parts.pop()
+        yield from parts
     if buf.strip():
-        yield buf.decode("utf-8")
+        yield buf
 
 
 class Sync:
