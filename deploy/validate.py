@@ -351,20 +351,48 @@ def scheduler_config_errors(cfg: Any, where: str) -> list[str]:
             _duration_s(e.get("httpTimeout", "30s"))
         except ValueError as x:
             errs.append(f"{where}: extenders: httpTimeout {x}")
-        managed = {m.get("name"): m.get("ignoredByScheduler") for m in e.get("managedResources") or []}
-        if set(managed) != set(contract.MANAGED_RESOURCES):
+        if e.get("managedResources"):
+            # With managedResources kube-scheduler asks the extender only about pods requesting one:
+            # CPU-only pods would be spread over GPU nodes by its own scores, stranding their GPUs.
             errs.append(
-                f"{where}: managedResources {sorted(managed)} != gpupack.contract.MANAGED_RESOURCES "
-                f"{sorted(contract.MANAGED_RESOURCES)}"
+                f"{where}: extenders: managedResources must not be set (the extender must be asked about "
+                "every pod, CPU-only ones too); make NodeResourcesFit ignore gpupack's resources instead "
+                "(pluginConfig ignoredResourceGroups: [gpupack.io])"
             )
-        errs += [
-            f"{where}: managedResources {n}: ignoredByScheduler must be true (the kubelet-facing count "
-            "is slots, gpu-mem/gpu-sm are never advertised)"
-            for n, ig in managed.items()
-            if ig is not True
-        ]
         if e.get("ignorable") is True:
             errs.append(f"{where}: extenders: ignorable must not be true (GPU pods would be placed blind)")
+    for p in profiles:
+        if isinstance(p, dict) and p.get("schedulerName") == contract.SCHEDULER_NAME:
+            errs += _fit_args_errors(p, f"{where}: profile {contract.SCHEDULER_NAME}")
+    return errs
+
+
+_FIT_ARGS = {"ignoredResources", "ignoredResourceGroups", "scoringStrategy"}
+
+
+def _fit_args_errors(profile: dict[str, Any], where: str) -> list[str]:
+    """NodeResourcesFit must leave every gpupack resource to the extender: the kubelet advertises
+    `gpupack.io/gpu` slots only, never gpu-mem or gpu-sm, so kube-scheduler's own check would find
+    no node for a GPU pod."""
+    errs: list[str] = []
+    args: dict[str, Any] = {}
+    for pc in profile.get("pluginConfig") or []:
+        if not isinstance(pc, dict) or pc.get("name") != "NodeResourcesFit":
+            continue
+        a = pc.get("args") or {}
+        if not isinstance(a, dict):
+            return [f"{where}: pluginConfig NodeResourcesFit: args must be a mapping"]
+        unknown = sorted(set(a) - _FIT_ARGS)
+        errs += [f"{where}: pluginConfig NodeResourcesFit: unknown field {k!r}" for k in unknown]
+        args = a
+    groups = set(args.get("ignoredResourceGroups") or [])
+    names = set(args.get("ignoredResources") or [])
+    missing = [r for r in contract.MANAGED_RESOURCES if r not in names and r.split("/", 1)[0] not in groups]
+    if missing:
+        errs.append(
+            f"{where}: pluginConfig NodeResourcesFit does not ignore {', '.join(missing)} (gpupack.contract."
+            "MANAGED_RESOURCES): set ignoredResourceGroups: [gpupack.io]"
+        )
     return errs
 
 

@@ -31,6 +31,8 @@ from gpupack.contract import (
     HANDOFF_FAILED,
     LABEL_MANAGED,
     RES_GPU,
+    RES_GPU_MEM,
+    RES_GPU_SM,
     Assignment,
     ContractError,
     GPUShare,
@@ -86,6 +88,39 @@ def api_reason(e: ApiException) -> str:
     except (ValueError, AttributeError):
         msg = None
     return f"{e.status} {msg or e.reason}"
+
+
+GPUPACK_RESOURCES = (RES_GPU, RES_GPU_MEM, RES_GPU_SM)
+
+
+def requests_gpupack(pod: dict[str, Any]) -> bool:
+    """Whether any container names a gpupack resource (the bind's cheap test for its GPU path; a
+    CPU-only pod's bind waits for no handoff and writes no assignment)."""
+    spec = pod.get("spec") or {}
+    for key in ("containers", "initContainers"):
+        for c in spec.get(key) or []:
+            res = (c.get("resources") or {}) if isinstance(c, dict) else {}
+            for part in ("limits", "requests"):
+                d = res.get(part) if isinstance(res, dict) else None
+                if isinstance(d, dict) and any(r in d for r in GPUPACK_RESOURCES):
+                    return True
+    return False
+
+
+def host_fit(node: Node, pod: PodRequest) -> Fit | FitFailure:
+    """A CPU-only pod on a node without gpupack GPUs: CPU and memory only (the core's fit refuses
+    GPU-less nodes, which only CPU-only pods may use)."""
+    if not node.schedulable:
+        return FitFailure(f"node {node.name} is cordoned", "unschedulable", True)
+    if node.cpu_milli and pod.cpu_milli > node.cpu_milli:
+        return FitFailure(f"needs {pod.cpu_milli}m CPU; node has {node.cpu_milli}m", "cpu", True)
+    if node.ram_mib and pod.ram_mib > node.ram_mib:
+        return FitFailure(f"needs {pod.ram_mib} MiB RAM; node has {node.ram_mib} MiB", "ram", True)
+    if node.cpu_milli and pod.cpu_milli > node.free_cpu:
+        return FitFailure(f"needs {pod.cpu_milli}m CPU; {node.free_cpu}m free", "cpu")
+    if node.ram_mib and pod.ram_mib > node.free_ram:
+        return FitFailure(f"needs {pod.ram_mib} MiB RAM; {node.free_ram} MiB free", "ram")
+    return Fit(Placement(node.name, {}), {})
 
 
 def shape_of(pod: PodRequest) -> tuple:
@@ -402,10 +437,8 @@ class Extender:
         use = pod_host_request(pod)
         req = dataclasses.replace(req, cpu_milli=use.cpu_milli, ram_mib=ram_mib(use.mem_bytes))
         if not req.needs_gpu:
-            raise PodRequestError(
-                f"pod {req.key} requests no gpupack GPU resources; the extender only handles pods "
-                "that set gpupack.io/gpu, gpupack.io/gpu-mem or gpupack.io/gpu-sm"
-            )
+            # CPU-only: the policy places it too (on a GPU node it may strand GPUs), by CPU/memory
+            return req
         try:
             served_by_kubelet = handoff.gpu_containers(pod)
         except ContractError as e:
@@ -456,6 +489,8 @@ class Extender:
         node = self.view.state.nodes.get(name)
         if info is None or node is None:
             return FitFailure(f"node {name} is not in gpupack's view of the cluster (yet)", "unknown-node"), None
+        if not pod.needs_gpu:
+            return self._host_only_fit(name, node, pod, now, table), None
         if info.inventory_error:
             return FitFailure(
                 f"node {name}: its {('gpupack.io/inventory')} annotation is unreadable ({info.inventory_error})",
@@ -507,6 +542,26 @@ class Extender:
         if isinstance(last, FitFailure) and "reservation" not in last.reason:
             last = FitFailure(f"{last.reason} (with {len(held)} defrag reservation(s) held)", last.code)
         return last, None
+
+    def _host_only_fit(
+        self, name: str, node: Node, pod: PodRequest, now: datetime, table: dict | None
+    ) -> Fit | FitFailure:
+        """A CPU-only pod's fit: no slots, no handoff, no inventory needed (it never meets the device
+        plugin). On a GPU node the policy's own fit, as the simulator's schedule() runs it; defrag
+        reservations hold their GPUs there, but none steers it (it takes no GPU). View lock held."""
+        info = self.view.nodes[name]
+        held = self.view.active_reservations(name, now)
+        if not held and table is not None:
+            hit = table.get(name)
+            if hit is not None and hit[0] == info.version:
+                return hit[1]
+        if not node.gpus:
+            r = host_fit(node, pod)
+        else:
+            r = self.policy.fit(resv.hold(node, held) if held else node, pod)
+        if not held and table is not None:
+            table[name] = (info.version, r)
+        return r
 
     def _todo(self, answers: FitCache, key: tuple, names: list[str], factory: Callable[[list[str]], Any]) -> tuple[Any, Any]:
         """The last answer for `key` and the nodes it must look at again: only those changed since
@@ -584,7 +639,7 @@ class Extender:
                     failed[n] = f"pod is steered to node {target} by defrag reservation {r.id}"
                     codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
             passed = steered
-        locked = self.view.locked_nodes(pod.uid, time.monotonic())
+        locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
         if locked and any(n in locked for n in passed):
             free = [n for n in passed if n not in locked]
             if free:
@@ -724,7 +779,7 @@ class Extender:
             if st.out is None:
                 st.out = _normalise(names, raw, steered)
             out = st.out
-        locked = self.view.locked_nodes(pod.uid, time.monotonic())
+        locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
         if locked:
             out = [0 if n in locked else v for n, v in zip(names, out, strict=True)]
         self._expect(pod, names, out)
@@ -865,6 +920,9 @@ class Extender:
         # The pod before queueing: a missing pod is answered at once, not after the wait.
         # If it changes while we wait, the PATCH's resourceVersion precondition catches it.
         pod = self._pod_for_bind(args)
+        if not requests_gpupack(pod):
+            self._bind_host_only(args, key, pod)
+            return
         lock = self._node_lock(args.node)
         t0 = time.monotonic()
         if not lock.acquire(timeout=max(0.0, deadline - t0)):
@@ -895,10 +953,54 @@ class Extender:
                 self.view.inflight.discard(key)
             lock.release()
 
+    def _bind_host_only(self, args: BindArgs, key: str, pod: dict[str, Any]) -> None:
+        """Bind a CPU-only pod: fit its CPU/memory again under the view's lock, charge them on the
+        node (the next filter sees them before the watch does), post the Binding under the Lease.
+        No assignment, no handoff, no node lock: nothing of it waits for the kubelet."""
+        assert self.kube is not None
+        bound = (pod.get("spec") or {}).get("nodeName")
+        if bound:
+            self._already_bound(args, pod, bound)
+            return
+        try:
+            req = self.pod_request(pod)
+        except NamespaceUnreadable as e:
+            raise BindError(f"gpupack: {e}", "api") from e
+        if req.needs_gpu:  # cannot be: requests_gpupack said no gpupack resource
+            raise BindError(f"pod {key} requests gpupack GPU resources after all; try again", "conflict")
+        with self.view.lock:
+            f, _ = self.node_fit(args.node, req, self.clock(), None)
+            if isinstance(f, FitFailure):
+                at = f"node {args.node}"
+                raise BindError(f.reason if f.reason.startswith(at) else f"{at}: {f.reason}", f"fit-{f.code}")
+            try:
+                self.view.assume_host(key, req.uid, args.node, pod_host_request(pod))
+            except PlacementError as e:
+                raise BindError(f"node {args.node}: {e}", "conflict") from e
+        why = self.fence.problem() if self.fence is not None else ""
+        if why:
+            self.view.unassume_host(key, req.uid)
+            raise BindError(why, "not-leader")
+        try:
+            self.kube.bind(args.pod_namespace, args.pod_name, req.uid, args.node)
+        except ApiException as e:
+            if e.status == 409:
+                try:
+                    again = self.kube.get_pod(args.pod_namespace, args.pod_name)
+                    if (again.get("spec") or {}).get("nodeName") == args.node:
+                        self.view.host_bound(key, req.uid)
+                        return  # our own earlier attempt went through
+                except ApiException:
+                    pass
+            self.view.unassume_host(key, req.uid)
+            why = f"Binding pod {key} to node {args.node} failed: {api_reason(e)}"
+            raise BindError(why, "binding") from e
+        self.view.host_bound(key, req.uid)
+
     def _already_bound(self, args: BindArgs, pod: dict[str, Any], bound: str) -> None:
         """A retried bind whose first attempt went through is a success; anything else is not."""
         raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANN_ASSIGNMENT)
-        if bound == args.node and raw:
+        if bound == args.node and (raw or not requests_gpupack(pod)):
             return
         raise BindError(f"pod {args.key} is already bound to node {bound}", "already-bound")
 

@@ -335,6 +335,10 @@ class ClusterView:
         # PodInfo instead; by key and uid, never both (see _host_recount).
         self.host_pods: dict[str, HostPod] = {}
         self.host_by_node: dict[str, set[str]] = {}
+        # CPU-only pods this process binds (no assignment, so no PodInfo): pod key -> (HostPod, Binding
+        # posted), charged from assume_host until the assigned-pod watch shows them (then from there).
+        self.host_assumed: dict[str, tuple[HostPod, bool]] = {}
+        self.host_assumed_by_node: dict[str, set[str]] = {}
         self.changed = threading.Condition(self.lock)
         self.state = ClusterState()
         self.nodes: dict[str, NodeInfo] = {}
@@ -507,6 +511,12 @@ class ClusterView:
             if hp is not None and hp.uid == p.uid and hp.node == name:
                 continue
             cpu, mem = cpu + p.host.cpu_milli, mem + p.host.mem_bytes
+        for k in self.host_assumed_by_node.get(name, ()):
+            a = self.host_assumed[k][0]
+            hp = self.host_pods.get(k)
+            if hp is not None and hp.uid == a.uid and hp.node == name:
+                continue
+            cpu, mem = cpu + a.use.cpu_milli, mem + a.use.mem_bytes
         new = (info.allocatable.cpu_milli, info.allocatable.mem_bytes // MIB, cpu, ram_mib(mem))
         if new == (node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used):
             return False
@@ -537,7 +547,13 @@ class ClusterView:
             if new is not None:
                 self.host_pods[key] = new
                 self.host_by_node.setdefault(new.node, set()).add(key)
-            for n in {x.node for x in (old, new) if x is not None}:
+            touched = {x.node for x in (old, new) if x is not None}
+            assumed = self.host_assumed.get(key)
+            if assumed is not None and assumed[0].uid == str(meta.get("uid") or ""):
+                # the watch shows the pod now (or its end): its charge is counted from host_pods
+                touched.add(assumed[0].node)
+                self._drop_host_assumed(key)
+            for n in touched:
                 nd = self.state.nodes.get(n)
                 before = (nd.cpu_used, nd.ram_used) if nd is not None else (0, 0)
                 if self._host_recount(n):
@@ -565,6 +581,59 @@ class ClusterView:
             for key in [k for k in self.host_pods if k not in seen]:
                 ns, _, name = key.partition("/")
                 self.apply_host_pod({"metadata": {"namespace": ns, "name": name}}, deleted=True)
+            # a bound CPU-only pod missing from it has ended, or was bound after the list's snapshot
+            # (then the watch that resumes from it shows the pod, and charges it from host_pods)
+            for key in [k for k, (_, bound) in self.host_assumed.items() if bound and k not in seen]:
+                node = self.host_assumed[key][0].node
+                self._drop_host_assumed(key)
+                if self._host_recount(node):
+                    self._bump(node)
+            self.changed.notify_all()
+
+    # --- CPU-only pods this process binds ---------------------------------------------------------
+    def _drop_host_assumed(self, key: str) -> None:
+        hp, _ = self.host_assumed.pop(key)
+        keys = self.host_assumed_by_node.get(hp.node)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.host_assumed_by_node[hp.node]
+
+    def assume_host(self, key: str, uid: str, node: str, use: HostUse) -> None:
+        """Charge a CPU-only pod's CPU/memory on `node` from now on, before its Binding is posted:
+        the next filter must see it before the assigned-pod watch does (see host_assumed)."""
+        with self.lock:
+            if node not in self.state.nodes:
+                raise PlacementError(f"node {node} is not known")
+            if key in self.host_assumed:
+                old = self.host_assumed[key][0].node
+                self._drop_host_assumed(key)
+                self._host_recount(old)
+                self._bump(old)
+            self.host_assumed[key] = (HostPod(uid, node, use), False)
+            self.host_assumed_by_node.setdefault(node, set()).add(key)
+            self._host_recount(node)
+            self._bump(node)
+            self.changed.notify_all()
+
+    def host_bound(self, key: str, uid: str) -> None:
+        """The Binding of a CPU-only pod charged by assume_host went through."""
+        with self.lock:
+            a = self.host_assumed.get(key)
+            if a is not None and a[0].uid == uid:
+                self.host_assumed[key] = (a[0], True)
+
+    def unassume_host(self, key: str, uid: str) -> None:
+        """Undo assume_host after a failed Binding (only if it is still this pod's)."""
+        with self.lock:
+            a = self.host_assumed.get(key)
+            if a is None or a[0].uid != uid:
+                return
+            self._drop_host_assumed(key)
+            if self._host_recount(a[0].node):
+                self.on_room(a[0].node, "host-freed")
+            self._bump(a[0].node)
+            self.changed.notify_all()
 
     # --- pods ----------------------------------------------------------------------------------
     def _charge(self, p: PodInfo) -> None:
@@ -894,10 +963,13 @@ class ClusterView:
                 if not c:
                     del self.claims[node]
 
-    def locked_nodes(self, exclude_uid: str, now: float | None = None) -> dict[str, str]:
-        """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff),
-        of a bind that has arrived for it and is still in progress (see `claims`), or of a pod
-        expected to be bound there any moment (see `expected`, with `now` on time.monotonic())."""
+    def locked_nodes(
+        self, exclude_uid: str, now: float | None = None, handoffs: bool = True
+    ) -> dict[str, str]:
+        """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff;
+        not with `handoffs` false: a CPU-only pod's bind never waits for one), of a bind that has
+        arrived for it and is still in progress (see `claims`), or of a pod expected to be bound
+        there any moment (see `expected`, with `now` on time.monotonic())."""
         out: dict[str, str] = {}
         with self.lock:
             if self.expected and now is not None:
@@ -911,7 +983,7 @@ class ClusterView:
                     if uid != exclude_uid or not uid:
                         out[node] = k
                         break
-            for node, keys in self.pending_by_node.items():
+            for node, keys in self.pending_by_node.items() if handoffs else ():
                 for k in keys:
                     p = self.pods.get(k)
                     if (

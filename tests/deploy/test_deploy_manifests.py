@@ -98,8 +98,13 @@ def test_scheduler_config_names_the_extender(base):
     cm = find(base, "ConfigMap", "gpupack-scheduler-config")
     cfg = yaml.safe_load(cm["data"]["config.yaml"])
     (ext,) = cfg["extenders"]
-    assert {m["name"] for m in ext["managedResources"]} == {"gpupack.io/gpu", "gpupack.io/gpu-mem", "gpupack.io/gpu-sm"}
-    assert all(m["ignoredByScheduler"] for m in ext["managedResources"])
+    # asked about every pod of the profile (CPU-only ones too); kube-scheduler leaves gpupack's
+    # resources to it
+    assert "managedResources" not in ext and ext["ignorable"] is False
+    (prof,) = [p for p in cfg["profiles"] if p["schedulerName"] == "gpupack-scheduler"]
+    (fit,) = [c for c in prof["pluginConfig"] if c["name"] == "NodeResourcesFit"]
+    assert fit["args"]["ignoredResourceGroups"] == ["gpupack.io"]
+    assert fit["args"]["scoringStrategy"]["type"] == "LeastAllocated"
     assert ext["nodeCacheCapable"] is True and ext["weight"] > 0 and ext["httpTimeout"]
     assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == ("filter", "prioritize", "bind")
     dep = find(base, "Deployment", "gpupack-scheduler")
@@ -147,7 +152,14 @@ BREAKAGES = [
     ("scheduler/deployment.yaml", "--tls-key=/tls/tls.key", "--tls-key=/etc/tls/tls.key", "is not under any volumeMount"),
     ("scheduler/deployment.yaml", "--webhook-port=8443", "--webhook-port=9443", "is not a declared containerPort"),
     ("deviceplugin/daemonset.yaml", "port: metrics\n", "port: metric\n", "is not a named container port"),
-    ("scheduler/config.yaml", "- name: gpupack.io/gpu-sm", "- name: gpupack.io/gpu-smx", "MANAGED_RESOURCES"),
+    ("scheduler/config.yaml", 'ignoredResourceGroups: ["gpupack.io"]', 'ignoredResourceGroups: ["gpupack.com"]',
+     "does not ignore gpupack.io/gpu, gpupack.io/gpu-mem, gpupack.io/gpu-sm"),
+    ("scheduler/config.yaml", 'ignoredResourceGroups: ["gpupack.io"]',
+     'ignoredResources: ["gpupack.io/gpu", "gpupack.io/gpu-mem"]', "does not ignore gpupack.io/gpu-sm"),
+    ("scheduler/config.yaml", "        ignorable: false\n",
+     "        ignorable: false\n        managedResources:\n          - name: gpupack.io/gpu\n"
+     "            ignoredByScheduler: true\n", "managedResources must not be set"),
+    ("scheduler/config.yaml", "              scoringStrategy:", "              scoringStrategyy:", "unknown field 'scoringStrategyy'"),
     ("scheduler/config.yaml", "httpTimeout: 15s", "httpTimeout: 5s", "must exceed the extender's worst bind: --bind-wait-s 4 + 5 x --api-timeout-s 2 = 14 s"),
     ("scheduler/config.yaml", "urlPrefix: http://127.0.0.1:8888", "urlPrefix: http://127.0.0.1:8080", "urlPrefix port"),
     ("scheduler/config.yaml", "bindVerb: bind", "bindVerb: bnd", "serves no /bnd"),

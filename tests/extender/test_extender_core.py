@@ -7,7 +7,7 @@ import pytest
 from ext_helpers import H100_MIB, container, node_obj, payloads, pod_obj
 
 from extender.framework import Extender, assignment_from_fit
-from extender.view import ClusterView
+from extender.view import ClusterView, pod_host_request
 from extender.wire import ExtenderArgs, WireError
 from gpupack.contract import (
     ANN_ASSIGNMENT,
@@ -112,7 +112,6 @@ def test_pod_the_extender_cannot_serve_is_unresolvable_everywhere():
     reason (the scheduler shows it in the FailedScheduling event), no 4xx the user never sees."""
     _, ext, _ = make([node_obj("n", 1), node_obj("m", 1)])
     cases = [
-        (pod_obj("p", [{"name": "c", "image": "x"}]), "requests no gpupack GPU resources"),
         (pod_obj("p", [container("c", 1, 100, 150)]), "gpu-sm must be a percent in 1..100, got 150"),
         (pod_obj("p", [container("c", 1, "lots")]), "gpupack.io/gpu-mem"),
         (pod_obj("p", [container("c", 65)]), "gpupack.io/gpu=65 is more GPUs than any node has"),
@@ -131,6 +130,53 @@ def test_pod_the_extender_cannot_serve_is_unresolvable_everywhere():
         ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["ghost"]))
     out = ext.filter(args(pod_obj("p", [container("c", 1, 100)]), ["n", "ghost"]))
     assert out["NodeNames"] == ["n"] and "not in gpupack's view" in out["FailedNodes"]["ghost"]
+
+
+def test_cpu_only_pod_is_placed_by_cpu_and_memory_and_the_policy():
+    """A pod without gpupack resources is the policy's too: it fits by CPU/memory (on GPU-less
+    nodes as well, which never publish an inventory or slots), and its bind charge, taken before any
+    watch has seen it, counts for the next pod at once."""
+    plain = node_obj("plain", 1)
+    del plain["metadata"]["annotations"]
+    plain["status"]["allocatable"].pop("gpupack.io/gpu")
+    problems = []
+    view = ClusterView(on_problem=lambda k, m: problems.append(k), track_host=True)
+    view.replace_nodes([node_obj("g", 1), plain, node_obj("bad", raw_inventory="{not json")])
+    view.replace_pods([])
+    ext = Extender(view, get_policy(DEFAULT_POLICY), None, clock=lambda: NOW)
+
+    def cpu_pod(name, cpu):
+        c = {"name": "c", "image": "x", "resources": {"requests": {"cpu": cpu, "memory": "1Gi"}}}
+        p = pod_obj(name, [c])
+        p["metadata"]["uid"] = f"uid-{name}"
+        return p
+
+    for i in range(8):  # the policy learns the workload from the pods it is asked about
+        w = pod_obj(f"w{i}", [container("c", 1, 1000, 10)])
+        w["metadata"]["uid"] = f"uid-w{i}"
+        w["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "4"}
+        assert ext.filter(args(w, ["g"]))["NodeNames"] == ["g"]
+    out = ext.filter(args(cpu_pod("p", "40"), ["g", "plain", "bad"]))
+    assert out["NodeNames"] == ["g", "plain", "bad"] and out["FailedAndUnresolvableNodes"] == {}, out
+    scores = {h["Host"]: h["Score"] for h in ext.prioritize(args(cpu_pod("p", "40"), ["g", "plain"]))}
+    # 40 of 64 CPUs on the GPU node would strand its GPU for GPU pods; the GPU-less node loses nothing
+    assert scores["plain"] > scores["g"], scores
+    view.assume_host("default/p", "uid-p", "plain", pod_host_request(cpu_pod("p", "40")))
+    out = ext.filter(args(cpu_pod("q", "40"), ["g", "plain"]))
+    assert out["NodeNames"] == ["g"] and "CPU" in out["FailedNodes"]["plain"], out
+    out = ext.filter(args(cpu_pod("big", "65"), ["g", "plain"]))
+    assert out["NodeNames"] == [] and set(out["FailedAndUnresolvableNodes"]) == {"g", "plain"}, out
+    # the assigned-pod watch shows it: counted from there, not twice; a failed Binding frees it
+    bound = cpu_pod("p", "40")
+    bound["spec"]["nodeName"] = "plain"
+    view.apply_host_pod(bound)
+    assert view.state.nodes["plain"].cpu_used == 40_000 and not view.host_assumed
+    view.assume_host("default/r", "uid-r", "g", pod_host_request(cpu_pod("r", "10")))
+    assert view.state.nodes["g"].cpu_used == 10_000
+    view.unassume_host("default/r", "uid-r")
+    assert view.state.nodes["g"].cpu_used == 0
+    out = ext.filter(args(cpu_pod("s", "60"), ["g", "plain"]))
+    assert out["NodeNames"] == ["g"], out
 
 
 def test_corrupt_inventory_is_reported_not_fatal():

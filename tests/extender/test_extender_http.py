@@ -251,7 +251,6 @@ def bad_pods(ns: str) -> list[tuple[dict, str]]:
             pod_obj("many", [container("c", 100)], namespace=ns),
             "gpupack.io/gpu=100 is more GPUs than any node has",
         ),
-        (pod_obj("none", [{"name": "c", "image": "i"}], namespace=ns), "requests no gpupack GPU resources"),
         (pod_obj("nogpu", [container("c", None, 100, 10)], namespace=ns), "no container sets gpupack.io/gpu"),
     ]
 
@@ -276,11 +275,15 @@ def test_malformed_and_hostile_bodies_get_4xx_and_lose_nothing(cluster, ns, sfx,
         assert all(needle in why for why in out["FailedAndUnresolvableNodes"].values()), (needle, out)
         r = ext.post("prioritize", {"Pod": pod, "NodeNames": [n1]})
         assert r.status_code == 200 and r.json() == [{"Host": n1, "Score": 0}], r.text
+    # a CPU-only pod is the extender's too (placed by CPU/memory and the policy), not a bad request
+    r = ext.post("filter", {"Pod": pod_obj("none", [{"name": "c", "image": "i"}], namespace=ns), "NodeNames": [n1, "ghost"]})
+    assert r.status_code == 200 and r.json()["NodeNames"] == [n1], r.text
+    assert "not in gpupack's view" in r.json()["FailedNodes"]["ghost"], r.text
     assert ext.http.get(ext.url + "/healthz").status_code == 200
     assert ext.reserved() == before == {(n1, "0"): (30000, 30)}
     metrics = ext.http.get(ext.url + "/metrics").text
     assert 'gpupack_extender_bad_requests_total{verb="filter"}' in metrics
-    assert 'gpupack_extender_node_rejections_total{reason="invalid-request"} 10.0' in metrics
+    assert 'gpupack_extender_node_rejections_total{reason="invalid-request"} 8.0' in metrics
     assert 'gpupack_extender_request_seconds_bucket{le="0.001",verb="bind"}' in metrics
     assert "gpupack_cluster_fragmentation_ratio 1.0" in metrics
 
