@@ -11,8 +11,8 @@ uses the cache; it fits again under the view's lock, so a cached answer can neve
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import heapq
 import json
 import logging
 import threading
@@ -214,6 +214,11 @@ class _FilterAnswer:
         self.steered: dict[str, Reservation] = {}
         self.passed: list[str] | None = None  # in the request's order; None: to be rebuilt
 
+    def reorder(self, names: list[str]) -> None:
+        """The same nodes, asked in the order of `names`: the answer follows that order."""
+        self.names = names
+        self.passed = None
+
     def update(self, n: str, r: Fit | FitFailure, res: Reservation | None) -> None:
         old = self.code_of.pop(n, None)
         if old is not None:
@@ -249,6 +254,11 @@ class _PriorityAnswer:
         self.steered: set[str] = set()
         self.out: list[int] | None = None
 
+    def reorder(self, names: list[str]) -> None:
+        """The same nodes, asked in the order of `names`: the scores follow that order."""
+        self.names = names
+        self.out = None
+
 
 def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
     """Raw scores to 0..MAX_SCORE over the lowest..highest; no fit 0; steered nodes MAX_SCORE."""
@@ -263,6 +273,37 @@ def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> li
     if steered:
         out = [MAX_SCORE if n in steered else s for n, s in zip(names, out, strict=True)]
     return out
+
+
+class _BestIndex:
+    """A request's nodes in the order :meth:`Extender._keep_best` takes them, for one (shape,
+    epoch), kept up to date node by node: each node's sort key, and (key, node) sorted."""
+
+    __slots__ = ("names", "name_set", "pos", "key_of", "order")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.key_of: dict[str, tuple[bool, float, float]] = {}
+        self.order: list[tuple[tuple[bool, float, float], str]] = []
+
+    def reorder(self, names: list[str]) -> None:
+        self.names = names  # the order of the request does not matter here
+
+    def set(self, n: str, key: tuple[bool, float, float]) -> None:
+        old = self.key_of.get(n)
+        if old == key:
+            return
+        self.key_of[n] = key
+        if old is not None:
+            i = bisect.bisect_left(self.order, (old, n))
+            if i < len(self.order) and self.order[i] == (old, n):
+                del self.order[i]
+            else:  # a key that does not compare equal to itself (NaN score): sort again
+                self.order = sorted((k, m) for m, k in self.key_of.items())
+                return
+        bisect.insort(self.order, (key, n))
 
 
 class BindError(Exception):
@@ -417,6 +458,7 @@ class Extender:
         # the nodes changed since (the view's journal) when the next request names the same nodes.
         self.filters: FitCache = FitCache()
         self.priorities: FitCache = FitCache()
+        self.best: FitCache = FitCache()  # (shape, epoch) -> _BestIndex
         self._sigs: dict[str, tuple[int, tuple]] = {}
         # uid -> the Pod kube-scheduler sent with its last filter: the bind that follows uses it
         # instead of reading the pod again (the PATCH's resourceVersion precondition still catches
@@ -568,6 +610,11 @@ class Extender:
         (or holding reservations, whose answer depends on the time) when the node list is the
         same as last time; otherwise a fresh answer and every node. View lock held."""
         st = answers.data.get(key)
+        if st is not None and st.names != names and len(st.names) == len(names) and st.name_set == set(names):
+            # The same nodes in another order: kube-scheduler's list of the nodes that passed its own
+            # filters starts where its last search stopped and is filled in parallel, so with
+            # percentageOfNodesToScore: 100 it is the same set in a new order almost every time.
+            st.reorder(names)
         if st is not None and st.names == names:
             answers.data.move_to_end(key)
             changed = self.view.changed_since(st.pos)
@@ -651,7 +698,7 @@ class Extender:
                         codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
                 passed = free
         if self.keep_best > 0 and len(passed) > self.keep_best:
-            passed, dropped = self._keep_best(pod, passed, now)
+            passed, dropped = self._keep_best(pod, names, passed, now)
             failed.update(dropped)
             codes["not-best"] = codes.get("not-best", 0) + len(dropped)
         if self.keep_best > 0 and passed and pod.uid:
@@ -662,22 +709,39 @@ class Extender:
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
 
-    def _keep_best(self, pod: PodRequest, passed: list[str], now: datetime) -> tuple[list[str], dict[str, str]]:
-        """The `keep_best` nodes the policy prefers among those that pass, and a reason for each of
-        the others. Order as :func:`gpupack.core.policies.schedule` picks: highest score, ties to the
-        node first in the policy's seeded node order (ranked over every node of the view, in the
-        order the view first saw them, as schedule() ranks its state's nodes). So for the same
-        state, the node kept first is schedule()'s, and the bind's fit there its GPUs."""
+    def _keep_best(
+        self, pod: PodRequest, names: list[str], passed: list[str], now: datetime
+    ) -> tuple[list[str], dict[str, str]]:
+        """The `keep_best` nodes the policy prefers among those that pass (`passed`, out of the
+        request's `names`), and a reason for each of the others. Order as
+        :func:`gpupack.core.policies.schedule` picks: highest score, ties to the node first in the
+        policy's seeded node order (ranked over every node of the view, in the order the view first
+        saw them, as schedule() ranks its state's nodes). So for the same state, the node kept first
+        is schedule()'s, and the bind's fit there its GPUs. The order of the request's nodes is kept
+        per (shape, epoch) and only the nodes changed since the last request are scored again."""
         with self.view.lock:
-            scored = self._raw_scores(pod, passed, now)
             self.policy.rank_nodes(self.view.state.nodes)
             tie = self.policy.tie_key
+            idx, todo = self._todo(self.best, (shape_of(pod), self.epoch), names, _BestIndex)
+            pos = self.view.seq
+            todo = list(todo)
+            scored = self._raw_scores(pod, todo, now)
             get = scored.get
-            # a node whose fit changed since (no score) stays a candidate only after every scored one;
-            # only the first `keep_best` in this order are needed: no sort of every passing node
-            keep = heapq.nsmallest(
-                self.keep_best, passed, key=lambda n: (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0))
-            )
+            # a node whose fit changed since (no score) stays a candidate only after every scored one
+            if idx.key_of:
+                for n in todo:
+                    idx.set(n, (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0)))
+            else:
+                idx.key_of = {n: (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0)) for n in todo}
+                idx.order = sorted((k, n) for n, k in idx.key_of.items())
+            idx.pos = pos
+            want = set(passed)
+            keep: list[str] = []
+            for _key, n in idx.order:
+                if n in want:
+                    keep.append(n)
+                    if len(keep) == self.keep_best:
+                        break
         why = f"{NOT_BEST} ({keep[0]})"
         dropped = dict.fromkeys(passed, why)
         for n in keep:
