@@ -290,7 +290,7 @@ def _gpu_room(inv_raw: str | None) -> tuple[int, int, int]:
 def room_grew(old: NodeInfo | None, new: NodeInfo, inv_raw: str | None, labels: dict[str, str]) -> str:
     """Why a node's update may let pods on that did not fit before ("" if it cannot): kube-scheduler
     v1.28 retries its parked pods on such node events only when a pre-check passes, and that
-    pre-check counts gpupack's ignoredByScheduler resources as missing on every node (see
+    pre-check counts gpupack's resources as missing on every node, ignored by the profile or not (see
     Requeuer in framework.py)."""
     if old is None:
         return "node-added"

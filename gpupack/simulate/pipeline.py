@@ -3,13 +3,14 @@
 The default replay (:mod:`gpupack.simulate.replay`) lets the policy place every pod over every node,
 knowing each node's CPU and memory and given the trace's workload. A cluster differs where it must:
 
-- **CPU-only pods never reach the extender.** The shipped profile lists gpupack's resources as the
-  extender's `managedResources`, so kube-scheduler calls it only for pods requesting one of them;
-  every other pod is placed by kube-scheduler's default score plugins (NodeResourcesFit
-  LeastAllocated over cpu and memory, NodeResourcesBalancedAllocation; the others score every node
-  alike here: no taints, affinities, images or spread constraints), ties broken at random.
-  (`cpu_pods_via_extender=True` models a profile without `managedResources`, whose extender is
-  asked about every pod; `fit_strategy="MostAllocated"` a profile that packs by requests.)
+- **CPU-only pods may not reach the extender.** A profile that lists gpupack's resources as the
+  extender's `managedResources` (before issue 12) has kube-scheduler call it only for pods
+  requesting one of them; every other pod is placed by kube-scheduler's default score plugins
+  (NodeResourcesFit LeastAllocated over cpu and memory, NodeResourcesBalancedAllocation; the others
+  score every node alike here: no taints, affinities, images or spread constraints), ties broken
+  at random. `cpu_pods_via_extender=True` models a profile without `managedResources` (the shipped
+  one), whose extender is asked about every pod; `fit_strategy="MostAllocated"` a profile that
+  packs by requests.
 - **kube-scheduler filters only part of the cluster.** With `percentageOfNodesToScore` unset it
   stops after `max(100, n * (50 - n/125) %)` feasible nodes, searching round-robin from where the
   last pod's search stopped; the extender is then asked about those nodes only.

@@ -1,7 +1,8 @@
 """Against the real API server (and the real kube-scheduler v1.28.7): the extender's view of each
 node's CPU and memory follows every pod assigned there, gpupack's or not, and with
 `--filter-keep-best 1` kube-scheduler binds each GPU pod on the node, and the extender gives it the
-GPUs, that the simulator's schedule() picks for the same cluster state."""
+GPUs, that the simulator's schedule() picks for the same cluster state; a CPU-only pod of the profile
+too (on the node only: it gets no GPUs, no assignment and no handoff)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import realk8s
+import requests
 from ext_helpers import (
     H100_MIB,
     annotations,
@@ -221,6 +223,51 @@ def test_kube_scheduler_binds_where_schedule_picks(
             time.sleep(0.2)  # the extender's watches see the handoff end before the next pod's filter
         # the policy spread over several nodes and used the CPU-rich ones: not a first-node-always pick
         assert len(set(chosen)) >= 2, chosen
+
+        # A CPU-only pod of the profile is the policy's too: bound where schedule() picks, by the
+        # extender (no assignment, no handoff: it never meets the device plugin) ...
+        c = container("c")
+        c["resources"]["requests"].update(cpu="20", memory="4Gi")
+        body = pod_obj("cpu-only", [c], namespace=ns)
+        view = mirror(core)
+        req = Extender(view, sim, None).pod_request({**body, "metadata": {**body["metadata"], "uid": "probe-c"}})
+        assert not req.needs_gpu
+        want = schedule(view.state.clone(), req, sim, commit=False)
+        assert want.node is not None, want.failures
+        create_pod(core, body, ns)
+        pod = until(lambda: (p := get_pod(core, ns, "cpu-only"))["spec"].get("nodeName") and p, 30,
+                    "the CPU-only pod bound", interval=0.1)  # fmt: skip
+        assert pod["spec"]["nodeName"] == want.node, (pod["spec"]["nodeName"], want.node)
+        assert not {ANN_ASSIGNMENT, ANN_HANDOFF} & set(annotations(pod)), annotations(pod)
+        assert LABEL_MANAGED not in (pod["metadata"].get("labels") or {})
+        metrics = requests.get(ext.url + "/metrics", timeout=10).text
+        assert "gpupack_extender_binds_total 11.0" in metrics, "bound by the extender"
+        # ... and a GPU pod sent right after to a node where one was just bound is not held up by it
+        # (the policy put the one above where no GPU was left free: here both go to a node with room)
+        free = min(n for n, nd in mirror(core).state.nodes.items() if n.startswith("kb-") and any(g.empty for g in nd.gpus))
+        pin = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [free]}]}]}}}  # fmt: skip
+        small = container("c")
+        small["resources"]["requests"].update(cpu="1", memory="1Gi")
+        body = pod_obj("cpu-pinned", [small], namespace=ns)
+        body["spec"]["affinity"] = pin
+        g = container("c", gpu=1, mem=8000, sm=30)
+        after = pod_obj("after", [g], namespace=ns)
+        after["spec"]["affinity"] = pin
+        t0 = time.monotonic()
+        create_pod(core, body, ns)
+        create_pod(core, after, ns)
+        try:
+            pod = until(lambda: (p := get_pod(core, ns, "after"))["spec"].get("nodeName")
+                        and annotations(p).get(ANN_HANDOFF) == HANDOFF_DONE and p, 30,
+                        "the GPU pod bound next to it, its handoff done", interval=0.1)  # fmt: skip
+        except AssertionError as e:
+            p = get_pod(core, ns, "after")
+            raise AssertionError(f"{e}\n{p['spec'].get('nodeName')} {p['status']}\n{proc.tail(3000)}\n{ext.tail()}") from None
+        assert pod["spec"]["nodeName"] == free and time.monotonic() - t0 < 4.0
+        pinned = get_pod(core, ns, "cpu-pinned")
+        assert pinned["spec"].get("nodeName") == free, pinned["status"]
     finally:
         if proc is not None:
             proc.stop()
