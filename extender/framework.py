@@ -1314,8 +1314,8 @@ class Requeuer:
 
     kube-scheduler v1.28 (SchedulerQueueingHints off) moves parked pods back to its active queue on
     a Node add/update only when a pre-check passes, and that pre-check (noderesources.Fits) counts
-    gpupack.io/gpu-mem and gpu-sm as missing on every node although the profile marks them
-    ignoredByScheduler: a GPU pod left waiting is not retried when a node joins, is uncordoned,
+    gpupack.io/gpu-mem and gpu-sm as missing on every node although the profile's NodeResourcesFit
+    ignores them (it reads no plugin arguments): a GPU pod left waiting is not retried when a node joins, is uncordoned,
     loses a taint or publishes more GPUs, only on an unrelated pod event or the scheduler's 5-minute
     flush. The view reports such changes (ClusterView.on_room); this thread turns a burst of them
     into one pass of :meth:`Extender.requeue_waiting` over the pods the scheduler marked
