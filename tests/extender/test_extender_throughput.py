@@ -147,3 +147,23 @@ def test_binds_reuse_a_fresh_lease_read_but_read_it_again_before_each_binding(
         assert reads >= len(pods), reads  # ... never fewer than one fresh read per Binding
         for pod, n in zip(pods, nodes, strict=True):
             assert get_pod(cluster.core, ns, pod["metadata"]["name"])["spec"]["nodeName"] == n
+
+
+def test_binds_give_their_api_connection_back_so_the_next_call_opens_none(cluster, ns, sfx, tmp_path):
+    """A Binding's answer is read to its end: its connection returns to the pool, and a stream of
+    binds runs over one kept-alive connection instead of a new TLS handshake each."""
+    from extender.kube import Kube, api_client
+
+    node = f"gpu-conn-{sfx}"
+    gpu_node(cluster, node, 1)
+    pods = [create_pod(cluster.core, small(f"c{i}"), ns) for i in range(4)]
+    api = api_client(str(cluster.write_kubeconfig(tmp_path / "kc")))
+    kube = Kube(api)
+    kube.get_pod(ns, pods[0]["metadata"]["name"])  # the pool's first connection
+    for p in pods:
+        kube.bind(ns, p["metadata"]["name"], p["metadata"]["uid"], node)
+        kube.get_pod(ns, p["metadata"]["name"])
+    pools = [api.rest_client.pool_manager.pools[k] for k in api.rest_client.pool_manager.pools.keys()]
+    assert sum(pool.num_connections for pool in pools) == 1, [pool.num_connections for pool in pools]
+    for p in pods:
+        assert get_pod(cluster.core, ns, p["metadata"]["name"])["spec"]["nodeName"] == node
