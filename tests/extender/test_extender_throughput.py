@@ -163,7 +163,8 @@ def test_binds_give_their_api_connection_back_so_the_next_call_opens_none(cluste
     for p in pods:
         kube.bind(ns, p["metadata"]["name"], p["metadata"]["uid"], node)
         kube.get_pod(ns, p["metadata"]["name"])
-    pools = [api.rest_client.pool_manager.pools[k] for k in api.rest_client.pool_manager.pools.keys()]
+    manager = api.rest_client.pool_manager
+    pools = [manager.pools[k] for k in list(manager.pools.keys())]  # noqa: SIM118 (no __iter__)
     assert sum(pool.num_connections for pool in pools) == 1, [pool.num_connections for pool in pools]
     for p in pods:
         assert get_pod(cluster.core, ns, p["metadata"]["name"])["spec"]["nodeName"] == node
