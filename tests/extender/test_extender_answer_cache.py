@@ -161,3 +161,55 @@ def test_a_journal_trimmed_past_an_answer_starts_over(monkeypatch):
     assert view.changed_since(0) is None
     assert ext.filter(args) == _fresh(view, policy).filter(args)
     assert ext.filter(args)["NodeNames"] == ["n0", "n1"]
+
+
+def test_the_same_nodes_in_another_order_reuse_the_answer_and_follow_the_order():
+    """kube-scheduler (percentageOfNodesToScore 100) sends the nodes that passed its own filters
+    in a new order nearly every cycle: nothing is fitted again, and the answer is in the new order."""
+    view, policy, names = _setup(12)
+    ext = _fresh(view, policy)
+    pod = _pod(1, SHAPES[0])
+    first = ext.filter(parse_extender_args({"Pod": pod, "NodeNames": names}))
+    ((shape, kept),) = ext.filters.data.items()
+    fits = 0
+    real_fit = policy.fit
+
+    def counting_fit(*a, **kw):
+        nonlocal fits
+        fits += 1
+        return real_fit(*a, **kw)
+
+    policy.fit = counting_fit  # type: ignore[method-assign]
+    backwards = list(reversed(names))
+    again = ext.filter(parse_extender_args({"Pod": _pod(2, SHAPES[0]), "NodeNames": backwards}))
+    assert ext.filters.data[shape] is kept  # updated in place (no node changed), not started over
+    assert fits == 0
+    assert again["NodeNames"] == [n for n in backwards if n in first["NodeNames"]]
+    assert len(again["NodeNames"]) > 1
+
+
+def test_answers_follow_every_change_with_the_nodes_in_a_new_order_each_time():
+    for keep_best in (0, 1):
+        view, policy, names = _setup(10)
+        ext = Extender(view, policy, None, clock=lambda: NOW, keep_best=keep_best)
+        rng = random.Random(11 + keep_best)
+        placed: list[str] = []
+        for step in range(300):
+            pod = _pod(step, rng.choice(SHAPES), rng.random() < 0.2)
+            asked = rng.sample(names, len(names)) if rng.random() < 0.9 else rng.sample(names, 6)
+            args = parse_extender_args({"Pod": pod, "NodeNames": asked})
+            out = ext.filter(args)
+            want = Extender(view, policy, None, clock=lambda: NOW, keep_best=keep_best).filter(args)
+            assert out == want, f"keep_best {keep_best}: filter differs at step {step}"
+            if out["NodeNames"] and _place(ext, view, pod, out["NodeNames"][0]):
+                placed.append(f"prod/p{step}")
+            r = rng.random()
+            if r < 0.35 and placed:
+                key = placed.pop(rng.randrange(len(placed)))
+                view.delete_pod({"metadata": {"namespace": "prod", "name": key.split("/")[1]}})
+            elif r < 0.42:
+                n = rng.choice(names)
+                view.apply_node({**node_obj(n, n=4), "spec": {"unschedulable": rng.random() < 0.5}})
+            elif r < 0.46:
+                n = rng.choice(names)
+                view.apply_node(node_obj(n, n=4, reservations=[_reservation(n)] if rng.random() < 0.6 else None))
