@@ -23,10 +23,10 @@ from typing import Any
 from gpupack import logs
 from gpupack.contract import ANN_ASSIGNMENT, LABEL_MANAGED
 from gpupack.core.defrag import Limits, Plan, plan_defrag, plan_nodes
+from gpupack.events import EventRecorder
 from gpupack.kubeclient import ApiException, KubeClient, api_reason
 
 from .eligibility import Eligibility, why_not
-from .events import EventRecorder
 from .executor import (
     CA_SCALE_DOWN_DISABLED,
     TAINT_KEY,

@@ -43,9 +43,9 @@ from gpupack.contract import (
 )
 from gpupack.core.defrag import Move, Plan
 from gpupack.core.model import PlacementError
+from gpupack.events import EventRecorder
 from gpupack.kubeclient import ApiException, KubeClient
 
-from .events import EventRecorder
 from .lease import LeaseHeld, RunLease
 from .metrics import RunMetrics
 from .reserve import ReservationWriter, ReserveError

@@ -1,7 +1,8 @@
-"""Kubernetes Events a defrag run leaves on the pods it moves and the nodes it frees.
+"""Kubernetes Events gpupack's components leave on pods and nodes: the defrag run on the pods it
+moves and the nodes it frees, the extender on a pod whose GPU handoff it had to give up.
 
-Best effort by design: an Event that cannot be written is logged, never a reason to stop a move.
-Node events go to the `default` namespace, as the kubelet's do.
+Best effort by design: an Event that cannot be written is logged, never a reason to stop the work
+it reports. Node events go to the `default` namespace, as the kubelet's do.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ from typing import Any
 
 from gpupack.kubeclient import ApiException, KubeClient
 
-log = logging.getLogger("gpupack.defrag.events")
-
-COMPONENT = "gpupack-defrag"
+log = logging.getLogger("gpupack.events")
 
 
 class EventRecorder:
-    def __init__(self, kc: KubeClient | None, instance: str) -> None:
+    def __init__(self, kc: KubeClient | None, instance: str, component: str = "gpupack-defrag") -> None:
         self.kc = kc
         self.instance = instance
+        self.component = component
         self.written = 0
 
     def _emit(
@@ -43,8 +43,8 @@ class EventRecorder:
             "reason": reason,
             "message": message[:1024],
             "type": "Warning" if warning else "Normal",
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
+            "source": {"component": self.component},
+            "reportingComponent": self.component,
             "reportingInstance": self.instance,
             "firstTimestamp": now,
             "lastTimestamp": now,
