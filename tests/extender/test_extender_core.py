@@ -321,3 +321,45 @@ def test_cli_rejects_bad_flags_in_one_line(capsys, tmp_path):
     assert "needs --tls-cert and --tls-key" in capsys.readouterr().err
     assert main(["--tls-cert", str(tmp_path / "c"), "--tls-key", str(tmp_path / "k")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_learning_batches_in_a_burst():
+    """A burst of pods costs few learning flushes (each makes the next filter of every shape score
+    all nodes again): the first pod at once, then batches of 3x what was learned, at least
+    OBSERVE_MIN_GAP_S apart; every pod is learned once, and with a given workload nothing is."""
+    from extender import framework as fw
+
+    _view, ext, _ = make([node_obj(f"n{i}", 2) for i in range(3)])
+    t = [100.0]
+    ext._monotonic = lambda: t[0]
+    learned = ext.policy.workload.counts  # type: ignore[attr-defined]
+
+    def burst(start, k):
+        for i in range(start, start + k):
+            p = pod_obj(f"b{i}", [container("c", 1, 500, 10)])
+            p["metadata"]["uid"] = f"uid-b{i}"
+            ext.filter(args(p, ["n0", "n1", "n2"]))
+            ext.prioritize(args(p, ["n0", "n1", "n2"]))  # the same pod: not learned twice
+
+    burst(0, 50)  # within one instant: only the first pod is learned
+    assert ext.epoch == 1 and sum(learned.values()) == 1
+    t[0] += fw.OBSERVE_MIN_GAP_S
+    burst(50, 1)  # batch (3) reached and the gap passed: the 50 waiting pods at once
+    assert ext.epoch == 2 and sum(learned.values()) == 51
+    t[0] += fw.OBSERVE_MIN_GAP_S
+    burst(51, 100)  # 51 learned: the next batch is 3 x 51 pods
+    assert ext.epoch == 2 and sum(learned.values()) == 51
+    t[0] += fw.OBSERVE_FLUSH_S + 1
+    burst(151, 1)  # ... or a minute
+    assert ext.epoch == 3 and sum(learned.values()) == 152
+
+    _view, fixed, _ = make([node_obj("m", 2)])
+    fixed.policy.learn = False  # type: ignore[attr-defined]
+    fixed._monotonic = lambda: t[0]
+    before = dict(fixed.policy.workload.counts)  # type: ignore[attr-defined]
+    for i in range(5):
+        p = pod_obj(f"f{i}", [container("c", 1, 500, 10)])
+        p["metadata"]["uid"] = f"uid-f{i}"
+        fixed.filter(args(p, ["m"]))
+        t[0] += fw.OBSERVE_FLUSH_S + 1
+    assert fixed.epoch == 0 and dict(fixed.policy.workload.counts) == before  # type: ignore[attr-defined]
