@@ -157,10 +157,23 @@ def _signature(node: Node) -> tuple:
     schedulability, not its name."""
     return (
         tuple(
-            (g.model, g.mem_mib, g.mem_used, g.milli_used, g.pod_class, g.exclusive, g.healthy, bool(g.holders))
+            (
+                g.model,
+                g.mem_mib,
+                g.mem_used,
+                g.milli_used,
+                g.pod_class,
+                g.exclusive,
+                g.healthy,
+                bool(g.holders),
+            )
             for g in node.gpus
         ),
-        node.cpu_milli, node.cpu_used, node.ram_mib, node.ram_used, node.schedulable,
+        node.cpu_milli,
+        node.cpu_used,
+        node.ram_mib,
+        node.ram_used,
+        node.schedulable,
     )
 
 
@@ -174,7 +187,12 @@ class _MemoFailure:
 
 
 def assignment_from_fit(
-    node: Node, pod: PodRequest, f: Fit, now: datetime, reservation: str = "", device_index: list[int] | None = None
+    node: Node,
+    pod: PodRequest,
+    f: Fit,
+    now: datetime,
+    reservation: str = "",
+    device_index: list[int] | None = None,
 ) -> Assignment:
     by_name = {}
     for cname, shares in f.placement.containers.items():
@@ -206,7 +224,18 @@ def assignment_from_fit(
 class _FilterAnswer:
     """A filter answer kept up to date node by node."""
 
-    __slots__ = ("names", "name_set", "pos", "ok", "failed", "unresolvable", "code_of", "codes", "steered", "passed")
+    __slots__ = (
+        "names",
+        "name_set",
+        "pos",
+        "ok",
+        "failed",
+        "unresolvable",
+        "code_of",
+        "codes",
+        "steered",
+        "passed",
+    )
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
@@ -334,7 +363,13 @@ class LeaseFence:
     have taken over (a Lease changes hands only once it has expired, or is released)."""
 
     def __init__(
-        self, kube: Kube, namespace: str, name: str, identity: str, margin_s: float, clock: Callable[[], float] = time.time
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str,
+        identity: str,
+        margin_s: float,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
         self.margin_s = margin_s
@@ -551,7 +586,9 @@ class Extender:
         info = self.view.nodes.get(name)
         node = self.view.state.nodes.get(name)
         if info is None or node is None:
-            return FitFailure(f"node {name} is not in gpupack's view of the cluster (yet)", "unknown-node"), None
+            return FitFailure(
+                f"node {name} is not in gpupack's view of the cluster (yet)", "unknown-node"
+            ), None
         if not pod.needs_gpu:
             return self._host_only_fit(name, node, pod, now, table), None
         if info.inventory_error:
@@ -626,7 +663,9 @@ class Extender:
             table[name] = (info.version, r)
         return r
 
-    def _todo(self, answers: FitCache, key: tuple, names: list[str], factory: Callable[[list[str]], Any]) -> tuple[Any, Any]:
+    def _todo(
+        self, answers: FitCache, key: tuple, names: list[str], factory: Callable[[list[str]], Any]
+    ) -> tuple[Any, Any]:
         """The last answer for `key` and the nodes it must look at again: only those changed since
         (or holding reservations, whose answer depends on the time) when the node list is the
         same as last time; otherwise a fresh answer and every node. View lock held."""
@@ -715,7 +754,9 @@ class Extender:
                 # node that fits is better than a bind that waits and maybe fails into back-off.
                 for n in passed:
                     if n in locked:
-                        failed[n] = f"node {n}: pod {locked[n]} is being bound there or waits for its kubelet (GPU handoff)"
+                        failed[n] = (
+                            f"node {n}: pod {locked[n]} is being bound there or waits for its kubelet (GPU handoff)"
+                        )
                         codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
                 passed = free
         if self.keep_best > 0 and len(passed) > self.keep_best:
@@ -916,7 +957,9 @@ class Extender:
         if age is not None and age > self.stale_handoff_s:
             log.warning(
                 "node %s: handoff of pod %s pending for %.0f s; is the device plugin running there?",
-                node, blocker.key, age,
+                node,
+                blocker.key,
+                age,
             )
             self.metrics.problems.labels("stale-handoff").inc()
         raise BindError(handoff.blocking_message(node, blocker), "handoff-wait")
@@ -958,7 +1001,9 @@ class Extender:
             raise BindError(f"could not read pod {args.key}: {api_reason(e)}", "api") from e
         uid = (pod.get("metadata") or {}).get("uid", "")
         if args.pod_uid and uid != args.pod_uid:
-            raise BindError(f"pod {args.key} was recreated (UID {uid}; bind was for {args.pod_uid})", "pod-gone")
+            raise BindError(
+                f"pod {args.key} was recreated (UID {uid}; bind was for {args.pod_uid})", "pod-gone"
+            )
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             raise BindError(f"pod {args.key} is being deleted", "pod-gone")
         return pod
@@ -1103,11 +1148,20 @@ class Extender:
                 now = self.clock()
                 f, reservation = self.node_fit(args.node, req, now, None)
                 if isinstance(f, FitFailure):
-                    reason = f.reason if f.reason.startswith(f"node {args.node}") else f"node {args.node}: {f.reason}"
+                    reason = (
+                        f.reason
+                        if f.reason.startswith(f"node {args.node}")
+                        else f"node {args.node}: {f.reason}"
+                    )
                     raise BindError(reason, f"fit-{f.code}")
                 node = self.view.state.nodes[args.node]
                 a = assignment_from_fit(
-                    node, req, f, now, reservation.id if reservation else "", self.view.nodes[args.node].gpu_indexes
+                    node,
+                    req,
+                    f,
+                    now,
+                    reservation.id if reservation else "",
+                    self.view.nodes[args.node].gpu_indexes,
                 )
                 try:
                     self.view.assume(key, uid, a, _init_names(pod), pod_slots(pod), pod_host_request(pod))
@@ -1116,14 +1170,19 @@ class Extender:
             rv = (pod.get("metadata") or {}).get("resourceVersion")
             try:
                 out = self.kube.patch_pod_metadata(
-                    args.pod_namespace, args.pod_name, handoff.handoff_annotations_for_bind(a),
-                    {LABEL_MANAGED: "true"}, rv,
+                    args.pod_namespace,
+                    args.pod_name,
+                    handoff.handoff_annotations_for_bind(a),
+                    {LABEL_MANAGED: "true"},
+                    rv,
                 )
                 return a, str(((out or {}).get("metadata") or {}).get("resourceVersion") or "")
             except ApiException as e:
                 self.view.unassume(key, uid, a)
                 if e.status != 409:
-                    raise BindError(f"could not record the GPU assignment on pod {key}: {api_reason(e)}", "patch") from e
+                    raise BindError(
+                        f"could not record the GPU assignment on pod {key}: {api_reason(e)}", "patch"
+                    ) from e
             pod = self._get_pod(args)  # 409: somebody changed the pod; read it again and retry
             bound = (pod.get("spec") or {}).get("nodeName")
             if bound:
@@ -1149,7 +1208,9 @@ class Extender:
             try:
                 pod = self.kube.get_pod(args.pod_namespace, args.pod_name)
                 ann = (pod.get("metadata") or {}).get("annotations") or {}
-                if (pod.get("spec") or {}).get("nodeName") == args.node and ann.get(ANN_ASSIGNMENT) == a.to_json():
+                if (pod.get("spec") or {}).get("nodeName") == args.node and ann.get(
+                    ANN_ASSIGNMENT
+                ) == a.to_json():
                     self.view.mark_bound(req.key, args.node)
                     return  # our own earlier attempt went through
             except ApiException:
@@ -1164,11 +1225,19 @@ class Extender:
         assert self.kube is not None
         try:
             self.kube.patch_pod_metadata(
-                args.pod_namespace, args.pod_name, handoff.rollback_annotations(), {LABEL_MANAGED: None}, rv or None
+                args.pod_namespace,
+                args.pod_name,
+                handoff.rollback_annotations(),
+                {LABEL_MANAGED: None},
+                rv or None,
             )
             self.view.forget(req.key, req.uid)
         except ApiException as e2:
-            log.warning("rollback of pod %s annotations failed: %s; the janitor will clean it", req.key, api_reason(e2))
+            log.warning(
+                "rollback of pod %s annotations failed: %s; the janitor will clean it",
+                req.key,
+                api_reason(e2),
+            )
         self.view.unassume(req.key, req.uid, a)
 
     # --- stale state: whoever finds it cleans it -------------------------------------------------
@@ -1195,7 +1264,9 @@ class Extender:
         ns, name = key.split("/", 1)
         for _attempt in range(2):
             try:
-                self.kube.patch_pod_metadata(ns, name, handoff.rollback_annotations(), {LABEL_MANAGED: None}, rv)
+                self.kube.patch_pod_metadata(
+                    ns, name, handoff.rollback_annotations(), {LABEL_MANAGED: None}, rv
+                )
                 self.view.forget(key, uid)
                 self.metrics.problems.labels("stale-assignment-cleaned").inc()
                 log.warning("pod %s: removed a GPU assignment left without a Binding (pod unbound)", key)
@@ -1253,11 +1324,16 @@ class Extender:
         log.warning(
             "node %s: GPU handoff of pod %s pending for %.0f s (limit %.0f s); marking it failed so the node "
             "takes GPU pods again. Is gpupack's device plugin running there?",
-            p.node, p.key, age, self.stale_handoff_s,
+            p.node,
+            p.key,
+            age,
+            self.stale_handoff_s,
         )
         self.metrics.problems.labels("stale-handoff").inc()
         try:
-            self.kube.patch_pod_metadata(ns, name, {ANN_HANDOFF: HANDOFF_FAILED}, {}, p.resource_version or None)
+            self.kube.patch_pod_metadata(
+                ns, name, {ANN_HANDOFF: HANDOFF_FAILED}, {}, p.resource_version or None
+            )
         except ApiException as e:
             log.warning("pod %s: cannot mark its stale handoff failed: %s", p.key, api_reason(e))
             return False
@@ -1295,13 +1371,18 @@ class Extender:
             meta = pod.get("metadata") or {}
             try:
                 self.kube.patch_pod_metadata(
-                    meta.get("namespace") or "default", meta["name"], {ANN_REQUEUED: stamp}, {},
+                    meta.get("namespace") or "default",
+                    meta["name"],
+                    {ANN_REQUEUED: stamp},
+                    {},
                     str(meta.get("resourceVersion") or "") or None,
                 )
                 n += 1
             except ApiException as e:
                 if e.status not in (404, 409):  # gone, or updated anyway (which requeues it too)
-                    log.warning("cannot requeue pod %s/%s: %s", meta.get("namespace"), meta.get("name"), api_reason(e))
+                    log.warning(
+                        "cannot requeue pod %s/%s: %s", meta.get("namespace"), meta.get("name"), api_reason(e)
+                    )
         if n:
             log.info("asked kube-scheduler to retry %d waiting pod(s) now", n)
         return n, left
