@@ -42,6 +42,7 @@ from gpupack.core.fit import Fit, FitFailure
 from gpupack.core.model import FULL, Node, Placement, PlacementError, PodRequest
 from gpupack.core.policies import Policy
 from gpupack.core.request import RequestError, parse_pod
+from gpupack.events import EventRecorder
 
 from . import reservations as resv
 from .kube import Kube, NamespaceUnreadable
@@ -467,8 +468,12 @@ class Extender:
         scheduler_name: str = "gpupack-scheduler",
         bind_concurrency: int = 0,
         keep_best: int = 0,
+        events: EventRecorder | None = None,
     ) -> None:
         self.fence = fence
+        # Events on pods for what their owners can act on and kube-scheduler cannot tell them
+        # (a bind failure already reaches the pod as kube-scheduler's FailedScheduling event).
+        self.events = events
         # Filter passes only this many of the fitting nodes, the policy's best first (0: all of
         # them, and kube-scheduler's own scores and random ties pick among them with prioritize's).
         self.keep_best = keep_best
@@ -1338,6 +1343,14 @@ class Extender:
             log.warning("pod %s: cannot mark its stale handoff failed: %s", p.key, api_reason(e))
             return False
         self.metrics.problems.labels("stale-handoff-resolved").inc()
+        if self.events is not None:
+            self.events.pod(
+                ns, name, p.uid, "GPUHandoffFailed",
+                f"node {p.node}: the kubelet did not ask gpupack's device plugin for this pod's GPUs within "
+                f"{self.stale_handoff_s:.0f} s, so gpupack gave the handoff up and the node takes GPU pods "
+                "again. Check the gpupack-device-plugin pod on that node; delete this pod to place it anew.",
+                warning=True,
+            )  # fmt: skip
         return True
 
     def requeue_waiting(

@@ -168,6 +168,9 @@ def make_policy(args: argparse.Namespace) -> Policy:
 
 def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
     def make() -> Any:
+        from gpupack.events import EventRecorder
+        from gpupack.kubeclient import KubeClient
+
         from .app import create_extender_app, only_probes_on
         from .framework import Extender, Janitor, LeaseFence, Requeuer
         from .kube import Kube, api_client
@@ -177,7 +180,11 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
         metrics = Metrics()
         view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc(), track_host=True)
-        kube = Kube(api_client(args.kubeconfig), timeout_s=args.api_timeout_s)
+        api = api_client(args.kubeconfig)
+        kube = Kube(api, timeout_s=args.api_timeout_s)
+        events = EventRecorder(
+            KubeClient(api, timeout_s=args.api_timeout_s), args.identity or socket.gethostname(), "gpupack-extender"
+        )
         policy = make_policy(args)
         fence = None
         if args.lease_name:
@@ -194,7 +201,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         ext = Extender(
             view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s, fence=fence,
             unbound_grace_s=args.unbound_grace_s, scheduler_name=args.scheduler_name,
-            bind_concurrency=args.bind_concurrency, keep_best=args.filter_keep_best,
+            bind_concurrency=args.bind_concurrency, keep_best=args.filter_keep_best, events=events,
         )  # fmt: skip
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         Sync(view, kube).start()

@@ -176,6 +176,16 @@ def test_a_bound_handoff_older_than_the_limit_is_reported_and_resolved(cluster, 
           "stale handoff marked failed")  # fmt: skip
     assert metric(ext, 'gpupack_extender_annotation_problems_total{kind="stale-handoff-resolved"}') >= 1
     assert "pending for" in ext.log.read_text()
+
+    def handoff_events() -> list:
+        evs = cluster.core.list_namespaced_event(ns, field_selector="involvedObject.name=p").items
+        return [e for e in evs if e.reason == "GPUHandoffFailed"]
+
+    # the pod's owner learns it from the pod itself (kubectl describe), not only from the extender's log
+    until(handoff_events, 10, "a GPUHandoffFailed event on p")
+    (ev,) = handoff_events()
+    assert ev.type == "Warning" and ev.source.component == "gpupack-extender"
+    assert ev.involved_object.uid == p["metadata"]["uid"] and f"node {node}" in ev.message
     until(
         lambda: ext.post("bind", bind_body(q, node)).json() == {"Error": ""}, 10, "q bound after p resolved"
     )
