@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from gpupack.core.model import FULL, Node, Placement, PlacementError, PodRequest
 from gpupack.core.policies import Policy
 from gpupack.core.request import RequestError, parse_pod
 from gpupack.events import EventRecorder
+from gpupack.kubeclient import api_reason
 
 from . import reservations as resv
 from .kube import Kube, NamespaceUnreadable
@@ -87,14 +87,6 @@ ANN_REQUEUED = "gpupack.io/requeued-at"
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-def api_reason(e: ApiException) -> str:
-    try:
-        msg = json.loads(e.body or "{}").get("message")
-    except (ValueError, AttributeError):
-        msg = None
-    return f"{e.status} {msg or e.reason}"
 
 
 GPUPACK_RESOURCES = (RES_GPU, RES_GPU_MEM, RES_GPU_SM)

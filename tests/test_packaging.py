@@ -4,6 +4,7 @@ fault injection) live in tests/ and are never installed."""
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -102,8 +103,16 @@ except ChartUnavailable as e:
 
 def test_the_wheel_carries_the_type_markers_and_the_message_stubs(tmp_path: Path) -> None:
     # PEP 561: without py.typed (and api_pb2.pyi for the generated messages) a user's mypy sees Any
+    # built from a copy: setuptools writes build/ beside the sources, and the checkout stays clean
+    src = tmp_path / "src"
+    junk = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in (*PACKAGES, "pyproject.toml", "README.md", "LICENSE"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=junk)
+        else:
+            shutil.copy2(REPO / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     (wheel,) = tmp_path.glob("gpupack-*.whl")
