@@ -568,15 +568,23 @@ class ClusterView:
     def delete_host_pod(self, obj: dict[str, Any]) -> None:
         self.apply_host_pod(obj, deleted=True)
 
-    def replace_host_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
-        """A fresh list of the assigned pods: apply it and drop the pods missing from it."""
+    def _apply_pod_pages(
+        self, pages: Iterable[list[dict[str, Any]]], apply: Callable[[dict[str, Any]], None]
+    ) -> set[str]:
+        """Apply a list's pages, the lock held per page (the view stays usable between pages); the
+        keys of the pods listed."""
         seen: set[str] = set()
         for page in pages:
             with self.lock:
                 for o in page:
                     m = o.get("metadata") or {}
                     seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
-                    self.apply_host_pod(o)
+                    apply(o)
+        return seen
+
+    def replace_host_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        """A fresh list of the assigned pods: apply it and drop the pods missing from it."""
+        seen = self._apply_pod_pages(pages, self.apply_host_pod)
         with self.lock:
             for key in [k for k in self.host_pods if k not in seen]:
                 ns, _, name = key.partition("/")
@@ -837,13 +845,7 @@ class ClusterView:
         """Like replace_pods, a page at a time; the view stays usable between pages. With
         `confirm_missing` (a label-filtered list), charged pods missing from it are not released
         but left to a GET (see `unconfirmed`)."""
-        seen: set[str] = set()
-        for page in pages:
-            with self.lock:
-                for o in page:
-                    m = o.get("metadata") or {}
-                    seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
-                    self.apply_pod(o)
+        seen = self._apply_pod_pages(pages, self.apply_pod)
         with self.lock:
             for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
                 if confirm_missing:  # gone, or only unlabelled: a GET tells which
