@@ -19,7 +19,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kubernetes.client.rest import ApiException
 
@@ -59,6 +59,7 @@ from .wire import (
 )
 
 log = logging.getLogger("gpupack.extender")
+V = TypeVar("V")
 
 MAX_SCORE = 10
 CACHE_SHAPES = 32
@@ -127,14 +128,15 @@ def shape_of(pod: PodRequest) -> tuple:
     return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models, pod.cpu_milli, pod.ram_mib)
 
 
-class FitCache:
-    """shape -> node -> (node version, result); a few recent shapes only."""
+class FitCache(Generic[V]):
+    """key -> node -> (node version, result V); a few recent keys only. The answer caches keep an
+    answer object per key in `data` instead and never call `table`."""
 
     def __init__(self, shapes: int = CACHE_SHAPES) -> None:
         self.shapes = shapes
-        self.data: OrderedDict[tuple, dict[str, tuple[int, Fit | FitFailure]]] = OrderedDict()
+        self.data: OrderedDict[tuple, Any] = OrderedDict()
 
-    def table(self, shape: tuple) -> dict[str, tuple[int, Fit | FitFailure]]:
+    def table(self, shape: tuple) -> dict[str, tuple[int, V]]:
         t = self.data.get(shape)
         if t is None:
             t = self.data[shape] = {}
@@ -483,7 +485,7 @@ class Extender:
         self.bind_wait_s = bind_wait_s
         self.stale_handoff_s = stale_handoff_s
         self.clock = clock
-        self.cache = FitCache()
+        self.cache: FitCache[Fit | FitFailure] = FitCache()
         self._node_locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._observed: OrderedDict[str, None] = OrderedDict()
@@ -492,12 +494,12 @@ class Extender:
         self._monotonic: Callable[[], float] = time.monotonic  # learning batches' clock (tests set it)
         self._last_flush = self._monotonic()
         self.epoch = 0  # bumped whenever the policy was shown new pods
-        self.scores: FitCache = FitCache()  # (shape, epoch) -> node -> (version, raw score | None)
+        self.scores: FitCache[float | None] = FitCache()  # (shape, epoch) -> node -> (version, raw score | None)
         # The last filter answer per shape and prioritize answer per (shape, epoch), updated for
         # the nodes changed since (the view's journal) when the next request names the same nodes.
-        self.filters: FitCache = FitCache()
-        self.priorities: FitCache = FitCache()
-        self.best: FitCache = FitCache()  # (shape, epoch) -> _BestIndex
+        self.filters: FitCache[Any] = FitCache()
+        self.priorities: FitCache[Any] = FitCache()
+        self.best: FitCache[Any] = FitCache()  # (shape, epoch) -> _BestIndex
         self._sigs: dict[str, tuple[int, tuple]] = {}
         # uid -> the Pod kube-scheduler sent with its last filter: the bind that follows uses it
         # instead of reading the pod again (the PATCH's resourceVersion precondition still catches
@@ -614,7 +616,7 @@ class Extender:
                 hit = table.get(name)
                 if hit is not None and hit[0] == info.version:
                     return hit[1], None
-            r = None
+            r: Fit | FitFailure | None = None
             if memo is not None:
                 # Nodes in the same state give the same answer (a fresh or evenly filled cluster).
                 sig = self._signature(name, node, info.version)
@@ -731,7 +733,7 @@ class Extender:
             steered = [n for n in passed if n in st.steered] if st.steered else None
             if steered:
                 target = steered[0]
-                r = st.steered[target]
+                steer: Reservation = st.steered[target]
                 wanted = {n: st.steered[n] for n in steered}
         if names and codes.get("unknown-node") == len(st.name_set):
             shown = ", ".join(names[:5])
@@ -740,7 +742,7 @@ class Extender:
             # A pod with its own defrag reservation goes there, not anywhere else.
             for n in passed:
                 if n not in wanted:
-                    failed[n] = f"pod is steered to node {target} by defrag reservation {r.id}"
+                    failed[n] = f"pod is steered to node {target} by defrag reservation {steer.id}"
                     codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
             passed = steered
         locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
