@@ -41,11 +41,12 @@ def test_product_code_imports_no_test_tooling() -> None:
 # The components' modules: what the image runs. gpupack.simulate is the simulator's, run from a
 # checkout or an install with the `simulate` extra.
 RUNTIME_PACKAGES = ("extender", "deviceplugin", "gpupack")
-BLOCK_MATPLOTLIB = """
+SIMULATE_EXTRA = ("numpy", "matplotlib")
+BLOCK_EXTRA = """
 import importlib, importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "matplotlib":
+        if name.split(".")[0] in BLOCKED:
             raise ImportError(f"No module named {name!r} (blocked by the test)")
 sys.meta_path.insert(0, Block())
 """
@@ -62,13 +63,14 @@ def runtime_modules() -> list[str]:
     return out
 
 
-def test_matplotlib_is_the_simulate_extras_only() -> None:
+def test_numpy_and_matplotlib_are_the_simulate_extras_only() -> None:
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     deps = [d.split(">")[0].split("=")[0].split("~")[0].strip() for d in project["dependencies"]]
-    assert "matplotlib" not in deps
-    assert any(d.startswith("matplotlib") for d in project["optional-dependencies"]["simulate"])
+    for extra in SIMULATE_EXTRA:
+        assert extra not in deps
+        assert any(d.startswith(extra) for d in project["optional-dependencies"]["simulate"])
     # what installs the checkout for the tests and `scripts/simulate` installs the charts too
     assert "'.[test,simulate]'" in (REPO / "scripts" / "bootstrap").read_text()
     # the image installs the package without extras
@@ -77,28 +79,32 @@ def test_matplotlib_is_the_simulate_extras_only() -> None:
     ]
 
 
-def test_the_components_run_without_matplotlib() -> None:
+def test_the_components_run_without_the_simulate_extra() -> None:
     import subprocess
     import sys
 
     mods = runtime_modules()
     assert {"extender.main", "deviceplugin.main", "extender.defrag.cli", "gpupack.certs"} <= set(mods)
     code = (
-        BLOCK_MATPLOTLIB
+        f"BLOCKED = {SIMULATE_EXTRA!r}"
+        + BLOCK_EXTRA
         + f"""
 for m in {mods!r} + ["gpupack.simulate.chart"]:
     importlib.import_module(m)
-assert not [m for m in sys.modules if m.split(".")[0] == "matplotlib"]
+assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED], "a component imported the extra"
 from gpupack.simulate.chart import ChartUnavailable, fleet_chart
 try:
     fleet_chart({{}}, None, "")
 except ChartUnavailable as e:
     print("unavailable:", e)
+from gpupack.simulate.cli import main
+assert main([]) == 2
 """
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "pip install 'gpupack[simulate]'" in r.stdout
+    assert "gpupack simulate needs numpy" in r.stderr
 
 
 def test_the_wheel_carries_the_type_markers_and_the_message_stubs(tmp_path: Path) -> None:

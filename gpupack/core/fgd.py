@@ -168,7 +168,7 @@ def sigmoid_score(decrease: int, total: int) -> int:
 
 
 def after(
-    frees: Sequence[int], cpu_left: int | None, pod: PodRequest, charged: dict
+    frees: Sequence[int], cpu_left: int | None, pod: PodRequest, charged: dict[int, tuple[int, int, bool]]
 ) -> tuple[list[int], int | None]:
     out = list(frees)
     for idx, (_, milli, ex) in charged.items():
@@ -188,7 +188,7 @@ class FGDPolicy:
     learn: bool
 
     def _setup(self, workload: Workload | None) -> None:
-        self._memo: dict[tuple, int] = {}
+        self._memo: dict[tuple[object, ...], int] = {}
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
 

@@ -21,8 +21,8 @@ place each pod where that grows least. gpupack generalises and extends it:
    placement is charged the stranding it adds, and rewarded for stranding it removes only where no
    later pod needs those GPUs more (see `gain`). On the openb trace this steers CPU-only and
    CPU-heavy pods to CPU-rich, GPU-poor nodes, and CPU-light GPU pods onto GPUs whose CPU others
-   ate. A cluster that does not account CPU in gpupack (the Kubernetes extender: kube-scheduler
-   checks CPU) has no stranding term.
+   ate. The extender tracks each node's CPU (allocatable, and requested by every pod on it), so
+   a cluster gets this term too.
 5. **Consolidation.** Like the published FGD runs the score is a coarse integer 0..99; ties go to
    the node first in a fixed per-policy random order, so near-equal choices keep landing on the same
    nodes and idle nodes stay whole for multi-GPU pods.
@@ -35,16 +35,14 @@ place each pod where that grows least. gpupack generalises and extends it:
 The workload (pod shapes and their popularity) is either given (the trace replay passes the
 trace's shapes, as FGD gets them) or learnt from the pods the scheduler is shown (`observe`).
 Everything is integer arithmetic so the replay's vectorised fast path
-(:func:`fast_scores`) reproduces this per-node code's decisions exactly.
+(`gpupack.simulate.fast_policy.gpupack_scores`) reproduces this per-node code's decisions exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from gpupack.core.fgd import SIGMOID_STEPS, Shape, Workload, shape_of, sigmoid_score
+from gpupack.core.fgd import Shape, Workload, shape_of, sigmoid_score
 from gpupack.core.fit import Fit, FitFailure, fit
 from gpupack.core.model import FULL, GPU, Node, PodRequest
 from gpupack.core.policy_base import Policy
@@ -152,7 +150,7 @@ def rewards_unstranding(
 WASTE_WEIGHT = 0.5
 
 
-def waste_table(shapes: Sequence[Shape], weights: Sequence[int]) -> np.ndarray:
+def waste_table(shapes: Sequence[Shape], weights: Sequence[int]) -> tuple[float, ...]:
     """Expected milli a GPU with `v` free (0..FULL) ends up wasting, index v.
 
     The GPU is filled by typical pods drawn by popularity among those that fit what is left, until
@@ -173,10 +171,10 @@ def waste_table(shapes: Sequence[Shape], weights: Sequence[int]) -> np.ndarray:
             num += by_milli[m] * phi[v - m]
             den += by_milli[m]
         phi[v] = num / den if den else float(v)
-    return np.array(phi, np.float64)
+    return tuple(phi)
 
 
-def waste_gain(phi: np.ndarray, weight: int, before, after):
+def waste_gain(phi: Sequence[float], weight: int, before: int, after: int) -> float:
     """`weight`-scaled eventual waste removed by taking a share: (before − after) free milli."""
     return WASTE_WEIGHT * weight * (phi[before] - phi[after])
 
@@ -189,8 +187,6 @@ class GpupackPolicy(Policy):
         self._memo: dict[tuple[object, ...], tuple[int, int]] = {}
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
-        # The replay's fast path: (cluster, workload and version) -> `rewards_unstranding` per node.
-        self._reward_mask: tuple[tuple[int, int, int], np.ndarray] | None = None
 
     def observe(self, pod: PodRequest) -> None:
         if self.learn:
@@ -216,7 +212,7 @@ class GpupackPolicy(Policy):
         )
 
     @property
-    def waste(self) -> np.ndarray:
+    def waste(self) -> tuple[float, ...]:
         # A learnt workload changes with every pod; the table (a few ms to build) follows it once
         # the workload has grown by 1/64 since, which moves its popularity weights very little.
         wl = self.workload
@@ -306,47 +302,3 @@ def _take(v: GpuView, mem: int, milli: int, cls: str) -> GpuView:
     return (v[0] - milli, v[1] - mem, v[2], cls, v[4])
 
 
-def fast_scores(
-    policy: GpupackPolicy, cl, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int, cpu: int
-) -> np.ndarray:
-    """The replay's vectorised form of :meth:`GpupackPolicy.node_score` for openb pods (milli only,
-    one class): same integers, same table lookup, so the same scores."""
-    req = milli if f is not None else whole * FULL
-    cpu_sum, gpu_sum = policy.ratio
-    tot = cl.tot[idx]
-    left = cl.cpu[idx]
-    if cpu_sum > 0:
-        s_before = np.maximum(0, tot - left * gpu_sum // cpu_sum)
-        s_after = np.maximum(0, tot - req - (left - cpu) * gpu_sum // cpu_sum)
-    else:
-        s_before = s_after = np.zeros(len(idx), np.int64)
-    w = cl.total_w
-    # As `gain`: fragmentation removed, minus the stranding added, plus the stranding removed on
-    # the nodes `rewards_unstranding` allows.
-    removed = s_before - s_after
-    dec = (cl.frag[idx] - cl.frag_after(idx, f, milli, whole, cpu)) + w * np.where(
-        _reward_mask(policy, cl)[idx], removed, np.minimum(0, removed)
-    )
-    if f is not None:  # a sharing pod: the eventual waste of the GPU it takes a share of
-        dec = dec + waste_gain(policy.waste, w, f, f - milli).astype(np.int64)
-    if w <= 0:
-        return np.full(len(idx), 50, np.int64)
-    return np.searchsorted(SIGMOID_STEPS, dec / (w * 1000), side="right").astype(np.int64)
-
-
-def _reward_mask(policy: GpupackPolicy, cl) -> np.ndarray:
-    """Per node of the replay's cluster: `rewards_unstranding`. Node capacities never change; the
-    mask follows the policy's workload version."""
-    key = (id(cl), id(policy.workload), policy.workload._version)
-    cached = policy._reward_mask
-    if cached is None or cached[0] != key:
-        ratio, reserved = policy.ratio, policy.reserved
-        mask = np.array(
-            [
-                rewards_unstranding(int(c), int(g), cl.models[m], ratio, reserved)
-                for c, g, m in zip(cl.cpu_cap, cl.gpu_cap, cl.model, strict=True)
-            ],
-            bool,
-        )
-        policy._reward_mask = cached = (key, mask)
-    return cached[1]

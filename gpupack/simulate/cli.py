@@ -305,6 +305,12 @@ def run_workload(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        import numpy  # noqa: F401  (the replays' arrays; in the `simulate` extra, not in the image)
+    except ImportError:
+        print("gpupack simulate needs numpy, in gpupack's `simulate` extra: pip install 'gpupack[simulate]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
     from gpupack.simulate.openb import TraceError
 
     argv = sys.argv[1:] if argv is None else list(argv)

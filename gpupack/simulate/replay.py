@@ -260,12 +260,12 @@ def _fast_scorer(name: str, policy) -> Scorer | None:
     if name == "bestfit":
         return _bestfit_scores
     if name == "gpupack":
-        from gpupack.core.gpupack_policy import fast_scores
+        from gpupack.simulate.fast_policy import gpupack_scores
 
         def scorer(cl, idx, f, milli, whole, cpu):
-            return fast_scores(policy, cl, idx, f, milli, whole, cpu)
+            return gpupack_scores(policy, cl, idx, f, milli, whole, cpu)
 
-        scorer.global_sharing = getattr(fast_scores, "global_sharing", False)  # type: ignore[attr-defined]
+        scorer.global_sharing = getattr(gpupack_scores, "global_sharing", False)  # type: ignore[attr-defined]
         return scorer
     return None
 

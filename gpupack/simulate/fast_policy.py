@@ -1,0 +1,76 @@
+"""The trace replay's vectorised scoring for the gpupack policy: the same integers as
+:meth:`gpupack.core.gpupack_policy.GpupackPolicy.node_score` for openb pods (milli only, one class),
+computed for every candidate node at once. Simulator-only: the extender scores a node at a time and
+needs no numpy (tests/simulate/test_replay_paths.py checks both paths decide alike)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from gpupack.core.fgd import SIGMOID_STEPS
+from gpupack.core.gpupack_policy import WASTE_WEIGHT, GpupackPolicy, rewards_unstranding
+from gpupack.core.model import FULL
+
+# policy -> ((cluster, workload, version), `rewards_unstranding` per node of the replay's cluster)
+_REWARD_MASKS: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[int, int, int], np.ndarray]] = (
+    weakref.WeakKeyDictionary()
+)
+# policy -> (its waste table, as an array for fancy indexing)
+_WASTE: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[float, ...], np.ndarray]] = weakref.WeakKeyDictionary()
+
+
+def _waste(policy: GpupackPolicy) -> np.ndarray:
+    table = policy.waste
+    hit = _WASTE.get(policy)
+    if hit is None or hit[0] is not table:
+        hit = _WASTE[policy] = (table, np.array(table, np.float64))
+    return hit[1]
+
+
+def gpupack_scores(
+    policy: GpupackPolicy, cl: Any, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int, cpu: int
+) -> np.ndarray:
+    """The replay's vectorised form of :meth:`GpupackPolicy.node_score` for openb pods (milli only,
+    one class): same integers, same table lookup, so the same scores."""
+    req = milli if f is not None else whole * FULL
+    cpu_sum, gpu_sum = policy.ratio
+    tot = cl.tot[idx]
+    left = cl.cpu[idx]
+    if cpu_sum > 0:
+        s_before = np.maximum(0, tot - left * gpu_sum // cpu_sum)
+        s_after = np.maximum(0, tot - req - (left - cpu) * gpu_sum // cpu_sum)
+    else:
+        s_before = s_after = np.zeros(len(idx), np.int64)
+    w = cl.total_w
+    # As `gain`: fragmentation removed, minus the stranding added, plus the stranding removed on
+    # the nodes `rewards_unstranding` allows.
+    removed = s_before - s_after
+    dec = (cl.frag[idx] - cl.frag_after(idx, f, milli, whole, cpu)) + w * np.where(
+        _reward_mask(policy, cl)[idx], removed, np.minimum(0, removed)
+    )
+    if f is not None:  # a sharing pod: the eventual waste of the GPU it takes a share of
+        dec = dec + (WASTE_WEIGHT * w * (_waste(policy)[f] - _waste(policy)[f - milli])).astype(np.int64)
+    if w <= 0:
+        return np.full(len(idx), 50, np.int64)
+    return np.searchsorted(SIGMOID_STEPS, dec / (w * 1000), side="right").astype(np.int64)
+
+
+def _reward_mask(policy: GpupackPolicy, cl: Any) -> np.ndarray:
+    """Per node of the replay's cluster: `rewards_unstranding`. Node capacities never change; the
+    mask follows the policy's workload version."""
+    key = (id(cl), id(policy.workload), policy.workload._version)
+    cached = _REWARD_MASKS.get(policy)
+    if cached is None or cached[0] != key:
+        ratio, reserved = policy.ratio, policy.reserved
+        mask = np.array(
+            [
+                rewards_unstranding(int(c), int(g), cl.models[m], ratio, reserved)
+                for c, g, m in zip(cl.cpu_cap, cl.gpu_cap, cl.model, strict=True)
+            ],
+            bool,
+        )
+        _REWARD_MASKS[policy] = cached = (key, mask)
+    return cached[1]
