@@ -11,15 +11,14 @@ uses the cache; it fits again under the view's lock, so a cached answer can neve
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from kubernetes.client.rest import ApiException
 
@@ -45,7 +44,18 @@ from gpupack.events import EventRecorder
 from gpupack.kubeclient import api_reason
 
 from . import reservations as resv
+from .answers import (
+    FitCache,
+    _BestIndex,
+    _FilterAnswer,
+    _MemoFailure,
+    _normalise,
+    _PriorityAnswer,
+    _signature,
+    shape_of,
+)
 from .kube import Kube, NamespaceUnreadable
+from .lease import BindError, LeaseFence
 from .metrics import Metrics
 from .view import ClusterView, PodInfo, _init_names, pod_host_request, pod_slots, ram_mib, request_slots
 from .wire import (
@@ -59,10 +69,7 @@ from .wire import (
 )
 
 log = logging.getLogger("gpupack.extender")
-V = TypeVar("V")
 
-MAX_SCORE = 10
-CACHE_SHAPES = 32
 # Learning batches (see Extender._observe): the first pod at once, then up to OBSERVE_WARMUP pods
 # learned each batch OBSERVE_GROWTH times the pods learned so far (1, 3, 12, 48), and no sooner
 # than OBSERVE_MIN_GAP_S after the last flush; after the warm-up a flush per OBSERVE_BATCH_MAX new
@@ -78,7 +85,6 @@ POD_MEMORY = 4096  # filtered pods kept for their bind
 # at most EXPECT_S.
 EXPECT_MAX_NODES = 4
 EXPECT_S = 2.0
-LEASE_REUSE_S = 1.0  # see LeaseFence.problem
 BIND_BUSY = "gpupack extender: every bind slot stayed busy for the whole bind wait"
 NOT_BEST = "gpupack: a better-packed node was chosen"
 # Written on pods kube-scheduler may have parked while the extender was away: an update of the
@@ -123,64 +129,6 @@ def host_fit(node: Node, pod: PodRequest) -> Fit | FitFailure:
     return Fit(Placement(node.name, {}), {})
 
 
-def shape_of(pod: PodRequest) -> tuple:
-    # host CPU/memory decide fits (free CPU) and scores (the policy's CPU terms) once nodes carry them
-    return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models, pod.cpu_milli, pod.ram_mib)
-
-
-class FitCache(Generic[V]):
-    """key -> node -> (node version, result V); a few recent keys only. The answer caches keep an
-    answer object per key in `data` instead and never call `table`."""
-
-    def __init__(self, shapes: int = CACHE_SHAPES) -> None:
-        self.shapes = shapes
-        self.data: OrderedDict[tuple, Any] = OrderedDict()
-
-    def table(self, shape: tuple) -> dict[str, tuple[int, V]]:
-        t = self.data.get(shape)
-        if t is None:
-            t = self.data[shape] = {}
-            while len(self.data) > self.shapes:
-                self.data.popitem(last=False)
-        else:
-            self.data.move_to_end(shape)
-        return t
-
-
-def _signature(node: Node) -> tuple:
-    """What a fit or a score may depend on: every GPU's state, the node's CPU/RAM and
-    schedulability, not its name."""
-    return (
-        tuple(
-            (
-                g.model,
-                g.mem_mib,
-                g.mem_used,
-                g.milli_used,
-                g.pod_class,
-                g.exclusive,
-                g.healthy,
-                bool(g.holders),
-            )
-            for g in node.gpus
-        ),
-        node.cpu_milli,
-        node.cpu_used,
-        node.ram_mib,
-        node.ram_used,
-        node.schedulable,
-    )
-
-
-class _MemoFailure:
-    """A FitFailure remembered with the node it came from (its reason may name that node)."""
-
-    __slots__ = ("failure", "node", "reason")
-
-    def __init__(self, failure: FitFailure, node: str) -> None:
-        self.failure, self.node, self.reason = failure, node, failure.reason
-
-
 def assignment_from_fit(
     node: Node,
     pod: PodRequest,
@@ -214,237 +162,6 @@ def assignment_from_fit(
         bound_at=handoff.rfc3339(now),
         reservation=reservation,
     )
-
-
-class _FilterAnswer:
-    """A filter answer kept up to date node by node."""
-
-    __slots__ = (
-        "names",
-        "name_set",
-        "pos",
-        "ok",
-        "failed",
-        "unresolvable",
-        "code_of",
-        "codes",
-        "steered",
-        "passed",
-    )
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.name_set = set(names)
-        self.pos = -1
-        self.ok: set[str] = set()
-        self.failed: dict[str, str] = {}
-        self.unresolvable: dict[str, str] = {}
-        self.code_of: dict[str, str] = {}
-        self.codes: Counter[str] = Counter()
-        self.steered: dict[str, Reservation] = {}
-        self.passed: list[str] | None = None  # in the request's order; None: to be rebuilt
-
-    def reorder(self, names: list[str]) -> None:
-        """The same nodes, asked in the order of `names`: the answer follows that order."""
-        self.names = names
-        self.passed = None
-
-    def update(self, n: str, r: Fit | FitFailure, res: Reservation | None) -> None:
-        old = self.code_of.pop(n, None)
-        if old is not None:
-            self.codes[old] -= 1
-            self.failed.pop(n, None)
-            self.unresolvable.pop(n, None)
-        elif n in self.ok:
-            self.ok.discard(n)
-            self.passed = None
-        self.steered.pop(n, None)
-        if r.__class__ is Fit:
-            self.ok.add(n)
-            self.passed = None
-            if res is not None:
-                self.steered[n] = res
-        else:
-            assert isinstance(r, FitFailure)
-            (self.unresolvable if r.unresolvable else self.failed)[n] = r.reason
-            self.code_of[n] = r.code
-            self.codes[r.code] += 1
-
-
-class _PriorityAnswer:
-    """Raw scores of a prioritize answer kept up to date node by node, and its last result."""
-
-    __slots__ = ("names", "name_set", "pos", "raw", "steered", "out")
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.name_set = set(names)
-        self.pos = -1
-        self.raw: dict[str, float] = {}
-        self.steered: set[str] = set()
-        self.out: list[int] | None = None
-
-    def reorder(self, names: list[str]) -> None:
-        """The same nodes, asked in the order of `names`: the scores follow that order."""
-        self.names = names
-        self.out = None
-
-
-def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
-    """Raw scores to 0..MAX_SCORE over the lowest..highest; no fit 0; steered nodes MAX_SCORE."""
-    lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
-    span = hi - lo
-    if span < 1e-12:
-        norm = dict.fromkeys(raw.values(), MAX_SCORE)
-    else:
-        norm = {v: round(MAX_SCORE * (v - lo) / span) for v in set(raw.values())}
-    get = raw.get
-    out = [norm.get(get(n), 0) for n in names]  # type: ignore[arg-type]
-    if steered:
-        out = [MAX_SCORE if n in steered else s for n, s in zip(names, out, strict=True)]
-    return out
-
-
-class _BestIndex:
-    """A request's nodes in the order :meth:`Extender._keep_best` takes them, for one (shape,
-    epoch), kept up to date node by node: each node's sort key, and (key, node) sorted."""
-
-    __slots__ = ("names", "name_set", "pos", "key_of", "order")
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.name_set = set(names)
-        self.pos = -1
-        self.key_of: dict[str, tuple[bool, float, float]] = {}
-        self.order: list[tuple[tuple[bool, float, float], str]] = []
-
-    def reorder(self, names: list[str]) -> None:
-        self.names = names  # the order of the request does not matter here
-
-    def set(self, n: str, key: tuple[bool, float, float]) -> None:
-        old = self.key_of.get(n)
-        if old == key:
-            return
-        self.key_of[n] = key
-        if old is not None:
-            i = bisect.bisect_left(self.order, (old, n))
-            if i < len(self.order) and self.order[i] == (old, n):
-                del self.order[i]
-            else:  # a key that does not compare equal to itself (NaN score): sort again
-                self.order = sorted((k, m) for m, k in self.key_of.items())
-                return
-        bisect.insort(self.order, (key, n))
-
-
-class BindError(Exception):
-    """A bind that must fail with this message in the response's Error (the scheduler retries)."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def _lease_time(text: str) -> float | None:
-    t = handoff.parse_rfc3339(text)
-    return None if t is None else t.timestamp()
-
-
-class LeaseFence:
-    """Exactly one writer of assignments: the extender beside the kube-scheduler that holds the
-    scheduler's leader-election Lease. kube-scheduler's holderIdentity is `<hostname>_<uuid>`, and
-    a sidecar shares its pod's hostname, so `identity` (default: this hostname) matches the holder
-    itself or its `<identity>_` prefix. The lease must also stay valid for `margin_s` more, longer
-    than one bounded API call: a write started under the fence ends before a new leader could
-    have taken over (a Lease changes hands only once it has expired, or is released)."""
-
-    def __init__(
-        self,
-        kube: Kube,
-        namespace: str,
-        name: str,
-        identity: str,
-        margin_s: float,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.kube, self.namespace, self.name, self.identity = kube, namespace, name, identity
-        self.margin_s = margin_s
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._held_until = 0.0  # time.monotonic() until which the last read, if good, may be reused
-        self._last_started = 0.0  # when the read that set it started (a later read's answer wins)
-
-    def problem(self, fresh: bool = True) -> str:
-        """Why this extender may not write now ("" when it may). With `fresh` false, a read that
-        found the Lease ours at most LEASE_REUSE_S ago, and valid for `margin_s` from now on,
-        answers without another: for the checks before a bind's first write, whose last check
-        before the Binding reads the Lease itself. A refusal is never reused."""
-        if not fresh:
-            with self._lock:
-                if time.monotonic() < self._held_until:
-                    return ""
-        started = time.monotonic()
-        why, good_for = self._judge(started)
-        with self._lock:
-            if started >= self._last_started:
-                self._last_started = started
-                self._held_until = started + min(LEASE_REUSE_S, good_for) if not why else 0.0
-        return why
-
-    def _judge(self, started: float) -> tuple[str, float]:
-        """Read the Lease: why not to write ("" when writing is fine) and, when fine, for how many
-        seconds from `started` on it stays valid with `margin_s` to spare."""
-        try:
-            lease = self.kube.read_lease(self.namespace, self.name) or {}
-        except ApiException as e:
-            return f"cannot read Lease {self.namespace}/{self.name}: {api_reason(e)}", 0.0
-        spec = lease.get("spec") or {}
-        holder = str(spec.get("holderIdentity") or "")
-        if holder != self.identity and not holder.startswith(self.identity + "_"):
-            return (
-                f"this extender ({self.identity}) is not beside the leading kube-scheduler: Lease "
-                f"{self.namespace}/{self.name} is held by {holder or 'nobody'}"
-            ), 0.0
-        renewed = _lease_time(str(spec.get("renewTime") or spec.get("acquireTime") or ""))
-        duration = spec.get("leaseDurationSeconds")
-        if renewed is None or not isinstance(duration, int):
-            return f"Lease {self.namespace}/{self.name} has no renewTime/leaseDurationSeconds", 0.0
-        left = renewed + duration - self.clock()
-        if left < self.margin_s:
-            return f"Lease {self.namespace}/{self.name} expires in {left:.1f} s; not writing under it", 0.0
-        # measured from now, counted from the read's start: never longer than the Lease allows
-        return "", left - self.margin_s
-
-    def check(self, fresh: bool = True) -> None:
-        why = self.problem(fresh)
-        if why:
-            raise BindError(why, "not-leader")
-
-
-class Janitor:
-    """Runs :meth:`Extender.requeue_waiting` once the view has synced, then :meth:`Extender.sweep`
-    every `interval_s`, in a daemon thread."""
-
-    def __init__(self, ext: Extender, interval_s: float = 5.0) -> None:
-        self.ext, self.interval_s = ext, interval_s
-        self.stop = threading.Event()
-
-    def start(self) -> Janitor:
-        threading.Thread(target=self.run, name="janitor", daemon=True).start()
-        return self
-
-    def run(self) -> None:
-        while not self.ext.view.synced.wait(0.5):
-            if self.stop.is_set():
-                return
-        try:
-            self.ext.metrics.requeued.labels("restart").inc(self.ext.requeue_waiting()[0])
-        except Exception:
-            log.exception("requeue of waiting pods failed")
-        while not self.stop.wait(self.interval_s):
-            try:
-                self.ext.sweep()
-            except Exception:
-                log.exception("janitor pass failed")
 
 
 class Extender:
@@ -494,7 +211,9 @@ class Extender:
         self._monotonic: Callable[[], float] = time.monotonic  # learning batches' clock (tests set it)
         self._last_flush = self._monotonic()
         self.epoch = 0  # bumped whenever the policy was shown new pods
-        self.scores: FitCache[float | None] = FitCache()  # (shape, epoch) -> node -> (version, raw score | None)
+        self.scores: FitCache[float | None] = (
+            FitCache()
+        )  # (shape, epoch) -> node -> (version, raw score | None)
         # The last filter answer per shape and prioritize answer per (shape, epoch), updated for
         # the nodes changed since (the view's journal) when the next request names the same nodes.
         self.filters: FitCache[Any] = FitCache()
@@ -1416,75 +1135,3 @@ def _waiting(pod: dict[str, Any], parked_only: bool) -> bool:
         for c in status.get("conditions") or []
         if isinstance(c, dict)
     )
-
-
-class Requeuer:
-    """Asks kube-scheduler to retry its parked gpupack pods when the cluster gains room for them.
-
-    kube-scheduler v1.28 (SchedulerQueueingHints off) moves parked pods back to its active queue on
-    a Node add/update only when a pre-check passes, and that pre-check (noderesources.Fits) counts
-    gpupack.io/gpu-mem and gpu-sm as missing on every node although the profile's NodeResourcesFit
-    ignores them (it reads no plugin arguments): a GPU pod left waiting is not retried when a node joins, is uncordoned,
-    loses a taint or publishes more GPUs, only on an unrelated pod event or the scheduler's 5-minute
-    flush. The view reports such changes (ClusterView.on_room); this thread turns a burst of them
-    into one pass of :meth:`Extender.requeue_waiting` over the pods the scheduler marked
-    Unschedulable: after `settle_s` (the scheduler's informer sees the change too), at most one pass
-    per `min_interval_s`, each one list and at most `max_pods` PATCHes. Off the verb path: a poke
-    only sets a flag."""
-
-    def __init__(
-        self, ext: Extender, min_interval_s: float = 1.5, settle_s: float = 0.3, max_pods: int = 200
-    ) -> None:
-        self.ext = ext
-        self.min_interval_s, self.settle_s, self.max_pods = min_interval_s, settle_s, max_pods
-        self.wake = threading.Event()
-        self.stop = threading.Event()
-        self._lock = threading.Lock()
-        self._why: Counter[str] = Counter()
-        self.passes = 0
-
-    def poke(self, node: str, why: str) -> None:
-        with self._lock:
-            self._why[why] += 1
-        self.wake.set()
-
-    def start(self) -> Requeuer:
-        self.ext.view.on_room = self.poke
-        threading.Thread(target=self.run, name="requeuer", daemon=True).start()
-        return self
-
-    def run(self) -> None:
-        # Room seen before the first sync (every node of the first list) is the Janitor's: it
-        # requeues all waiting pods once synced.
-        while not self.ext.view.synced.wait(0.5):
-            if self.stop.is_set():
-                return
-        self.wake.clear()
-        round_start = ""  # a pass capped at max_pods goes on with the pods it did not reach
-        while not self.stop.is_set():
-            if not self.wake.wait(0.5):
-                continue
-            if self.stop.wait(self.settle_s):
-                return
-            self.wake.clear()
-            with self._lock:
-                why, self._why = self._why, Counter()
-            if not round_start or why:
-                round_start = handoff.rfc3339(self.ext.clock())
-            try:
-                n, left = self.ext.requeue_waiting(
-                    parked_only=True, limit=self.max_pods, touched_since=round_start
-                )
-            except Exception:
-                log.exception("requeue of waiting pods failed")
-                n, left = 0, 0
-            self.passes += 1
-            self.ext.metrics.requeued.labels("room").inc(n)
-            if n or why:
-                log.info("cluster gained room (%s): %d parked pod(s) asked to retry, %d left for the next pass",
-                         ", ".join(f"{k} x{v}" for k, v in sorted(why.items())) or "continued", n, left)  # fmt: skip
-            if left:
-                self.wake.set()
-            else:
-                round_start = ""
-            self.stop.wait(self.min_interval_s)

@@ -172,9 +172,11 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         from gpupack.kubeclient import KubeClient
 
         from .app import create_extender_app, only_probes_on
-        from .framework import Extender, Janitor, LeaseFence, Requeuer
+        from .framework import Extender
         from .kube import Kube, api_client
+        from .lease import LeaseFence
         from .metrics import Metrics
+        from .requeue import Janitor, Requeuer
         from .sync import Sync
         from .view import ClusterView
 

@@ -1,0 +1,199 @@
+"""The extender's answer caches: per pod shape and node version, the filter and prioritize answers and
+the policy's node order, kept up to date node by node (only nodes whose state changed are fitted
+or scored again)."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter, OrderedDict
+from typing import Any, Generic, TypeVar
+
+from gpupack.contract import (
+    Reservation,
+)
+from gpupack.core.fit import Fit, FitFailure
+from gpupack.core.model import Node, PodRequest
+
+log = logging.getLogger("gpupack.extender")
+V = TypeVar("V")
+MAX_SCORE = 10
+CACHE_SHAPES = 32
+
+
+def shape_of(pod: PodRequest) -> tuple:
+    # host CPU/memory decide fits (free CPU) and scores (the policy's CPU terms) once nodes carry them
+    return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models, pod.cpu_milli, pod.ram_mib)
+
+
+class FitCache(Generic[V]):
+    """key -> node -> (node version, result V); a few recent keys only. The answer caches keep an
+    answer object per key in `data` instead and never call `table`."""
+
+    def __init__(self, shapes: int = CACHE_SHAPES) -> None:
+        self.shapes = shapes
+        self.data: OrderedDict[tuple, Any] = OrderedDict()
+
+    def table(self, shape: tuple) -> dict[str, tuple[int, V]]:
+        t = self.data.get(shape)
+        if t is None:
+            t = self.data[shape] = {}
+            while len(self.data) > self.shapes:
+                self.data.popitem(last=False)
+        else:
+            self.data.move_to_end(shape)
+        return t
+
+
+def _signature(node: Node) -> tuple:
+    """What a fit or a score may depend on: every GPU's state, the node's CPU/RAM and
+    schedulability, not its name."""
+    return (
+        tuple(
+            (
+                g.model,
+                g.mem_mib,
+                g.mem_used,
+                g.milli_used,
+                g.pod_class,
+                g.exclusive,
+                g.healthy,
+                bool(g.holders),
+            )
+            for g in node.gpus
+        ),
+        node.cpu_milli,
+        node.cpu_used,
+        node.ram_mib,
+        node.ram_used,
+        node.schedulable,
+    )
+
+
+class _MemoFailure:
+    """A FitFailure remembered with the node it came from (its reason may name that node)."""
+
+    __slots__ = ("failure", "node", "reason")
+
+    def __init__(self, failure: FitFailure, node: str) -> None:
+        self.failure, self.node, self.reason = failure, node, failure.reason
+
+
+class _FilterAnswer:
+    """A filter answer kept up to date node by node."""
+
+    __slots__ = (
+        "names",
+        "name_set",
+        "pos",
+        "ok",
+        "failed",
+        "unresolvable",
+        "code_of",
+        "codes",
+        "steered",
+        "passed",
+    )
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.ok: set[str] = set()
+        self.failed: dict[str, str] = {}
+        self.unresolvable: dict[str, str] = {}
+        self.code_of: dict[str, str] = {}
+        self.codes: Counter[str] = Counter()
+        self.steered: dict[str, Reservation] = {}
+        self.passed: list[str] | None = None  # in the request's order; None: to be rebuilt
+
+    def reorder(self, names: list[str]) -> None:
+        """The same nodes, asked in the order of `names`: the answer follows that order."""
+        self.names = names
+        self.passed = None
+
+    def update(self, n: str, r: Fit | FitFailure, res: Reservation | None) -> None:
+        old = self.code_of.pop(n, None)
+        if old is not None:
+            self.codes[old] -= 1
+            self.failed.pop(n, None)
+            self.unresolvable.pop(n, None)
+        elif n in self.ok:
+            self.ok.discard(n)
+            self.passed = None
+        self.steered.pop(n, None)
+        if r.__class__ is Fit:
+            self.ok.add(n)
+            self.passed = None
+            if res is not None:
+                self.steered[n] = res
+        else:
+            assert isinstance(r, FitFailure)
+            (self.unresolvable if r.unresolvable else self.failed)[n] = r.reason
+            self.code_of[n] = r.code
+            self.codes[r.code] += 1
+
+
+class _PriorityAnswer:
+    """Raw scores of a prioritize answer kept up to date node by node, and its last result."""
+
+    __slots__ = ("names", "name_set", "pos", "raw", "steered", "out")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.raw: dict[str, float] = {}
+        self.steered: set[str] = set()
+        self.out: list[int] | None = None
+
+    def reorder(self, names: list[str]) -> None:
+        """The same nodes, asked in the order of `names`: the scores follow that order."""
+        self.names = names
+        self.out = None
+
+
+def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
+    """Raw scores to 0..MAX_SCORE over the lowest..highest; no fit 0; steered nodes MAX_SCORE."""
+    lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
+    span = hi - lo
+    if span < 1e-12:
+        norm = dict.fromkeys(raw.values(), MAX_SCORE)
+    else:
+        norm = {v: round(MAX_SCORE * (v - lo) / span) for v in set(raw.values())}
+    get = raw.get
+    out = [norm.get(get(n), 0) for n in names]  # type: ignore[arg-type]
+    if steered:
+        out = [MAX_SCORE if n in steered else s for n, s in zip(names, out, strict=True)]
+    return out
+
+
+class _BestIndex:
+    """A request's nodes in the order :meth:`Extender._keep_best` takes them, for one (shape,
+    epoch), kept up to date node by node: each node's sort key, and (key, node) sorted."""
+
+    __slots__ = ("names", "name_set", "pos", "key_of", "order")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.key_of: dict[str, tuple[bool, float, float]] = {}
+        self.order: list[tuple[tuple[bool, float, float], str]] = []
+
+    def reorder(self, names: list[str]) -> None:
+        self.names = names  # the order of the request does not matter here
+
+    def set(self, n: str, key: tuple[bool, float, float]) -> None:
+        old = self.key_of.get(n)
+        if old == key:
+            return
+        self.key_of[n] = key
+        if old is not None:
+            i = bisect.bisect_left(self.order, (old, n))
+            if i < len(self.order) and self.order[i] == (old, n):
+                del self.order[i]
+            else:  # a key that does not compare equal to itself (NaN score): sort again
+                self.order = sorted((k, m) for m, k in self.key_of.items())
+                return
+        bisect.insort(self.order, (key, n))
