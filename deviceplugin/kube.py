@@ -16,12 +16,16 @@ from gpupack import kubeclient
 # Allocate makes a LIST and a PATCH: both bounded, so a slow API server fails the kubelet's Allocate
 # (it retries admission) instead of holding the node's handoff for minutes.
 TIMEOUT_S = 4
+# A read that timed out is tried again (urllib3 retries idempotent methods only, never the PATCH):
+# the kubelet calls Allocate once per container, so one slow answer to the pod list would
+# otherwise fail the pod's admission outright.
+READ_RETRIES = 3
 KubeError = kubeclient.KubeConfigError
 
 
 def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
     """The shared loader (gpupack.kubeclient): --kubeconfig, else in-cluster, else the default kubeconfig."""
-    return kubeclient.api_client(kubeconfig)
+    return kubeclient.api_client(kubeconfig, retries=READ_RETRIES)
 
 
 class Kube:
