@@ -57,7 +57,16 @@ from .answers import (
 from .kube import Kube, NamespaceUnreadable
 from .lease import BindError, LeaseFence
 from .metrics import Metrics
-from .view import ClusterView, PodInfo, _init_names, pod_host_request, pod_slots, ram_mib, request_slots
+from .view import (
+    ClusterView,
+    NodeInfo,
+    PodInfo,
+    _init_names,
+    pod_host_request,
+    pod_slots,
+    ram_mib,
+    request_slots,
+)
 from .wire import (
     BindArgs,
     ExtenderArgs,
@@ -534,7 +543,7 @@ class Extender:
         shape = shape_of(pod)
         fits = self.cache.table(shape)
         table = self.scores.table((shape, self.epoch))
-        nodes, state = self.view.nodes, self.view.state.nodes
+        nodes = self.view.nodes
         out: dict[str, float] = {}
         # Nodes in the same state fit and score the same (a fresh or evenly filled cluster, and after
         # the policy learned more pods, when every node is scored again), as in scores_for.
@@ -544,25 +553,41 @@ class Extender:
             info = nodes.get(n)
             if info is None:
                 continue
-            if not info.reservations:
-                hit = table.get(n)
-                if hit is not None and hit[0] == info.version:
-                    if hit[1] is not None:
-                        out[n] = hit[1]
-                    continue
-            r, _res = self.node_fit(n, pod, now, fits, fit_memo)
-            score = None
-            if isinstance(r, Fit):
-                node = state[n]
-                sig = (self._signature(n, node, info.version), tuple(sorted(r.charged.items())))
-                score = memo.get(sig)
-                if score is None:
-                    score = memo[sig] = self.policy.node_score(node, pod, r)
+            score, _res = self._raw_score(n, info, pod, now, fits, table, fit_memo, memo)
             if score is not None:
                 out[n] = score
-            if not info.reservations:
-                table[n] = (info.version, score)
         return out
+
+    def _raw_score(
+        self,
+        n: str,
+        info: NodeInfo,
+        pod: PodRequest,
+        now: datetime,
+        fits: dict[str, tuple[int, Fit | FitFailure]],
+        table: dict[str, tuple[int, float | None]],
+        fit_memo: dict,
+        memo: dict[tuple, float],
+    ) -> tuple[float | None, Reservation | None]:
+        """The policy's raw score of node `n` (None: the pod does not fit there), cached in `table`
+        per node version unless the node holds defrag reservations (their answer depends on the
+        time), and the reservation the fit would use. Nodes in the same state score the same
+        (`memo`: a fresh or evenly filled cluster, common fill patterns). View lock held."""
+        if not info.reservations:
+            hit = table.get(n)
+            if hit is not None and hit[0] == info.version:
+                return hit[1], None
+        r, res = self.node_fit(n, pod, now, fits, fit_memo)
+        score = None
+        if isinstance(r, Fit):
+            node = self.view.state.nodes[n]
+            sig = (self._signature(n, node, info.version), tuple(sorted(r.charged.items())))
+            score = memo.get(sig)
+            if score is None:
+                score = memo[sig] = self.policy.node_score(node, pod, r)
+        if not info.reservations:
+            table[n] = (info.version, score)
+        return score, res
 
     # --- prioritize ------------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
@@ -587,7 +612,7 @@ class Extender:
             table = self.scores.table(key)
             st, todo = self._todo(self.priorities, key, names, _PriorityAnswer)
             pos = self.view.seq
-            nodes, state = self.view.nodes, self.view.state.nodes
+            nodes = self.view.nodes
             raw, steered = st.raw, st.steered
             memo: dict[tuple, float] = {}
             fit_memo: dict = {}
@@ -598,27 +623,13 @@ class Extender:
                 info = nodes.get(n)
                 if info is None:
                     continue
-                if not info.reservations:
-                    hit = table.get(n)
-                    if hit is not None and hit[0] == info.version:
-                        if hit[1] is not None:
-                            raw[n] = hit[1]
-                        continue
-                r, res = self.node_fit(n, pod, now, fits, fit_memo)
-                score = None
-                if isinstance(r, Fit):
-                    if res is not None:
-                        steered.add(n)
-                        continue
-                    node = state[n]
-                    # Nodes in the same state score the same (empty nodes, common fill patterns).
-                    sig = (self._signature(n, node, info.version), tuple(sorted(r.charged.items())))
-                    score = memo.get(sig)
-                    if score is None:
-                        score = memo[sig] = self.policy.node_score(node, pod, r)
+                score, res = self._raw_score(n, info, pod, now, fits, table, fit_memo, memo)
+                if score is None:
+                    continue
+                if res is not None:
+                    steered.add(n)  # the pod's own defrag reservation: it goes there
+                else:
                     raw[n] = score
-                if not info.reservations:
-                    table[n] = (info.version, score)
             st.pos = pos
             if st.out is None:
                 st.out = _normalise(names, raw, steered)
