@@ -792,14 +792,9 @@ class Extender:
                 self._wait_handoff(args.node, args.pod_uid, deadline)
             finally:
                 self.metrics.bind_wait.observe(time.monotonic() - t0)
-            bound = (pod.get("spec") or {}).get("nodeName")
-            if bound:
-                self._already_bound(args, pod, bound)
+            req = self._request_to_bind(args, pod)
+            if req is None:
                 return
-            try:
-                req = self.pod_request(pod)
-            except NamespaceUnreadable as e:
-                raise BindError(f"gpupack: {e}", "api") from e
             with self.view.lock:
                 self.view.inflight.add(key)
             if self.fence is not None:
@@ -812,19 +807,25 @@ class Extender:
                 self.view.inflight.discard(key)
             lock.release()
 
+    def _request_to_bind(self, args: BindArgs, pod: dict[str, Any]) -> PodRequest | None:
+        """The request of the pod to bind, or None when it is bound already (answered as such)."""
+        bound = (pod.get("spec") or {}).get("nodeName")
+        if bound:
+            self._already_bound(args, pod, bound)
+            return None
+        try:
+            return self.pod_request(pod)
+        except NamespaceUnreadable as e:
+            raise BindError(f"gpupack: {e}", "api") from e
+
     def _bind_host_only(self, args: BindArgs, key: str, pod: dict[str, Any]) -> None:
         """Bind a CPU-only pod: fit its CPU/memory again under the view's lock, charge them on the
         node (the next filter sees them before the watch does), post the Binding under the Lease.
         No assignment, no handoff, no node lock: nothing of it waits for the kubelet."""
         assert self.kube is not None
-        bound = (pod.get("spec") or {}).get("nodeName")
-        if bound:
-            self._already_bound(args, pod, bound)
+        req = self._request_to_bind(args, pod)
+        if req is None:
             return
-        try:
-            req = self.pod_request(pod)
-        except NamespaceUnreadable as e:
-            raise BindError(f"gpupack: {e}", "api") from e
         if req.needs_gpu:  # cannot be: requests_gpupack said no gpupack resource
             raise BindError(f"pod {key} requests gpupack GPU resources after all; try again", "conflict")
         with self.view.lock:
