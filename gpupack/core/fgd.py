@@ -78,6 +78,9 @@ class Workload:
         # by_demand: weigh each shape by count × the GPU milli it asks for, not by count alone.
         self.by_demand = by_demand
         self._cache: tuple[int, tuple[tuple[Shape, ...], tuple[int, ...]]] | None = None
+        # (version, by_demand, total): the policies read `total` per node scored, and summing
+        # every shape's weight each time was most of their cost.
+        self._total: tuple[int, bool, int] | None = None
         self._version = 0
 
     @classmethod
@@ -89,7 +92,14 @@ class Workload:
 
     @property
     def total(self) -> int:
-        return sum(self.weight(s, n) for s, n in self.counts.items())
+        t = self._total
+        if t is None or t[0] != self._version or t[1] != self.by_demand:
+            t = self._total = (
+                self._version,
+                self.by_demand,
+                sum(self.weight(s, n) for s, n in self.counts.items()),
+            )
+        return t[2]
 
     @property
     def kept(self) -> int:
