@@ -32,8 +32,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from gpupack.core.fit import Fit, FitFailure, fit
 from gpupack.core.model import FULL, GPU, Node, PodRequest
@@ -142,7 +143,10 @@ def node_state(node: Node) -> tuple[list[int], int | None]:
 def frag(
     frees: Sequence[int], cpu_left: int | None, model: str, shapes: Sequence[Shape], weights: Sequence[int]
 ) -> int:
-    """Expected fragmentation × pod count: Σ_shape count × (free milli that shape cannot use here)."""
+    """Expected fragmentation × pod count: Σ_shape count × (free milli that shape cannot use here).
+
+    The definition; the policy gets the same integers from per-shape counts it updates per GPU
+    trial (:class:`FragCache`)."""
     total = sum(frees)
     out = 0
     for s, w in zip(shapes, weights, strict=True):
@@ -164,6 +168,182 @@ def frag(
                 continue
         out += w * total
     return out
+
+
+# --- fragmentation kept per node state and updated per GPU trial ------------------------------
+# Both fragmentation policies rank each candidate GPU of a node by the fragmentation of the node
+# with that one GPU changed, for every node, for every pod: the per-state sum over all GPUs x all
+# typical shapes was most of the extender's filter time. Per shape the sum needs only how many of
+# the node's GPUs serve the shape and how much free capacity those hold; a trial moves one GPU in
+# or out of those counts. The integers are the same as the per-state sum's (`frag`, and
+# gpupack's `fragmentation`), so the decisions are too.
+
+V = TypeVar("V", bound=Hashable)  # one GPU as a policy sees it: free milli (fgd), a view (gpupack)
+
+
+class ShapeTable(Generic[V]):
+    """The typical GPU shapes a node of one model may host, as parallel tuples, and which of them
+    each GPU serves. A shape the model may not use is left out: it counts all the node's free
+    capacity as fragment whatever the node's state."""
+
+    __slots__ = ("shapes", "weight", "gpus", "cpu", "_serves", "_served")
+
+    def __init__(
+        self, model: str, shapes: Sequence[Shape], weights: Sequence[int], serves: Callable[[V, Shape], bool]
+    ) -> None:
+        kept = [
+            (s, w)
+            for s, w in zip(shapes, weights, strict=True)
+            if s.gpus and (s.models is None or model in s.models)
+        ]
+        self.shapes = tuple(s for s, _ in kept)
+        self.weight = tuple(w for _, w in kept)
+        self.gpus = tuple(s.gpus for s, _ in kept)
+        self.cpu = tuple(s.cpu_milli for s, _ in kept)
+        self._serves = serves
+        self._served: dict[V, tuple[int, ...]] = {}
+
+    def served(self, v: V) -> tuple[int, ...]:
+        """Positions (in `shapes`) of the shapes GPU `v` serves."""
+        hit = self._served.get(v)
+        if hit is None:
+            if len(self._served) > 100_000:
+                self._served.clear()
+            serves = self._serves
+            hit = self._served[v] = tuple(k for k, s in enumerate(self.shapes) if serves(v, s))
+        return hit
+
+
+class NodeFrag(Generic[V]):
+    """One node state's per-shape counts, from which its fragmentation follows for any free CPU, and
+    after any change of a few GPUs, without going over the node's GPUs again:
+
+        Σ_shape w × (free capacity the shape cannot use)
+        = W × total − Σ_{shapes the node can host} w × (free capacity of the GPUs serving it)
+
+    W sums every typical shape's weight (those the model may not use included); a shape can be
+    hosted when the free CPU allows it and `fits[k]` (GPUs serving it) reaches its GPU count;
+    `served[k]` sums those GPUs' free capacity.
+    """
+
+    __slots__ = ("table", "amounts", "total", "fits", "served", "by_cpu", "trials")
+
+    def __init__(self, table: ShapeTable[V], views: Sequence[V], amounts: list[int]) -> None:
+        self.table = table
+        fits = [0] * len(table.shapes)
+        served = [0] * len(table.shapes)
+        for v, a in zip(views, amounts, strict=True):
+            for k in table.served(v):
+                fits[k] += 1
+                served[k] += a
+        self.amounts = amounts  # free capacity per GPU, in the node's order
+        self.total = sum(amounts)
+        self.fits = fits
+        self.served = served
+        self.by_cpu: dict[int | None, int] = {}  # free CPU -> the hosted sum of this state
+        # (changed GPUs' (before, after) pairs, free CPU after) -> (fragmentation, total after)
+        self.trials: dict[tuple[object, ...], tuple[int, int]] = {}
+
+    def hosted(self, fits: Sequence[int], served: Sequence[int], cpu_left: int | None) -> int:
+        """Σ w × served capacity over the shapes the node can host."""
+        t = self.table
+        out = 0
+        if cpu_left is None:
+            for w, g, f, a in zip(t.weight, t.gpus, fits, served, strict=True):
+                if f >= g:
+                    out += w * a
+        else:
+            for w, g, c, f, a in zip(t.weight, t.gpus, t.cpu, fits, served, strict=True):
+                if f >= g and cpu_left >= c:
+                    out += w * a
+        return out
+
+
+class FragCache(Generic[V]):
+    """Fragmentation of node states and of GPU trials on them, for one workload version (a new
+    version needs a new cache). `amount`: a GPU's free capacity (milli); `serves`: whether a GPU
+    can take one GPU's worth of a shape. Memoised: many nodes, and the trials on equal GPUs of one
+    node, share a state. The bound (200,000 states and trials) is what the per-state memo it
+    replaced held."""
+
+    LIMIT = 200_000
+
+    def __init__(
+        self,
+        shapes: Sequence[Shape],
+        weights: Sequence[int],
+        amount: Callable[[V], int],
+        serves: Callable[[V, Shape], bool],
+    ) -> None:
+        self.shapes = tuple(shapes)
+        self.weights = tuple(weights)
+        self.wsum = sum(weights)
+        self.amount = amount
+        self.serves = serves
+        self.tables: dict[str, ShapeTable[V]] = {}
+        self.nodes: dict[tuple[tuple[V, ...], str], NodeFrag[V]] = {}
+        self.entries = 0
+
+    def _count(self) -> None:
+        self.entries += 1
+        if self.entries > self.LIMIT:
+            self.nodes.clear()
+            self.entries = 1
+
+    def node(self, views: Sequence[V], model: str) -> NodeFrag[V]:
+        key = (tuple(views), model)
+        hit = self.nodes.get(key)
+        if hit is None:
+            table = self.tables.get(model)
+            if table is None:
+                table = self.tables[model] = ShapeTable(model, self.shapes, self.weights, self.serves)
+            self._count()
+            amount = self.amount
+            hit = self.nodes[key] = NodeFrag(table, views, [amount(v) for v in views])
+        return hit
+
+    def frag(self, nf: NodeFrag[V], cpu_left: int | None) -> int:
+        """The fragmentation of state `nf` with `cpu_left` free CPU (None: CPU not tracked)."""
+        hosted = nf.by_cpu.get(cpu_left)
+        if hosted is None:
+            hosted = nf.by_cpu[cpu_left] = nf.hosted(nf.fits, nf.served, cpu_left)
+        return self.wsum * nf.total - hosted
+
+    def trial(
+        self, nf: NodeFrag[V], changes: tuple[tuple[V, V], ...], cpu_left: int | None
+    ) -> tuple[int, int]:
+        """(fragmentation, free capacity) of state `nf` with one GPU of each `changes[i][0]` turned
+        into `changes[i][1]`, and `cpu_left` free CPU. Both are sums over the node's GPUs, so which
+        of equal GPUs changes does not matter."""
+        key = (changes, cpu_left)
+        hit = nf.trials.get(key)
+        if hit is None:
+            t = nf.table
+            amount = self.amount
+            fits = list(nf.fits)
+            served = list(nf.served)
+            total = nf.total
+            for v0, v1 in changes:
+                a0 = amount(v0)
+                a1 = amount(v1)
+                total += a1 - a0
+                for k in t.served(v0):
+                    fits[k] -= 1
+                    served[k] -= a0
+                for k in t.served(v1):
+                    fits[k] += 1
+                    served[k] += a1
+            self._count()
+            hit = nf.trials[key] = (self.wsum * total - nf.hosted(fits, served, cpu_left), total)
+        return hit
+
+
+def _free(f: int) -> int:
+    return f
+
+
+def _takes(f: int, s: Shape) -> bool:
+    return f >= s.milli
 
 
 # Integer score k (0..99) iff x >= logit(k/100): one table shared by both code paths.
@@ -198,7 +378,7 @@ class FGDPolicy:
     learn: bool
 
     def _setup(self, workload: Workload | None) -> None:
-        self._memo: dict[tuple[object, ...], int] = {}
+        self._cache: tuple[tuple[int, int, bool], FragCache[int], int] | None = None
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
 
@@ -206,37 +386,52 @@ class FGDPolicy:
         if self.learn:
             self.workload.add(shape_of(pod))
 
+    def _frags(self) -> tuple[FragCache[int], int]:
+        """The fragmentation cache of the current workload version, and its `kept` weight."""
+        wl = self.workload
+        key = (id(wl), wl._version, wl.by_demand)
+        c = self._cache
+        if c is None or c[0] != key:
+            shapes, weights = wl.typical()
+            c = self._cache = (key, FragCache(shapes, weights, _free, _takes), sum(weights))
+        return c[1], c[2]
+
     def _frag(self, frees: list[int], cpu: int | None, model: str) -> int:
-        # Memoised: many nodes (and the GPU trials inside one node) share a state.
-        key = (tuple(frees), cpu, model, self.workload._version, id(self.workload))
-        hit = self._memo.get(key)
-        if hit is None:
-            if len(self._memo) > 200_000:
-                self._memo.clear()
-            hit = self._memo[key] = frag(frees, cpu, model, *self.workload.typical())
-        return hit
+        cache, _ = self._frags()
+        return cache.frag(cache.node(frees, model), cpu)
 
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
-        total = self.workload.kept
-        frees, cpu = node_state(node)
-        model = node.model
-        before = self._frag(frees, cpu, model)
-        cpu_after = None if cpu is None else cpu - pod.cpu_milli
+        cache, total = self._frags()
+        # Only a share is ranked by the state it leaves: the node's state is read at the first
+        # share ranked (fit changes nothing before), so whole-GPU pods never build it.
+        frees: list[int] = []
+        nf: NodeFrag[int] | None = None
+        before = 0
+        cpu_after: int | None = None
 
         def rank(n: Node, g: GPU, mem: int, milli: int) -> float:
+            nonlocal frees, nf, before, cpu_after
             if milli >= FULL:
                 return g.index  # whole GPUs: all idle ones leave the same node behind
-            trial = list(frees)
-            trial[g.index] -= milli
-            return -sigmoid_score(before - self._frag(trial, cpu_after, model), total)
+            if nf is None:
+                frees, cpu = node_state(node)
+                cpu_after = None if cpu is None else cpu - pod.cpu_milli
+                nf = cache.node(frees, node.model)
+                before = cache.frag(nf, cpu)
+            f = frees[g.index]
+            return -sigmoid_score(before - cache.trial(nf, ((f, f - milli),), cpu_after)[0], total)
 
         return fit(node, pod, rank)
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
+        cache, total = self._frags()
         frees, cpu = node_state(node)
-        before = self._frag(frees, cpu, node.model)
-        a_frees, a_cpu = after(frees, cpu, pod, f.charged)
-        return sigmoid_score(before - self._frag(a_frees, a_cpu, node.model), self.workload.kept)
+        nf = cache.node(frees, node.model)
+        changes = tuple(
+            (frees[idx], frees[idx] - (FULL if ex else milli)) for idx, (_, milli, ex) in f.charged.items()
+        )
+        cpu_after = None if cpu is None else cpu - pod.cpu_milli
+        return sigmoid_score(cache.frag(nf, cpu) - cache.trial(nf, changes, cpu_after)[0], total)
 
 
 # --- the workload as a file: what `gpupack extender --workload-file` is given ---------------------

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpupack.core.fgd import Shape, Workload, shape_of, sigmoid_score
+from gpupack.core.fgd import FragCache, NodeFrag, Shape, Workload, shape_of, sigmoid_score
 from gpupack.core.fit import Fit, FitFailure, fit
 from gpupack.core.model import FULL, GPU, Node, PodRequest
 from gpupack.core.policy_base import Policy
@@ -81,7 +81,10 @@ def fragmentation(
     shapes: Sequence[Shape],
     weights: Sequence[int],
 ) -> int:
-    """Σ_shape weight × (free GPU capacity, milli, that the shape cannot use on this node)."""
+    """Σ_shape weight × (free GPU capacity, milli, that the shape cannot use on this node).
+
+    The definition; the policy gets the same integers from per-shape counts it updates per GPU
+    trial (:class:`gpupack.core.fgd.FragCache`)."""
     amounts = [_amount(v) for v in views]
     total = sum(amounts)
     out = 0
@@ -179,12 +182,37 @@ def waste_gain(phi: Sequence[float], weight: int, before: int, after: int) -> fl
     return WASTE_WEIGHT * weight * (phi[before] - phi[after])
 
 
+class _Prepared:
+    """What the policy derives from one workload version, once: the workload's weight, the CPU-per-GPU
+    ratio, the fragmentation of the node states seen, and `rewards_unstranding` per kind of node."""
+
+    __slots__ = ("key", "total", "ratio", "frags", "rewards")
+
+    def __init__(self, key: tuple[int, int, bool], workload: Workload, ratio: tuple[int, int]) -> None:
+        self.key = key
+        self.total = workload.total
+        self.ratio = ratio
+        self.frags: FragCache[GpuView] = FragCache(*workload.typical(), _amount, _serves)
+        self.rewards: dict[tuple[int, int, str], bool] = {}
+
+    def state(self, nf: NodeFrag[GpuView], cpu_left: int | None) -> tuple[int, int]:
+        """(fragmentation, stranded milli) of node state `nf` with `cpu_left` free CPU."""
+        return self.frags.frag(nf, cpu_left), stranded(nf.total, cpu_left, self.ratio)
+
+    def trial(
+        self, nf: NodeFrag[GpuView], changes: tuple[tuple[GpuView, GpuView], ...], cpu_left: int | None
+    ) -> tuple[int, int]:
+        """(fragmentation, stranded milli) of `nf` after `changes` (FragCache.trial)."""
+        frag, total = self.frags.trial(nf, changes, cpu_left)
+        return frag, stranded(total, cpu_left, self.ratio)
+
+
 class GpupackPolicy(Policy):
     name = "gpupack"
 
     def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
         super().__init__(seed)
-        self._memo: dict[tuple[object, ...], tuple[int, int]] = {}
+        self._prep: _Prepared | None = None
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
 
@@ -206,10 +234,24 @@ class GpupackPolicy(Policy):
             self._reserved_key, self._reserved = key, reserved_models(self.workload.typical()[0])
         return self._reserved
 
-    def _rewards(self, node: Node, cpu: int | None) -> bool:
-        return cpu is not None and rewards_unstranding(
-            node.cpu_milli, len(node.gpus) * FULL, node.model, self.ratio, self.reserved
-        )
+    def _prepared(self) -> _Prepared:
+        wl = self.workload
+        key = (id(wl), wl._version, wl.by_demand)
+        prep = self._prep
+        if prep is None or prep.key != key:
+            prep = self._prep = _Prepared(key, wl, self.ratio)
+        return prep
+
+    def _rewards(self, prep: _Prepared, node: Node, cpu: int | None) -> bool:
+        if cpu is None:
+            return False
+        key = (node.cpu_milli, len(node.gpus), node.model)
+        hit = prep.rewards.get(key)
+        if hit is None:
+            hit = prep.rewards[key] = rewards_unstranding(
+                node.cpu_milli, len(node.gpus) * FULL, node.model, self.ratio, self.reserved
+            )
+        return hit
 
     @property
     def waste(self) -> tuple[float, ...]:
@@ -222,64 +264,85 @@ class GpupackPolicy(Policy):
         return self._waste
 
     def _state(self, views: Sequence[GpuView], cpu_left: int | None, model: str) -> tuple[int, int]:
-        """(fragmentation, stranded milli) of a node state. Memoised: many nodes (and the GPU
-        trials inside one node) share a state."""
-        key = (tuple(views), cpu_left, model, self.workload._version, id(self.workload))
-        hit = self._memo.get(key)
-        if hit is not None:
-            return hit
-        shapes, weights = self.workload.typical()
-        out = (
-            fragmentation(views, cpu_left, model, shapes, weights),
-            stranded(sum(_amount(v) for v in views), cpu_left, self.ratio),
-        )
-        if len(self._memo) > 200_000:
-            self._memo.clear()
-        self._memo[key] = out
-        return out
+        """(fragmentation, stranded milli) of a node state. Memoised: many nodes share a state."""
+        prep = self._prepared()
+        return prep.state(prep.frags.node(views, model), cpu_left)
 
     def _score(
-        self, before: tuple[int, int], after: tuple[int, int], shares: list[tuple[int, int]], reward: bool
+        self,
+        total: int,
+        before: tuple[int, int],
+        after: tuple[int, int],
+        shares: Sequence[tuple[int, int]],
+        reward: bool,
     ) -> int:
-        """`shares`: (free amount before, after) of each GPU the pod shares (not whole GPUs);
-        `reward`: whether removed stranding counts on this node (`rewards_unstranding`)."""
-        w = self.workload.total
-        dec = gain(before, after, w, reward)
+        """`total`: the workload's weight; `shares`: (free amount before, after) of each GPU the pod
+        shares (not whole GPUs); `reward`: whether removed stranding counts on this node
+        (`rewards_unstranding`)."""
+        dec = gain(before, after, total, reward)
+        # The waste table is read only for a share, as it always was: reading it may rebuild it,
+        # and when it is rebuilt decides the table later scores use.
         for a0, a1 in shares:
-            dec += int(waste_gain(self.waste, w, a0, a1))
-        return sigmoid_score(dec, w)
+            dec += int(waste_gain(self.waste, total, a0, a1))
+        return sigmoid_score(dec, total)
 
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
-        views = gpu_views(node)
-        cpu = node.free_cpu if node.cpu_milli else None
-        before = self._state(views, cpu, node.model)
-        cpu_after = None if cpu is None else cpu - pod.cpu_milli
-        reward = self._rewards(node, cpu)
+        prep = self._prepared()
+        cls = pod.pod_class
+        # Only a share is ranked by the state it leaves: the node's state is read at the first
+        # share ranked (fit changes nothing before), so whole-GPU pods and nodes with no candidate
+        # GPU never build it.
+        views: list[GpuView] = []
+        nf: NodeFrag[GpuView] | None = None
+        before = (0, 0)
+        cpu_after: int | None = None
+        reward = False
+        waste: tuple[float, ...] = ()
 
         def rank(n: Node, g: GPU, mem: int, milli: int) -> float:
+            nonlocal views, nf, before, cpu_after, reward, waste
             if milli >= FULL:
                 return g.index  # whole GPUs: any idle one leaves the same node behind
-            trial = list(views)
-            trial[g.index] = _take(views[g.index], mem, milli, pod.pod_class)
-            share = (_amount(views[g.index]), _amount(trial[g.index]))
-            return -self._score(before, self._state(trial, cpu_after, n.model), [share], reward)
+            if nf is None:
+                views = gpu_views(node)
+                cpu = node.free_cpu if node.cpu_milli else None
+                cpu_after = None if cpu is None else cpu - pod.cpu_milli
+                nf = prep.frags.node(views, node.model)
+                before = prep.state(nf, cpu)
+                reward = self._rewards(prep, node, cpu)
+                waste = self.waste
+            v = views[g.index]
+            t = _take(v, mem, milli, cls)
+            after = prep.trial(nf, ((v, t),), cpu_after)
+            total = prep.total
+            dec = gain(before, after, total, reward) + int(
+                waste_gain(waste, total, nf.amounts[g.index], _amount(t))
+            )
+            return -sigmoid_score(dec, total)
 
         return fit(node, pod, rank)
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
+        prep = self._prepared()
         views = gpu_views(node)
         cpu = node.free_cpu if node.cpu_milli else None
-        before = self._state(views, cpu, node.model)
-        after = list(views)
+        nf = prep.frags.node(views, node.model)
+        changes = []
         shares = []
+        cls = pod.pod_class
         for idx, (mem, milli, ex) in f.charged.items():
-            v = after[idx]
-            after[idx] = (0, 0, v[2], pod.pod_class, v[4]) if ex else _take(v, mem, milli, pod.pod_class)
+            v = views[idx]
+            t = (0, 0, v[2], cls, v[4]) if ex else _take(v, mem, milli, cls)
+            changes.append((v, t))
             if not ex:
-                shares.append((_amount(v), _amount(after[idx])))
+                shares.append((nf.amounts[idx], _amount(t)))
         cpu_after = None if cpu is None else cpu - pod.cpu_milli
         return self._score(
-            before, self._state(after, cpu_after, node.model), shares, self._rewards(node, cpu)
+            prep.total,
+            prep.state(nf, cpu),
+            prep.trial(nf, tuple(changes), cpu_after),
+            shares,
+            self._rewards(prep, node, cpu),
         )
 
 
@@ -300,5 +363,3 @@ def gain(before: tuple[int, int], after: tuple[int, int], weight: int, reward: b
 
 def _take(v: GpuView, mem: int, milli: int, cls: str) -> GpuView:
     return (v[0] - milli, v[1] - mem, v[2], cls, v[4])
-
-
