@@ -1,6 +1,6 @@
 """The scheduling steps behind the HTTP verbs, in the kube-scheduler framework's shape:
 Filter (fit per node, reasons) -> Score (policy, 0..10) -> Reserve (assume in the view) ->
-Bind (PATCH the assignment, POST the Binding; roll back on failure). With `keep_best` N, filter
+Bind (one Binding that carries the assignment: the pod's node and its GPUs in one write). With `keep_best` N, filter
 scores the fitting nodes itself and passes only the policy's N best (ties as the simulator's
 schedule() breaks them), so kube-scheduler's own scores cannot override the policy.
 
@@ -24,6 +24,7 @@ from kubernetes.client.rest import ApiException
 
 from gpupack import handoff
 from gpupack.contract import (
+    ANN_ALLOCATED,
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
     HANDOFF_FAILED,
@@ -95,10 +96,12 @@ POD_MEMORY = 4096  # filtered pods kept for their bind
 EXPECT_MAX_NODES = 4
 EXPECT_S = 2.0
 BIND_BUSY = "gpupack extender: every bind slot stayed busy for the whole bind wait"
-NOT_BEST = "gpupack: a better-packed node was chosen"
 # Written on pods kube-scheduler may have parked while the extender was away: an update of the
 # pod itself moves it from the scheduler's unschedulable pods back to its active queue.
 ANN_REQUEUED = "gpupack.io/requeued-at"
+# Written, with a Binding's resourceVersion as precondition, when that Binding got no answer: a
+# late arrival of it then fails its precondition, so whether the pod is bound is known for good.
+ANN_BIND_FENCED = "gpupack.io/bind-fenced"
 
 
 def utcnow() -> datetime:
@@ -184,7 +187,6 @@ class Extender:
         stale_handoff_s: float = 120.0,
         clock: Callable[[], datetime] = utcnow,
         fence: LeaseFence | None = None,
-        unbound_grace_s: float = 15.0,
         scheduler_name: str = "gpupack-scheduler",
         bind_concurrency: int = 0,
         keep_best: int = 0,
@@ -202,7 +204,6 @@ class Extender:
         # at 1,000 nodes: 150 of 620 binds failed so with 128 at once). The rest wait their turn,
         # within the same bind wait as for a pending handoff.
         self._bind_slots = threading.BoundedSemaphore(bind_concurrency) if bind_concurrency > 0 else None
-        self.unbound_grace_s = unbound_grace_s
         self.scheduler_name = scheduler_name
         self.view = view
         self.policy = policy
@@ -230,7 +231,7 @@ class Extender:
         self.best: FitCache[Any] = FitCache()  # (shape, epoch) -> _BestIndex
         self._sigs: dict[str, tuple[int, tuple]] = {}
         # uid -> the Pod kube-scheduler sent with its last filter: the bind that follows uses it
-        # instead of reading the pod again (the PATCH's resourceVersion precondition still catches
+        # instead of reading the pod again (the Binding's resourceVersion precondition still catches
         # any change since), one API round trip less per pod.
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._pods_lock = threading.Lock()
@@ -487,9 +488,13 @@ class Extender:
                         codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
                 passed = free
         if self.keep_best > 0 and len(passed) > self.keep_best:
-            passed, dropped = self._keep_best(pod, names, passed, now)
-            failed.update(dropped)
-            codes["not-best"] = codes.get("not-best", 0) + len(dropped)
+            # The others are left out of the answer without a reason: kube-scheduler reads reasons
+            # only when no node passes (and one always does here), and this one would only say that
+            # another node was chosen. At 1,000 nodes that was ~50 KB of JSON per pod to write here
+            # and to parse there, on the scheduler's serial cycle.
+            kept = self._keep_best(pod, names, passed, now)
+            codes["not-best"] = codes.get("not-best", 0) + len(passed) - len(kept)
+            passed = kept
         if self.keep_best > 0 and passed and pod.uid:
             # kube-scheduler binds there (one node: it skips prioritize, whose expectation this is):
             # the next pod's filter may come before this pod's bind and must steer clear of it
@@ -498,11 +503,9 @@ class Extender:
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
 
-    def _keep_best(
-        self, pod: PodRequest, names: list[str], passed: list[str], now: datetime
-    ) -> tuple[list[str], dict[str, str]]:
+    def _keep_best(self, pod: PodRequest, names: list[str], passed: list[str], now: datetime) -> list[str]:
         """The `keep_best` nodes the policy prefers among those that pass (`passed`, out of the
-        request's `names`), and a reason for each of the others. Order as
+        request's `names`). Order as
         :func:`gpupack.core.policies.schedule` picks: highest score, ties to the node first in the
         policy's seeded node order (ranked over every node of the view, in the order the view first
         saw them, as schedule() ranks its state's nodes). So for the same state, the node kept first
@@ -531,11 +534,7 @@ class Extender:
                     keep.append(n)
                     if len(keep) == self.keep_best:
                         break
-        why = f"{NOT_BEST} ({keep[0]})"
-        dropped = dict.fromkeys(passed, why)
-        for n in keep:
-            del dropped[n]
-        return keep, dropped
+        return keep
 
     def _raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
         """The policy's raw score of each node in `names` the pod fits (view lock held); cached per
@@ -777,7 +776,7 @@ class Extender:
         if self.fence is not None:
             self.fence.check(fresh=False)  # a standby's extender answers no bind at all
         # The pod before queueing: a missing pod is answered at once, not after the wait.
-        # If it changes while we wait, the PATCH's resourceVersion precondition catches it.
+        # If it changes while we wait, the Binding's resourceVersion precondition catches it.
         pod = self._pod_for_bind(args)
         if not requests_gpupack(pod):
             self._bind_host_only(args, key, pod)
@@ -799,9 +798,7 @@ class Extender:
                 self.view.inflight.add(key)
             if self.fence is not None:
                 self.fence.check(fresh=False)  # leadership may have moved while this bind waited
-            recorded = self._reserve_and_record(args, pod, req)
-            if recorded is not None:
-                self._post_binding(args, req, *recorded)
+            self._reserve_and_bind(args, pod, req)
         finally:
             with self.view.lock:
                 self.view.inflight.discard(key)
@@ -837,7 +834,7 @@ class Extender:
                 self.view.assume_host(key, req.uid, args.node, pod_host_request(pod))
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
-        why = self.fence.problem() if self.fence is not None else ""
+        why = self.fence.problem(fresh=False) if self.fence is not None else ""
         if why:
             self.view.unassume_host(key, req.uid)
             raise BindError(why, "not-leader")
@@ -864,111 +861,164 @@ class Extender:
             return
         raise BindError(f"pod {args.key} is already bound to node {bound}", "already-bound")
 
-    def _reserve_and_record(
-        self, args: BindArgs, pod: dict[str, Any], req: PodRequest
-    ) -> tuple[Assignment, str] | None:
-        """Assume the assignment and PATCH it on the pod; the assignment and the pod's new
-        resourceVersion, or None when the pod turns out bound already by an earlier attempt of
-        this same bind (see _already_bound)."""
-        assert self.kube is not None
-        key = req.key
-        uid = req.uid
-        for _attempt in range(5):
-            with self.view.lock:
-                now = self.clock()
-                f, reservation = self.node_fit(args.node, req, now, None)
-                if isinstance(f, FitFailure):
-                    reason = (
-                        f.reason
-                        if f.reason.startswith(f"node {args.node}")
-                        else f"node {args.node}: {f.reason}"
-                    )
-                    raise BindError(reason, f"fit-{f.code}")
-                node = self.view.state.nodes[args.node]
-                a = assignment_from_fit(
-                    node,
-                    req,
-                    f,
-                    now,
-                    reservation.id if reservation else "",
-                    self.view.nodes[args.node].gpu_indexes,
-                )
-                try:
-                    self.view.assume(key, uid, a, _init_names(pod), pod_slots(pod), pod_host_request(pod))
-                except PlacementError as e:
-                    raise BindError(f"node {args.node}: {e}", "conflict") from e
-            rv = (pod.get("metadata") or {}).get("resourceVersion")
+    def _assume_fit(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> Assignment:
+        """Fit the pod on the node again under the view's lock and hold the assignment (the next
+        filter sees it before any watch does); BindError when it no longer fits."""
+        with self.view.lock:
+            now = self.clock()
+            f, reservation = self.node_fit(args.node, req, now, None)
+            if isinstance(f, FitFailure):
+                at = f"node {args.node}"
+                raise BindError(f.reason if f.reason.startswith(at) else f"{at}: {f.reason}", f"fit-{f.code}")
+            a = assignment_from_fit(
+                self.view.state.nodes[args.node],
+                req,
+                f,
+                now,
+                reservation.id if reservation else "",
+                self.view.nodes[args.node].gpu_indexes,
+            )
             try:
-                out = self.kube.patch_pod_metadata(
-                    args.pod_namespace,
-                    args.pod_name,
-                    handoff.handoff_annotations_for_bind(a),
-                    {LABEL_MANAGED: "true"},
-                    rv,
+                self.view.assume(req.key, req.uid, a, _init_names(pod), pod_slots(pod), pod_host_request(pod))
+            except PlacementError as e:
+                raise BindError(f"node {args.node}: {e}", "conflict") from e
+        return a
+
+    def _reserve_and_bind(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> None:
+        """Assume the assignment and post ONE Binding that carries it: the API server sets the pod's
+        node and copies the Binding's annotations onto it in the same write, with the pod's uid and
+        resourceVersion as preconditions. A pod is never bound without its assignment, nor holds
+        one while unbound, and a Binding that failed left nothing to roll back. On 409 (the pod
+        changed since it was read) the pod is read again and fitted again."""
+        assert self.kube is not None
+        for _attempt in range(5):
+            pod = self._without_stale_record(args, pod)
+            a = self._assume_fit(args, pod, req)
+            rv = str((pod.get("metadata") or {}).get("resourceVersion") or "")
+            try:
+                self.kube.bind(
+                    args.pod_namespace, args.pod_name, req.uid, args.node, handoff.binding_annotations(a), rv or None
                 )
-                return a, str(((out or {}).get("metadata") or {}).get("resourceVersion") or "")
+                self.view.mark_bound(req.key, args.node)
+                return
             except ApiException as e:
-                self.view.unassume(key, uid, a)
-                if e.status != 409:
-                    raise BindError(
-                        f"could not record the GPU assignment on pod {key}: {api_reason(e)}", "patch"
-                    ) from e
-            pod = self._get_pod(args)  # 409: somebody changed the pod; read it again and retry
+                err = e
+            again = self._binding_outcome(args, req, a, rv, err)
+            if again is None:
+                return  # it went through after all
+            pod = again
             bound = (pod.get("spec") or {}).get("nodeName")
             if bound:
                 self._already_bound(args, pod, bound)
-                return None
-        raise BindError(f"pod {key} kept changing while recording its GPU assignment (409 x5)", "conflict")
+                return
+        raise BindError(f"pod {req.key} kept changing while it was being bound (409 x5)", "conflict")
 
-    def _post_binding(self, args: BindArgs, req: PodRequest, a: Assignment, rv: str) -> None:
+    def _binding_outcome(
+        self, args: BindArgs, req: PodRequest, a: Assignment, rv: str, err: ApiException
+    ) -> dict[str, Any] | None:
+        """After a Binding that answered `err`: None when it took effect after all (an answer lost on
+        the way back); the pod as it is now when it is bound (by an earlier attempt, or another
+        writer) or when it changed (409: try again); otherwise BindError. The assumption is taken
+        back unless the Binding took effect. A refusal (4xx but 409/429) changed nothing. With no
+        answer (429, 5xx, timeouts) the Binding may yet land: a PATCH with its resourceVersion as
+        precondition first makes any late arrival fail; if even that cannot be done, the assignment
+        stays held (see `settle_doubtful`)."""
         assert self.kube is not None
-        why = self.fence.problem() if self.fence is not None else ""
-        if why:
-            # Leadership moved between the PATCH and now: the new leader's extender is the only
-            # writer; this pod gets no Binding from us, and loses the assignment it never used.
-            self._rollback(args, req, a, rv)
-            raise BindError(why, "not-leader")
+        why = f"Binding pod {req.key} to node {args.node} failed: {api_reason(err)}"
+        conflict = err.status == 409
+        if 400 <= (err.status or 0) < 500 and not conflict and err.status != 429:
+            self.view.unassume(req.key, req.uid, a)
+            if err.status == 404:
+                raise WireError(f"pod {args.key} not found", 404) from err
+            raise BindError(why, "binding") from err
         try:
-            self.kube.bind(args.pod_namespace, args.pod_name, req.uid, args.node)
-            self.view.mark_bound(req.key, args.node)
-            return
-        except ApiException as e:
-            err = e
-        if err.status == 409:
-            try:
-                pod = self.kube.get_pod(args.pod_namespace, args.pod_name)
-                ann = (pod.get("metadata") or {}).get("annotations") or {}
-                if (pod.get("spec") or {}).get("nodeName") == args.node and ann.get(
-                    ANN_ASSIGNMENT
-                ) == a.to_json():
-                    self.view.mark_bound(req.key, args.node)
-                    return  # our own earlier attempt went through
-            except ApiException:
-                pass
-        self._rollback(args, req, a, rv)
-        raise BindError(f"Binding pod {req.key} to node {args.node} failed: {api_reason(err)}", "binding")
-
-    def _rollback(self, args: BindArgs, req: PodRequest, a: Assignment, rv: str) -> None:
-        """Take back an assignment whose Binding did not happen. With the resourceVersion of our
-        own PATCH as precondition: if anything changed the pod since, it is left for the janitor
-        (which looks again) rather than overwritten blindly."""
-        assert self.kube is not None
-        try:
-            self.kube.patch_pod_metadata(
-                args.pod_namespace,
-                args.pod_name,
-                handoff.rollback_annotations(),
-                {LABEL_MANAGED: None},
-                rv or None,
-            )
-            self.view.forget(req.key, req.uid)
+            pod = self._settle(args.pod_namespace, args.pod_name, req.uid, rv, fence=not conflict)
         except ApiException as e2:
-            log.warning(
-                "rollback of pod %s annotations failed: %s; the janitor will clean it",
-                req.key,
-                api_reason(e2),
-            )
+            if conflict:  # refused: it never took effect
+                self.view.unassume(req.key, req.uid, a)
+                raise BindError(f"{why}; cannot read the pod again: {api_reason(e2)}", "binding") from err
+            self.view.hold_doubtful(req.key, req.uid, rv)
+            raise BindError(f"{why}; its outcome is not known yet ({api_reason(e2)})", "binding") from err
+        pod = self._judge_settled(args, req, a, pod, why)
+        if pod is None or conflict or (pod.get("spec") or {}).get("nodeName"):
+            return pod
+        raise BindError(why, "binding") from err
+
+    def _settle(self, ns: str, name: str, uid: str, rv: str, fence: bool) -> dict[str, Any] | None:
+        """The pod after a Binding posted with precondition `rv`, such that this Binding can no
+        longer take effect later (None: the pod is gone, or replaced by another of the same name).
+        `fence`: the Binding's fate is unknown (no answer), so first change the pod's
+        resourceVersion under the same precondition; a 409 then means the pod changed anyway."""
+        assert self.kube is not None
+        if fence and rv:
+            try:
+                return self.kube.patch_pod_metadata(ns, name, {ANN_BIND_FENCED: handoff.rfc3339(self.clock())}, {}, rv)
+            except ApiException as e:
+                if e.status == 404:
+                    return None
+                if e.status != 409:
+                    raise
+        try:
+            pod = self.kube.get_pod(ns, name)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        if fence and not rv and not (pod.get("spec") or {}).get("nodeName"):
+            raise ApiException(status=504, reason="no resourceVersion to fence the Binding with")
+        return pod if (pod.get("metadata") or {}).get("uid") == uid else None
+
+    def _judge_settled(
+        self, args: BindArgs, req: PodRequest, a: Assignment, pod: dict[str, Any] | None, why: str
+    ) -> dict[str, Any] | None:
+        """What `_binding_outcome` makes of the pod as `_settle` found it."""
+        if pod is None:
+            self.view.unassume(req.key, req.uid, a)
+            raise BindError(f"{why}; pod {req.key} is gone", "pod-gone")
+        meta = pod.get("metadata") or {}
+        bound = (pod.get("spec") or {}).get("nodeName")
+        raw = (meta.get("annotations") or {}).get(ANN_ASSIGNMENT)
+        if bound == args.node and raw == a.to_json():
+            self.view.mark_bound(req.key, args.node)
+            return None
         self.view.unassume(req.key, req.uid, a)
+        if bound and raw:
+            # bound by an earlier attempt of this pod's bind (the assume above replaced that one's
+            # charge): charge what the pod really holds now, not only once the watch shows it
+            self.view.apply_pod(pod)
+        return pod
+
+    def settle_doubtful(self) -> int:
+        """Resolve assignments held for Bindings whose outcome was unknown (the janitor, each pass):
+        keep the charge of a pod bound with it, release the others. The number resolved."""
+        n = 0
+        for key, uid, rv in self.view.doubtful_items():
+            ns, name = key.split("/", 1)
+            try:
+                pod = self._settle(ns, name, uid, rv, fence=True)
+            except ApiException as e:
+                log.info("pod %s: outcome of its Binding still unknown: %s", key, api_reason(e))
+                continue
+            self.view.resolve_doubtful(key, uid, pod)
+            n += 1
+        return n
+
+    def _without_stale_record(self, args: BindArgs, pod: dict[str, Any]) -> dict[str, Any]:
+        """A Binding can add annotations, not remove them: a pod that still carries an assignment or
+        allocation record (from an extender before the one-write bind, or a tool) is cleaned
+        first, with its resourceVersion as precondition, and the pod as it is then returned."""
+        ann = (pod.get("metadata") or {}).get("annotations") or {}
+        if ANN_ASSIGNMENT not in ann and ANN_ALLOCATED not in ann:
+            return pod
+        meta = pod.get("metadata") or {}
+        self.clean_unbound(args.key, str(meta.get("uid") or ""), str(meta.get("resourceVersion") or ""))
+        again = self._get_pod(args)
+        if (again.get("spec") or {}).get("nodeName"):
+            return again
+        left = (again.get("metadata") or {}).get("annotations") or {}
+        if ANN_ASSIGNMENT in left or ANN_ALLOCATED in left:
+            raise BindError(f"pod {args.key} carries an old GPU assignment that could not be removed", "conflict")
+        return again
 
     # --- stale state: whoever finds it cleans it -------------------------------------------------
     def _clean_own_stale(self, pod: dict[str, Any]) -> None:
@@ -1022,25 +1072,18 @@ class Extender:
         return False
 
     def sweep(self) -> dict[str, int]:
-        """One janitor pass (the leader's extender, every few seconds): assignments of unbound
-        pods older than `unbound_grace_s` are removed, and a handoff pending on a bound pod for
-        longer than `stale_handoff_s` is reported and marked failed, so its node takes GPU pods
-        again (if that kubelet admits the pod after all, Allocate refuses it: no GPU is handed out
-        twice). Returns what it did."""
-        done = {"cleaned": 0, "failed": 0}
+        """One janitor pass (the leader's extender, every few seconds): assignments held for
+        Bindings that got no answer are settled (see `settle_doubtful`), and a handoff pending on a
+        bound pod for longer than `stale_handoff_s` is reported and marked failed, so its node
+        takes GPU pods again (if that kubelet admits the pod after all, Allocate refuses it: no GPU
+        is handed out twice). Returns what it did."""
+        done = {"settled": 0, "failed": 0}
         if self.kube is None or not self.view.synced.is_set():
             return done
         if self.fence is not None and self.fence.problem():
             return done
+        done["settled"] = self.settle_doubtful()
         now = self.clock()
-        for p in self.view.stale_unbound():
-            age = handoff.handoff_age_s(p.pod_view(), now)
-            if age is not None and age < self.unbound_grace_s:
-                continue
-            with self.view.lock:
-                if p.key in self.view.inflight:
-                    continue
-            done["cleaned"] += self.clean_unbound(p.key, p.uid, p.resource_version)
         for p in self.view.pending_bound():
             age = handoff.handoff_age_s(p.pod_view(), now)
             if age is None or age <= self.stale_handoff_s:

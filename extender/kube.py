@@ -16,11 +16,11 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from gpupack import kubeclient
-from gpupack.contract import LABEL_MANAGED
 
 MERGE_PATCH = "application/merge-patch+json"
-# Every call on the bind path is bounded: a bind makes at most a lease read, a pod read, a PATCH,
-# a lease read and a Binding, and must answer within kube-scheduler's extender httpTimeout (15 s).
+# Every call on the bind path is bounded: a bind makes at most a lease read, a pod read and a
+# Binding (a few more when that Binding's outcome must be found out), and must answer within
+# kube-scheduler's extender httpTimeout (15 s).
 API_TIMEOUT_S = 2.0
 API_CONNECTIONS = 128  # at least the extender's request threads (see api_client)
 # Every pod on a node that still holds its requests there (what kube-scheduler counts): the node's
@@ -109,9 +109,6 @@ class Kube:
             if not token:
                 return
 
-    def pod_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
-        return self.pages(self.core.list_pod_for_all_namespaces, label_selector=LABEL_MANAGED)
-
     def assigned_pod_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
         return self.pages(self.core.list_pod_for_all_namespaces, field_selector=ASSIGNED_PODS)
 
@@ -119,13 +116,11 @@ class Kube:
         return self.pages(self.core.list_node)
 
     def list_pods(self) -> dict[str, Any]:
-        return _collect(self.pod_pages())
+        """Every pod with a node, not terminal: gpupack's bound pods among them (see ASSIGNED_PODS)."""
+        return _collect(self.assigned_pod_pages())
 
     def list_nodes(self) -> dict[str, Any]:
         return _collect(self.node_pages())
-
-    def watch_pods(self, resource_version: str, timeout_s: int) -> Any:
-        return self._watch(self.core.list_pod_for_all_namespaces, resource_version, timeout_s, LABEL_MANAGED)
 
     def watch_assigned_pods(self, resource_version: str, timeout_s: int) -> Any:
         return self._watch(
@@ -204,9 +199,26 @@ class Kube:
             )
         )
 
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def bind(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        node: str,
+        annotations: dict[str, str] | None = None,
+        resource_version: str | None = None,
+    ) -> None:
+        """POST the pod's Binding. The API server copies the Binding's annotations onto the pod in the
+        same write that sets its node, and checks the uid and (when given) the resourceVersion
+        as preconditions (409 when either differs, or the pod is bound already)."""
         body = client.V1Binding(
-            metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid or None),
+            metadata=client.V1ObjectMeta(
+                name=name,
+                namespace=namespace,
+                uid=uid or None,
+                resource_version=resource_version or None,
+                annotations=annotations or None,
+            ),
             target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
         )
         # The response is a Status the client's model cannot always deserialise; do not try. Its

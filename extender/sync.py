@@ -1,9 +1,11 @@
 """List-and-watch loops that keep a :class:`ClusterView` current.
 
 Nodes: all of them (a few thousand objects at most; heartbeats are dropped early by the view).
-Pods: only those labelled `gpupack.io/managed` (set at bind), so memory follows gpupack's pods,
-not the cluster's. Assigned pods (with `track_host`): every non-terminal pod with a node, of which
-the view keeps only key, uid, node and CPU/memory request, for each node's CPU and memory in use.
+Pods: one watch of every non-terminal pod with a node. A gpupack pod carries its assignment from
+the write that binds it (the Binding sets both), so this is every pod that holds GPUs; of the
+others the view keeps (with `track_host`) only key, uid, node and CPU/memory request, for each
+node's CPU and memory in use. The field selection is exact (a pod's node never changes once
+set), so a pod leaving it has been deleted or has ended.
 Each loop resumes from the last resourceVersion (bookmarks included) and relists on 410 Gone; the
 view stays readable throughout.
 """
@@ -20,10 +22,8 @@ import orjson
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
-from gpupack.contract import ANN_ASSIGNMENT
-
 from .kube import Kube
-from .view import TERMINAL, ClusterView
+from .view import ClusterView
 
 log = logging.getLogger("gpupack.extender.sync")
 
@@ -150,30 +150,16 @@ class Sync:
             watch_timeout_s,
         )
         self.pods = Watcher(
-            # label-filtered: a pod missing from a list or DELETED may only have lost its label
             "pods",
-            kube.pod_pages,
-            kube.watch_pods,
-            lambda pages: view.replace_pod_pages(pages, confirm_missing=True),
-            view.apply_pod,
-            view.left_watch,
+            kube.assigned_pod_pages,
+            kube.watch_assigned_pods,
+            view.replace_assigned_pages,
+            view.apply_assigned,
+            view.delete_assigned,
             self.stop,
             watch_timeout_s,
         )
         self.watchers = [self.nodes, self.pods]
-        if view.track_host:
-            self.watchers.append(
-                Watcher(
-                    "assigned-pods",
-                    kube.assigned_pod_pages,
-                    kube.watch_assigned_pods,
-                    view.replace_host_pod_pages,
-                    view.apply_host_pod,
-                    view.delete_host_pod,
-                    self.stop,
-                    watch_timeout_s,
-                )
-            )
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -181,36 +167,7 @@ class Sync:
             t = threading.Thread(target=w.run, name=f"watch-{w.kind}", daemon=True)
             t.start()
             self.threads.append(t)
-        threading.Thread(target=self._confirm_loop, name="sync-confirm", daemon=True).start()
         threading.Thread(target=self._mark_ready, name="sync-ready", daemon=True).start()
-
-    def confirm_once(self) -> None:
-        """GET each pod the label-filtered watch stopped showing: free its share only when it is
-        gone, replaced or terminal. One that merely lost its label keeps it (checked again)."""
-        for key, uid in list(self.view.unconfirmed.items()):
-            ns, _, name = key.partition("/")
-            try:
-                pod = self.kube.get_pod(ns, name) or {}
-            except ApiException as e:
-                if e.status == 404:
-                    self.view.confirm_gone(key, uid)
-                continue  # any other error: unknown, so the share stays held
-            meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-            on_node = spec.get("nodeName") or ANN_ASSIGNMENT in (meta.get("annotations") or {})
-            if meta.get("uid") != uid or (pod.get("status") or {}).get("phase") in TERMINAL or not on_node:
-                self.view.confirm_gone(key, uid)
-
-    def _confirm_loop(self, interval_s: float = 2.0) -> None:
-        # at once when the watch hands over a pod to confirm; still-unlabelled ones every interval
-        while not self.stop.is_set():
-            self.view.to_confirm.wait(interval_s)
-            self.view.to_confirm.clear()
-            if self.stop.is_set():
-                return
-            try:
-                self.confirm_once()
-            except Exception:  # never let the confirmer die: the next round tries again
-                log.exception("confirming pods that left the watch failed")
 
     def _mark_ready(self) -> None:
         # Nodes first: pods are charged onto nodes, so the first pod list is complete only after.

@@ -7,9 +7,10 @@ annotations), so a restarted extender rebuilds exactly what it had. Pure state: 
 
 Two kinds of pod records:
 - confirmed: seen in the API with an assignment annotation;
-- assumed: placed by this process's bind before the API has echoed the annotation back. An event
-  without the annotation for an assumed pod is older than our PATCH and is ignored, so a late
-  event can never free a GPU that a bind just took (the kube-scheduler's "assumed pod" idea).
+- assumed: placed by this process's bind before the API has echoed the Binding (which carries the
+  annotation) back. An event without the annotation for an assumed pod is older than that
+  Binding and is ignored, so a late event can never free a GPU that a bind just took (the
+  kube-scheduler's "assumed pod" idea).
 """
 
 from __future__ import annotations
@@ -360,7 +361,11 @@ class ClusterView:
         self.journal_base = 0
         self.reserved: set[str] = set()  # nodes with defrag reservations: their answers depend on time
         self.slot_use: dict[str, dict[str, int]] = {}  # node -> pod key -> `gpupack.io/gpu` slots
-        self.inflight: set[str] = set()  # pods this process is binding now (between PATCH and Binding)
+        self.inflight: set[str] = set()  # pods this process is binding now (assumed, Binding not answered)
+        # Pods whose Binding got no answer and whose fate could not be found out yet: pod key ->
+        # (uid, the Binding's resourceVersion precondition). Their assignment stays charged, and
+        # counts as a pending handoff, until the janitor settles them (Extender.settle_doubtful).
+        self.doubtful: dict[str, tuple[str, str]] = {}
         # node -> pod key -> uid of every bind request this process holds, from its arrival on (before
         # it reads the pod, queues for the node or writes anything): filter steers the next pods
         # away from these nodes at once, not only once the assignment is written.
@@ -370,11 +375,6 @@ class ClusterView:
         # scheduler starts the bind and its next pod's filter at the same moment, so that filter
         # can overtake the bind; it steers away from these nodes as from a bind in progress.
         self.expected: dict[str, tuple[float, str, tuple[str, ...]]] = {}
-        # Charged pods the label-filtered watch or list stopped showing although nothing says they are
-        # gone (their gpupack.io/managed label was removed): pod key -> uid. They keep their share
-        # until a GET finds them gone, replaced or terminal (Sync confirms them).
-        self.unconfirmed: dict[str, str] = {}
-        self.to_confirm = threading.Event()
 
     # --- nodes ---------------------------------------------------------------------------------
     def _problem(self, kind: str, obj: str, msg: str) -> None:
@@ -586,17 +586,20 @@ class ClusterView:
         """A fresh list of the assigned pods: apply it and drop the pods missing from it."""
         seen = self._apply_pod_pages(pages, self.apply_host_pod)
         with self.lock:
-            for key in [k for k in self.host_pods if k not in seen]:
-                ns, _, name = key.partition("/")
-                self.apply_host_pod({"metadata": {"namespace": ns, "name": name}}, deleted=True)
-            # a bound CPU-only pod missing from it has ended, or was bound after the list's snapshot
-            # (then the watch that resumes from it shows the pod, and charges it from host_pods)
-            for key in [k for k, (_, bound) in self.host_assumed.items() if bound and k not in seen]:
-                node = self.host_assumed[key][0].node
-                self._drop_host_assumed(key)
-                if self._host_recount(node):
-                    self._bump(node)
+            self._drop_unlisted_host(seen)
             self.changed.notify_all()
+
+    def _drop_unlisted_host(self, seen: set[str]) -> None:
+        for key in [k for k in self.host_pods if k not in seen]:
+            ns, _, name = key.partition("/")
+            self.apply_host_pod({"metadata": {"namespace": ns, "name": name}}, deleted=True)
+        # a bound CPU-only pod missing from it has ended, or was bound after the list's snapshot
+        # (then the watch that resumes from it shows the pod, and charges it from host_pods)
+        for key in [k for k, (_, bound) in self.host_assumed.items() if bound and k not in seen]:
+            node = self.host_assumed[key][0].node
+            self._drop_host_assumed(key)
+            if self._host_recount(node):
+                self._bump(node)
 
     # --- CPU-only pods this process binds ---------------------------------------------------------
     def _drop_host_assumed(self, key: str) -> None:
@@ -755,6 +758,8 @@ class ClusterView:
                 self._problem("corrupt-assignment", f"pod/{key}", str(e))
         with self.lock:
             old = self.pods.get(key)
+            if a is None and old is None:
+                return  # not a gpupack pod (the watch shows every assigned pod), or gone already
             if a is None:
                 alive = old is not None and old.uid == uid and not deleted and phase not in TERMINAL
                 # An assumed pod's older events lack the annotation our bind is writing. A bound,
@@ -765,7 +770,7 @@ class ClusterView:
                     self._problem("stripped-assignment", f"pod/{key}", f"pod {key} lost its {ANN_ASSIGNMENT} "
                                   "annotation while running; its share stays held until it ends")  # fmt: skip
                 if not (alive and old is not None and (old.assumed or stripped)):
-                    self.unconfirmed.pop(key, None)
+                    self.doubtful.pop(key, None)
                     self._release(key)
                 self.changed.notify_all()
                 return
@@ -785,9 +790,9 @@ class ClusterView:
                 resource_version=str(meta.get("resourceVersion") or ""),
                 host=pod_host_request(obj) if self.track_host else HostUse(),
             )
-            if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw:
-                return  # an event from before our bind's PATCH (an earlier assignment)
-            self.unconfirmed.pop(key, None)  # seen (labelled) again
+            if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw and not bound:
+                return  # an unbound pod's old record (the Binding being posted replaces it)
+            self.doubtful.pop(key, None)  # the watch shows what the pod holds: no doubt left
             if old is not None and old.uid == uid and old.assignment_raw == raw and key in self.state.pods:
                 old.handoff, old.deleting, old.assumed = info.handoff, info.deleting, False
                 old.bound_node = bound or old.bound_node
@@ -803,56 +808,44 @@ class ClusterView:
     def delete_pod(self, obj: dict[str, Any]) -> None:
         self.apply_pod(obj, deleted=True)
 
-    def left_watch(self, obj: dict[str, Any]) -> None:
-        """A DELETED event of the pod watch. It selects on gpupack.io/managed, so DELETED also means
-        "no longer labelled", and then carries the pod's last labelled state: the two look the
-        same. A pod that may still run on its node keeps its share until a GET confirms it gone
-        (see `unconfirmed`; Sync asks at once)."""
-        meta = obj.get("metadata") or {}
-        key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
-        with self.lock:
-            p = self.pods.get(key)
-            if (
-                p is not None
-                and p.uid == str(meta.get("uid") or "")
-                and (obj.get("status") or {}).get("phase", "") not in TERMINAL
-                # the extender's own rollback of an unbound pod removes both: nothing holds a GPU
-                and (
-                    (obj.get("spec") or {}).get("nodeName")
-                    or ANN_ASSIGNMENT in (meta.get("annotations") or {})
-                )
-            ):
-                self.unconfirmed[key] = p.uid
-                self.to_confirm.set()
-                return
-        self.delete_pod(obj)
-
-    def confirm_gone(self, key: str, uid: str) -> None:
-        """A GET found this unconfirmed pod gone, replaced (another uid) or terminal: free its share."""
-        with self.lock:
-            if self.unconfirmed.get(key) == uid:
-                del self.unconfirmed[key]
-                p = self.pods.get(key)
-                if p is not None and p.uid == uid:
-                    self._release(key)
-                self.changed.notify_all()
-
     def replace_pods(self, objs: Iterable[dict[str, Any]]) -> None:
         """A fresh list: apply it and drop confirmed pods that are gone (assumed ones stay)."""
         self.replace_pod_pages([list(objs)])
 
-    def replace_pod_pages(self, pages: Iterable[list[dict[str, Any]]], confirm_missing: bool = False) -> None:
-        """Like replace_pods, a page at a time; the view stays usable between pages. With
-        `confirm_missing` (a label-filtered list), charged pods missing from it are not released
-        but left to a GET (see `unconfirmed`)."""
+    def replace_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        """Like replace_pods, a page at a time; the view stays usable between pages."""
         seen = self._apply_pod_pages(pages, self.apply_pod)
         with self.lock:
-            for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
-                if confirm_missing:  # gone, or only unlabelled: a GET tells which
-                    self.unconfirmed[key] = self.pods[key].uid
-                    self.to_confirm.set()
-                else:
-                    self._release(key)
+            self._drop_unlisted(seen)
+            self.changed.notify_all()
+
+    def _drop_unlisted(self, seen: set[str]) -> None:
+        # an assumed pod's Binding may postdate the list; a doubtful one is the janitor's to settle
+        for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
+            self._release(key)
+
+    # --- the assigned-pod watch: every pod with a node, not terminal -------------------------------
+    def apply_assigned(self, obj: dict[str, Any]) -> None:
+        """An ADDED/MODIFIED event of the assigned-pod watch: the pod's assignment (a gpupack pod)
+        and, with `track_host`, its CPU/memory on its node."""
+        if self.track_host:
+            self.apply_host_pod(obj)
+        self.apply_pod(obj)
+
+    def delete_assigned(self, obj: dict[str, Any]) -> None:
+        """A DELETED event: the pod was deleted or ended (Succeeded/Failed leave the selection). The
+        watch selects on the node name, which never changes once set, so it means nothing else."""
+        if self.track_host:
+            self.apply_host_pod(obj, deleted=True)
+        self.apply_pod(obj, deleted=True)
+
+    def replace_assigned_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        """A fresh list of the assigned pods: apply it, and drop what is missing from it."""
+        seen = self._apply_pod_pages(pages, self.apply_assigned)
+        with self.lock:
+            if self.track_host:
+                self._drop_unlisted_host(seen)
+            self._drop_unlisted(seen)
             self.changed.notify_all()
 
     def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
@@ -903,7 +896,7 @@ class ClusterView:
             self.changed.notify_all()
 
     def unassume(self, key: str, uid: str, a: Assignment) -> None:
-        """Undo :meth:`assume` after a failed PATCH/Binding (only if it is still ours)."""
+        """Undo :meth:`assume` after a Binding that did not take effect (only if it is still ours)."""
         with self.lock:
             p = self.pods.get(key)
             if p is not None and p.uid == uid and p.assignment_raw == a.to_json():
@@ -929,17 +922,20 @@ class ClusterView:
             return []
         return resv.active(info.reservations, now, self.consumed.get(node, set()))
 
+    def _may_be_admitted(self, p: PodInfo) -> bool:
+        """Whether the kubelet may admit this assigned pod on its node: bound there, or being bound
+        by this process, or its Binding's fate unknown. A pod with an assignment but no node (left
+        by an extender before the one-write Binding) never will, and locks nothing."""
+        return bool(p.bound_node) or p.key in self.inflight or p.key in self.doubtful
+
     def blocking_handoff(self, node: str, exclude_uid: str) -> handoff.PodView | None:
         """The pending handoff that keeps another pod off `node`. Only a pod the kubelet may admit
-        there counts: one bound to it, or one this process is binding now. A pending pod with
-        no nodeName that no bind here is working on will never be admitted (its bind failed and the
-        rollback too, or its extender died between the PATCH and the Binding): it locks nothing,
-        and :meth:`stale_unbound` hands it to the janitor."""
+        there counts (see _may_be_admitted)."""
         with self.lock:
             views = [
                 p.pod_view()
                 for k in self.pending_by_node.get(node, ())
-                if (p := self.pods.get(k)) is not None and (p.bound_node or k in self.inflight)
+                if (p := self.pods.get(k)) is not None and self._may_be_admitted(p)
             ]
         return handoff.blocking_handoff(views, node, exclude_uid=exclude_uid)
 
@@ -988,12 +984,7 @@ class ClusterView:
             for node, keys in self.pending_by_node.items() if handoffs else ():
                 for k in keys:
                     p = self.pods.get(k)
-                    if (
-                        p is not None
-                        and p.pending
-                        and p.uid != exclude_uid
-                        and (p.bound_node or k in self.inflight)
-                    ):
+                    if p is not None and p.pending and p.uid != exclude_uid and self._may_be_admitted(p):
                         out[node] = k
                         break
         return out
@@ -1004,18 +995,40 @@ class ClusterView:
             return 0
         return info.slots - sum(self.slot_use.get(node, {}).values())
 
-    def stale_unbound(self) -> list[PodInfo]:
-        """Pods holding an assignment with handoff pending but no nodeName, bound by nobody here."""
+    # --- Bindings whose outcome is unknown ---------------------------------------------------------
+    def hold_doubtful(self, key: str, uid: str, rv: str) -> None:
+        """Keep the assumed assignment of `key` charged: its Binding may yet have taken effect."""
         with self.lock:
-            return [
-                replace(p)
-                for keys in self.pending_by_node.values()
-                for k in keys
-                if (p := self.pods.get(k)) is not None
-                and p.pending
-                and not p.bound_node
-                and k not in self.inflight
-            ]
+            p = self.pods.get(key)
+            if p is not None and p.uid == uid:
+                self.doubtful[key] = (uid, rv)
+
+    def doubtful_items(self) -> list[tuple[str, str, str]]:
+        with self.lock:
+            return [(k, uid, rv) for k, (uid, rv) in self.doubtful.items()]
+
+    def resolve_doubtful(self, key: str, uid: str, pod: dict[str, Any] | None) -> None:
+        """`pod`: the pod as found once no late Binding of it can land any more (None: gone). Bound
+        with the assignment held for it: the charge stays (the watch confirms it); otherwise the
+        held assignment is released, and what the pod holds instead (if bound) is charged."""
+        with self.lock:
+            if self.doubtful.get(key, ("", ""))[0] != uid:
+                return
+            del self.doubtful[key]
+            p = self.pods.get(key)
+            if p is None or p.uid != uid or not p.assumed:
+                return
+            meta = (pod or {}).get("metadata") or {}
+            node = str(((pod or {}).get("spec") or {}).get("nodeName") or "")
+            raw = (meta.get("annotations") or {}).get(ANN_ASSIGNMENT)
+            if node and raw == p.assignment_raw:
+                p.bound_node = node
+                self._index_pending(p)
+            else:
+                self._release(key)
+                if pod is not None and node and raw:
+                    self.apply_pod(pod)
+            self.changed.notify_all()
 
     def pending_bound(self) -> list[PodInfo]:
         """Pods bound to a node whose handoff is still pending."""

@@ -7,7 +7,7 @@ the official `kubernetes` client (snake_case attributes); :func:`pod_view` norma
 
 Who uses what:
 - extender at bind: :func:`blocking_handoff` (is node N blocked by a pending handoff?),
-  :func:`handoff_annotations_for_bind`.
+  :func:`binding_annotations`.
 - device plugin at Allocate: :func:`pending_pods_on_node`, :func:`plan_allocate`,
   :func:`container_env`.
 """
@@ -222,8 +222,17 @@ def rfc3339(t: datetime) -> str:
 
 
 def handoff_annotations_for_bind(assignment: Assignment) -> dict[str, str | None]:
-    """metadata.annotations patch the extender writes before posting the Binding."""
+    """The same annotations as :func:`binding_annotations`, as a merge patch that also drops an earlier
+    allocation record (for tools and tests that write an assignment onto a pod themselves)."""
     return {ANN_ASSIGNMENT: assignment.to_json(), ANN_HANDOFF: HANDOFF_PENDING, ANN_ALLOCATED: None}
+
+
+def binding_annotations(assignment: Assignment) -> dict[str, str]:
+    """metadata.annotations of the extender's Binding: the API server copies them onto the pod in
+    the write that binds it, so a bound pod carries its assignment from its first moment on a node.
+    (A Binding can set annotations, not remove them: a pod to bind must carry no earlier allocation
+    record; see :func:`rollback_annotations`.)"""
+    return {ANN_ASSIGNMENT: assignment.to_json(), ANN_HANDOFF: HANDOFF_PENDING}
 
 
 def failed_annotations() -> dict[str, str]:

@@ -35,6 +35,7 @@ class _Fault:
     seconds: float = 0.0
     retry_after: int | None = None
     skip: int = 0  # let this many matching requests through first
+    forward: bool = False  # pass the request on first: the API server acts, its answer is lost
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or self.method == method) and bool(self.path.search(path))
@@ -108,6 +109,13 @@ class FaultProxy:
                                        message=message or f"injected {status}", retry_after=retry_after,
                                        skip=skip))  # fmt: skip
 
+    def lose_answer_next(self, method: str, path_regex: str, status: int = 504, times: int = 1) -> None:
+        """Pass the next `times` matching requests on, then answer `status` instead of the API
+        server's answer: the write happened, the client cannot know it."""
+        with self._lock:
+            self._faults.append(_Fault(method, re.compile(path_regex), times, status=status,
+                                       message=f"injected {status} (the request was served)", forward=True))  # fmt: skip
+
     def delay(self, path_regex: str, seconds: float, method: str | None = None, times: int = 1) -> None:
         with self._lock:
             self._faults.append(_Fault(method, re.compile(path_regex), times, seconds=seconds))
@@ -161,6 +169,17 @@ class FaultProxy:
             self._faults = [f for f in self._faults if f.times > 0]
         return wait, fail
 
+    def _forward_and_drop(self, h: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        headers = {
+            k: v for k, v in h.headers.items() if k.lower() not in ("host", "connection", "content-length")
+        }
+        conn = http.client.HTTPSConnection(self._host, self._port, context=self._ctx, timeout=60)
+        try:
+            conn.request(h.command, h.path, body=body, headers=headers)
+            conn.getresponse().read()
+        finally:
+            conn.close()
+
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
         u = urlsplit(h.path)
         length = int(h.headers.get("Content-Length") or 0)
@@ -170,6 +189,8 @@ class FaultProxy:
         wait, fail = self._take(h.command, u.path)
         if wait:
             time.sleep(wait)
+        if fail is not None and fail.forward:
+            self._forward_and_drop(h, body)
         if fail is not None:
             status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                       "message": fail.message, "reason": _REASONS.get(fail.status, "InternalError"),

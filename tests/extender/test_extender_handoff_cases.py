@@ -52,6 +52,7 @@ from gpupack.contract import (
     RES_GPU,
     Assignment,
     GPUShare,
+    decode_assignment,
 )
 
 until = realk8s.until
@@ -73,7 +74,7 @@ def metric(ext: ExtenderProcess, line_start: str) -> float:
 
 
 def write_stale_assignment(core, ns: str, pod: dict, node: str, age_s: float) -> dict:
-    """What an extender killed between its PATCH and its Binding leaves on the pod."""
+    """What an extender before the one-write bind, killed between its PATCH and its Binding, left."""
     bound_at = datetime.now(UTC) - timedelta(seconds=age_s)
     a = Assignment(
         pod_uid=pod["metadata"]["uid"], node=node, pod_class="online",
@@ -91,40 +92,81 @@ def write_stale_assignment(core, ns: str, pod: dict, node: str, age_s: float) ->
 
 
 # --- case 3 -------------------------------------------------------------------------------------
-def test_failed_binding_and_failed_rollback_lock_nothing_and_are_cleaned_on_the_next_filter(
+def test_a_failed_binding_leaves_nothing_on_the_pod_and_locks_nothing(
+    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
+):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 1)
+    with FaultProxy(cluster.url) as proxy:
+        ext = start_extender(kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url))
+        p = create_pod(cluster.core, small("p", 60000, 60), ns)
+        proxy.fail_next("POST", r"/pods/p/binding$", 500)  # never reaches the API server
+        r = ext.post("bind", bind_body(p, node))
+        assert "Binding pod" in r.json()["Error"], r.text
+        # one write binds and assigns: the Binding that failed wrote nothing, and no PATCH came first
+        assert proxy.count("PATCH", r"/pods/p$") == 1  # only the fence that rules out a late Binding
+        left = get_pod(cluster.core, ns, "p")
+        assert not left["spec"].get("nodeName") and ANN_ASSIGNMENT not in annotations(left)
+        assert ANN_HANDOFF not in annotations(left) and "gpupack.io/bind-fenced" in annotations(left)
+
+        # its share was given back at once, and it locks no handoff: q (10000 MiB) binds without a wait,
+        # and p (60000 MiB) still fits beside it on the one 80 GiB GPU
+        q = create_pod(cluster.core, small("q", 10000, 10), ns)
+        assert ext.post("bind", bind_body(q, node)).json() == {"Error": ""}, ext.tail()
+        out = ext.post("filter", filter_body(left, [node])).json()
+        assert out["NodeNames"] == [node], out
+
+
+def test_a_binding_whose_answer_is_lost_is_known_done_and_its_gpu_stays_charged(
+    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
+):
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 1)
+    with FaultProxy(cluster.url) as proxy:
+        ext = start_extender(kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url))
+        p = create_pod(cluster.core, small("p", 60000, 60), ns)
+        proxy.lose_answer_next("POST", r"/pods/p/binding$", 504)  # the API server binds; the answer is lost
+        assert ext.post("bind", bind_body(p, node)).json() == {"Error": ""}, ext.tail()
+        bound = get_pod(cluster.core, ns, "p")
+        assert bound["spec"]["nodeName"] == node
+        a = decode_assignment(annotations(bound)[ANN_ASSIGNMENT])
+        assert a.pod_uid == p["metadata"]["uid"] and annotations(bound)[ANN_HANDOFF] == HANDOFF_PENDING
+        # the fence's precondition failed (the Binding had changed the pod): nothing else was written
+        assert "gpupack.io/bind-fenced" not in annotations(bound)
+        # p's 60000 MiB stay charged: another pod of 60000 MiB does not fit on the one GPU
+        r = create_pod(cluster.core, small("r", 60000, 60), ns)
+        out = ext.post("filter", filter_body(r, [node])).json()
+        assert out["NodeNames"] == [], out
+
+
+def test_a_binding_of_unknown_outcome_keeps_its_gpu_until_the_janitor_settles_it(
     cluster, ns, sfx, kubeconfig, tmp_path, start_extender
 ):
     node = f"gpu-{sfx}"
     gpu_node(cluster, node, 1)
     with FaultProxy(cluster.url) as proxy:
         ext = start_extender(
-            "--bind-wait-s",
-            "3",
+            "--sweep-interval-s", "0.3",
             kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url),
-        )
+        )  # fmt: skip
         p = create_pod(cluster.core, small("p", 60000, 60), ns)
-        proxy.fail_next("POST", r"/pods/p/binding$", 500)
-        proxy.fail_next("PATCH", r"/pods/p$", 500, skip=1)  # the assignment goes through, the rollback not
+        # neither the Binding nor the fence that would settle it get an answer (the API server is away)
+        proxy.fail_next("POST", r"/pods/p/binding$", 503)
+        proxy.fail_next("PATCH", r"/pods/p$", 503, times=4)
         r = ext.post("bind", bind_body(p, node))
-        assert "Binding pod" in r.json()["Error"], r.text
+        assert "not known yet" in r.json()["Error"], r.text
+        # meanwhile the Binding may still land: p's share stays held, and so does the node's handoff
+        big = create_pod(cluster.core, small("big", 60000, 60), ns)
+        assert ext.post("filter", filter_body(big, [node])).json()["NodeNames"] == []
+        # the API server answers again: the janitor fences the Binding out and gives the share back
+        until(lambda: ext.post("filter", filter_body(big, [node])).json()["NodeNames"] == [node], 20,
+              "p's held share released by the janitor")  # fmt: skip
         left = get_pod(cluster.core, ns, "p")
-        assert annotations(left).get(ANN_HANDOFF) == HANDOFF_PENDING and not left["spec"].get("nodeName")
-
-        # the node is not locked by a pod that will never be admitted there: another pod binds at once
-        q = create_pod(cluster.core, small("q", 10000, 10), ns)
-        r = ext.post("bind", bind_body(q, node))
-        assert r.json() == {"Error": ""}, (r.text, ext.tail())  # no wait for p: that would end in an error
-
-        # the stale assignment does not count against the pod itself: with q's 10000 MiB on the one GPU,
-        # p's own 60000 would leave no room for p; the filter removes it (precondition: p's version)
-        out = ext.post("filter", filter_body(left, [node])).json()
-        assert out["NodeNames"] == [node], out
-        cleaned = get_pod(cluster.core, ns, "p")
-        assert ANN_ASSIGNMENT not in annotations(cleaned) and ANN_HANDOFF not in annotations(cleaned)
-        assert metric(ext, 'gpupack_extender_annotation_problems_total{kind="stale-assignment-cleaned"}') == 1
+        assert not left["spec"].get("nodeName") and "gpupack.io/bind-fenced" in annotations(left)
+        assert ANN_ASSIGNMENT not in annotations(left)
 
 
-def test_extender_killed_between_patch_and_binding_leaves_no_locked_node(
+def test_extender_killed_while_its_binding_is_in_flight_leaves_no_locked_node(
     cluster, ns, sfx, kubeconfig, tmp_path, start_extender
 ):
     node = f"gpu-{sfx}"
@@ -136,26 +178,36 @@ def test_extender_killed_between_patch_and_binding_leaves_no_locked_node(
         proxy.delay(r"/pods/p/binding$", 6, method="POST")
         proxy.fail_next("POST", r"/pods/p/binding$", 500)  # never reaches the API server
         threading.Thread(target=lambda: _quiet(first.post, "bind", bind_body(p, node)), daemon=True).start()
-        until(lambda: ANN_ASSIGNMENT in annotations(get_pod(cluster.core, ns, "p")), 10, "assignment PATCHed",
-              interval=0.02)  # fmt: skip
+        until(lambda: proxy.count("POST", r"/pods/p/binding$") == 1, 10, "Binding posted", interval=0.02)
         kill_tree(first.proc)  # SIGKILL while the Binding is in flight
-    stale = get_pod(cluster.core, ns, "p")
-    assert annotations(stale)[ANN_HANDOFF] == HANDOFF_PENDING and not stale["spec"].get("nodeName")
+    left = get_pod(cluster.core, ns, "p")
+    assert not left["spec"].get("nodeName") and ANN_ASSIGNMENT not in annotations(left)
 
-    second = start_extender("--unbound-grace-s", "2", "--sweep-interval-s", "0.3")
+    second = start_extender()
     q = create_pod(cluster.core, small("q", 10000, 10), ns)
     r = second.post("bind", bind_body(q, node))
-    assert r.json() == {"Error": ""}, (r.text, second.tail())  # no wait for p: that would end in an error
-    # nobody filters p again here: the janitor finds the stale assignment and removes it
-    until(
-        lambda: ANN_ASSIGNMENT not in annotations(get_pod(cluster.core, ns, "p")),
-        15,
-        "stale assignment removed",
-    )
-    assert LABEL_MANAGED not in (get_pod(cluster.core, ns, "p")["metadata"].get("labels") or {})
-    # and its GPU share is free again: p (60000 MiB) fits beside q (10000 MiB)
+    assert r.json() == {"Error": ""}, (r.text, second.tail())  # nothing of p's holds the node
+    # and p (60000 MiB) fits beside q (10000 MiB)
     out = second.post("filter", filter_body(get_pod(cluster.core, ns, "p"), [node])).json()
     assert out["NodeNames"] == [node], out
+
+
+def test_an_old_unbound_assignment_is_removed_before_the_pod_is_bound(
+    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
+):
+    """An extender before the one-write bind could leave an assignment on a pod that never got its
+    Binding; a Binding cannot remove annotations, so the bind removes it first."""
+    node = f"gpu-{sfx}"
+    gpu_node(cluster, node, 1)
+    ext = start_extender()
+    p = create_pod(cluster.core, small("p", 60000, 60), ns)
+    stale = write_stale_assignment(cluster.core, ns, p, node, age_s=60)
+    assert ext.post("bind", bind_body(stale, node)).json() == {"Error": ""}, ext.tail()
+    bound = get_pod(cluster.core, ns, "p")
+    a = decode_assignment(annotations(bound)[ANN_ASSIGNMENT])
+    assert bound["spec"]["nodeName"] == node and a.bound_at != decode_assignment(
+        annotations(stale)[ANN_ASSIGNMENT]
+    ).bound_at
 
 
 def _quiet(fn, *a) -> None:

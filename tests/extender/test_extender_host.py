@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ext_helpers import H100_MIB, container, node_obj, pod_obj
 
-from extender.framework import NOT_BEST, Extender, assignment_from_fit
+from extender.framework import Extender, assignment_from_fit
 from extender.main import build_parser, make_policy
 from extender.view import ClusterView, HostUse, pod_host_request
 from extender.wire import ExtenderArgs
@@ -198,9 +198,9 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
             assert out["NodeNames"] == [], out
             continue
         assert out["NodeNames"] == [want.node], (i, out["NodeNames"], want.node)
-        # every other fitting node is dropped with the reason that names the chosen one
-        dropped = {n for n, r in out["FailedNodes"].items() if r == f"{NOT_BEST} ({want.node})"}
-        assert dropped == set(names) - set(want.failures) - {want.node}
+        # the other fitting nodes are left out without a reason; the nodes it does not fit keep theirs
+        reasons = {**out["FailedNodes"], **out["FailedAndUnresolvableNodes"]}
+        assert set(reasons) == set(want.failures), (i, reasons, want.failures)
         # the bind fits again on the chosen node: the same GPUs as the simulator's
         f, _ = ext.node_fit(want.node, req, NOW, None)
         assert isinstance(f, Fit) and want.fit is not None
@@ -225,9 +225,8 @@ def test_filter_keep_best_zero_passes_every_fitting_node():
     assert ext.filter(ExtenderArgs(pod, ["a", "b", "c"], None))["NodeNames"] == ["a", "b", "c"]
     ext.keep_best = 2
     out = ext.filter(ExtenderArgs(pod, ["a", "b", "c"], None))
-    assert len(out["NodeNames"]) == 2 and len(out["FailedNodes"]) == 1
-    (reason,) = out["FailedNodes"].values()
-    assert reason == f"{NOT_BEST} ({out['NodeNames'][0]})"
+    # the third fits too: it is left out, with no reason (kube-scheduler would never show it)
+    assert len(out["NodeNames"]) == 2 and out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}
 
 
 def test_workload_round_trips_and_keeps_its_order():

@@ -93,7 +93,8 @@ def test_recorded_scheduler_conversation(mode, cluster, ns, sfx, start_extender,
             assert pod["spec"]["nodeName"] == body["Node"]
             a = decode_assignment(annotations(pod)[ANN_ASSIGNMENT])
             assert a.node == body["Node"] and a.pod_uid == body["PodUID"]
-            assert pod["metadata"]["labels"][LABEL_MANAGED] == "true"
+            # one write: the Binding carries the assignment; the old managed label is no longer set
+            assert LABEL_MANAGED not in (pod["metadata"].get("labels") or {})
             # The kubelet admits the pod before the next one is scheduled (as when the
             # conversation was recorded): a node with a pending handoff is now filtered out.
             until(lambda n=body["PodName"]: annotations(get_pod(core, ns, n)).get(ANN_HANDOFF) == HANDOFF_DONE,
@@ -382,9 +383,9 @@ def test_lists_are_paged_and_complete(cluster, ns, sfx, proxy, tmp_path):
         gpu_node(cluster, f"n{i}-{sfx}", 1)
     for i in range(3):
         p = pod_obj(f"p{i}", [container("c", 1, 10)])
-        p["metadata"]["labels"][LABEL_MANAGED] = "true"
+        p["spec"]["nodeName"] = f"n{i}-{sfx}"
         create_pod(cluster.core, p, ns)
-    create_pod(cluster.core, pod_obj("unmanaged", [container("c", 1, 10)]), ns)
+    create_pod(cluster.core, pod_obj("unbound", [container("c", 1, 10)]), ns)
     kube = Kube(api_client(str(cluster.write_kubeconfig(tmp_path / "kc", server=proxy.url))), page=2)
     nodes = kube.list_nodes()
     assert [n["metadata"]["name"] for n in nodes["items"]] == [f"n{i}-{sfx}" for i in range(5)]
