@@ -151,15 +151,9 @@ def mirror(core: client.CoreV1Api) -> ClusterView:
     view = ClusterView(track_host=True)
     view.replace_nodes(json.loads(core.list_node(_preload_content=False).data)["items"])
     pods = json.loads(core.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
-    view.replace_pods([p for p in pods if LABEL_MANAGED in (p["metadata"].get("labels") or {})])
-    view.replace_host_pod_pages(
-        [
-            [
-                p
-                for p in pods
-                if p["spec"].get("nodeName") and p["status"].get("phase") not in ("Succeeded", "Failed")
-            ]
-        ]
+    # what the extender's one pod watch selects: every pod with a node that has not ended
+    view.replace_assigned_pages(
+        [[p for p in pods if p["spec"].get("nodeName") and p["status"].get("phase") not in ("Succeeded", "Failed")]]
     )
     return view
 
