@@ -796,8 +796,6 @@ class Extender:
                 return
             with self.view.lock:
                 self.view.inflight.add(key)
-            if self.fence is not None:
-                self.fence.check(fresh=False)  # leadership may have moved while this bind waited
             self._reserve_and_bind(args, pod, req)
         finally:
             with self.view.lock:
@@ -834,7 +832,7 @@ class Extender:
                 self.view.assume_host(key, req.uid, args.node, pod_host_request(pod))
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
-        why = self.fence.problem(fresh=False) if self.fence is not None else ""
+        why = self.fence.problem() if self.fence is not None else ""
         if why:
             self.view.unassume_host(key, req.uid)
             raise BindError(why, "not-leader")
@@ -893,6 +891,10 @@ class Extender:
         assert self.kube is not None
         for _attempt in range(5):
             pod = self._without_stale_record(args, pod)
+            if self.fence is not None:
+                # read afresh right before the write: a scheduler that shuts down releases its
+                # Lease at once (ReleaseOnCancel), so a read even 1 s old may name a holder no more
+                self.fence.check()
             a = self._assume_fit(args, pod, req)
             rv = str((pod.get("metadata") or {}).get("resourceVersion") or "")
             try:

@@ -57,12 +57,9 @@ class LeaseFence:
 
     def problem(self, fresh: bool = True) -> str:
         """Why this extender may not write now ("" when it may). With `fresh` false, a read that
-        found the Lease ours at most LEASE_REUSE_S ago, and valid from now on for `margin_s` more
-        as that read saw it, answers without another. That is what a bind's one write needs: the
-        Lease cannot change hands before it expires, and a write started now ends (API timeout <
-        margin) before it could. The one case a read cannot rule out, the holder releasing the
-        Lease on its way out, a read just before the write cannot rule out either (the release may
-        follow it); reusing only widens that window by LEASE_REUSE_S. A refusal is never reused."""
+        found the Lease ours at most LEASE_REUSE_S ago, and valid for `margin_s` from now on,
+        answers without another: for the checks before a bind's one write (the Binding), whose
+        last check, right before it, reads the Lease itself. A refusal is never reused."""
         if not fresh:
             with self._lock:
                 if time.monotonic() < self._held_until:
