@@ -378,7 +378,7 @@ class FGDPolicy:
     learn: bool
 
     def _setup(self, workload: Workload | None) -> None:
-        self._cache: tuple[tuple[int, int, bool], FragCache[int], int] | None = None
+        self._frag_cache: tuple[tuple[int, int, bool], FragCache[int], int] | None = None
         self.learn = workload is None
         self.workload = workload if workload is not None else Workload()
 
@@ -390,10 +390,10 @@ class FGDPolicy:
         """The fragmentation cache of the current workload version, and its `kept` weight."""
         wl = self.workload
         key = (id(wl), wl._version, wl.by_demand)
-        c = self._cache
+        c = self._frag_cache
         if c is None or c[0] != key:
             shapes, weights = wl.typical()
-            c = self._cache = (key, FragCache(shapes, weights, _free, _takes), sum(weights))
+            c = self._frag_cache = (key, FragCache(shapes, weights, _free, _takes), sum(weights))
         return c[1], c[2]
 
     def _frag(self, frees: list[int], cpu: int | None, model: str) -> int:

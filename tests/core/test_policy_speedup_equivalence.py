@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -317,14 +318,17 @@ shapes = st.builds(
 )
 
 
+WorkloadSpec = tuple[list[tuple[Shape, int]], float, bool]
+
+
 @st.composite
-def workloads(draw: st.DrawFn) -> tuple[list[tuple[Shape, int]], float, bool]:
+def workloads(draw: st.DrawFn) -> WorkloadSpec:
     counts = draw(st.lists(st.tuples(shapes, st.integers(1, 40)), min_size=1, max_size=12))
     coverage = draw(st.sampled_from((0.5, 0.95, 1.0)))
     return counts, coverage, draw(st.booleans())
 
 
-def make_workload(spec: tuple[list[tuple[Shape, int]], float, bool]) -> Workload:
+def make_workload(spec: WorkloadSpec) -> Workload:
     counts, coverage, by_demand = spec
     c: Counter[Shape] = Counter()
     for s, n in counts:
@@ -390,8 +394,11 @@ def pods(draw: st.DrawFn, key: str) -> PodRequest:
     )
 
 
+Scenario = tuple[list[Node], list[PodRequest], list[int], WorkloadSpec, bool, int]
+
+
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[object, ...]:
+def scenarios(draw: st.DrawFn) -> Scenario:
     cluster = [draw(nodes(f"n{i}")) for i in range(draw(st.integers(1, 5)))]
     # Node copies: equal states on several nodes go through the memoised paths.
     cluster += [n.copy() for n in cluster[: draw(st.integers(0, 2))]]
@@ -399,7 +406,9 @@ def scenarios(draw: st.DrawFn) -> tuple[object, ...]:
     # How many times each pod is observed first (a learning policy: the waste table rebuilds
     # once its workload grows past a threshold, so the call sequence matters).
     repeats = [draw(st.integers(0, 30)) for _ in arriving]
-    return cluster, arriving, repeats, draw(workloads()), draw(st.booleans())
+    # A tiny memo bound empties the memo in the middle of a node's trials.
+    limit = draw(st.sampled_from((2, 5, FragCache.LIMIT)))
+    return cluster, arriving, repeats, draw(workloads()), draw(st.booleans()), limit
 
 
 def answers(policy: Policy, cluster: list[Node], pod: PodRequest) -> list[tuple[object, ...]]:
@@ -412,27 +421,31 @@ def answers(policy: Policy, cluster: list[Node], pod: PodRequest) -> list[tuple[
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from(("gpupack", "fgd")))
-def test_fit_and_score_equal_the_reference(scenario: tuple[object, ...], name: str) -> None:
-    cluster, arriving, repeats, spec, learning = scenario
-    assert isinstance(cluster, list) and isinstance(arriving, list) and isinstance(repeats, list)
-    ref = REFERENCE[name](seed=1, workload=None if learning else make_workload(spec))  # type: ignore[arg-type]
-    new = get_policy(name, seed=1, workload=None if learning else make_workload(spec))  # type: ignore[arg-type]
+def test_fit_and_score_equal_the_reference(scenario: Scenario, name: str) -> None:
+    cluster, arriving, repeats, spec, learning, limit = scenario
+    ref: Any = REFERENCE[name](seed=1, workload=None if learning else make_workload(spec))
+    new: Any = get_policy(name, seed=1, workload=None if learning else make_workload(spec))
     if learning:  # each learns into its own copy of the same starting workload
-        ref.workload, new.workload = make_workload(spec), make_workload(spec)  # type: ignore[arg-type,attr-defined]
-    for pod, n in zip(arriving, repeats, strict=True):
-        for _ in range(n):
-            ref.observe(pod)
-            new.observe(pod)
-        want = answers(ref, cluster, pod)
-        assert answers(new, cluster, pod) == want
-        event(f"{name}: {'some' if any(isinstance(a[0], Fit) for a in want) else 'no'} node fits")
-        # The waste table the policy holds (read without rebuilding it): rebuilt at the same calls.
-        assert getattr(new, "_waste", ()) == getattr(ref, "_waste", ())
-        # Place it on the first node that takes it, so later pods meet changed states.
-        for node, a in zip(cluster, want, strict=True):
-            if isinstance(a[0], Fit):
-                place(node, pod, a[0])
-                break
+        ref.workload, new.workload = make_workload(spec), make_workload(spec)
+    default_limit = FragCache.LIMIT
+    FragCache.LIMIT = limit
+    try:
+        for pod, n in zip(arriving, repeats, strict=True):
+            for _ in range(n):
+                ref.observe(pod)
+                new.observe(pod)
+            want = answers(ref, cluster, pod)
+            assert answers(new, cluster, pod) == want
+            event(f"{name}: {'some' if any(isinstance(a[0], Fit) for a in want) else 'no'} node fits")
+            # The waste table the policy holds (read without rebuilding it): rebuilt at the same calls.
+            assert getattr(new, "_waste", ()) == getattr(ref, "_waste", ())
+            # Place it on the first node that takes it, so later pods meet changed states.
+            for node, a in zip(cluster, want, strict=True):
+                if isinstance(a[0], Fit):
+                    place(node, pod, a[0])
+                    break
+    finally:
+        FragCache.LIMIT = default_limit
 
 
 def place(node: Node, pod: PodRequest, f: Fit) -> None:
@@ -470,7 +483,7 @@ def test_incremental_fragmentation_equals_the_sum_over_gpus(
     changes: list[tuple[int, RefView]],
     cpu: int | None,
     model: str,
-    spec: tuple[list[tuple[Shape, int]], float, bool],
+    spec: WorkloadSpec,
 ) -> None:
     """Any state, any GPUs changed to anything (views no policy builds included): the cache's
     fragmentation is the per-state sum's, for gpupack's views and fgd's free milli."""
