@@ -29,6 +29,7 @@ from ext_helpers import (
 )
 from faultproxy import FaultProxy
 
+from extender.framework import ANN_BIND_FENCED
 from gpupack.contract import (
     ANN_ALLOCATED,
     ANN_ASSIGNMENT,
@@ -194,7 +195,7 @@ def proxy(cluster):
         yield fp
 
 
-def test_failed_binding_rolls_back_and_conflicts_are_retried(
+def test_a_failed_binding_leaves_nothing_held_and_conflicts_are_retried(
     cluster, ns, sfx, start_extender, proxy, tmp_path
 ):
     n1 = f"n1-{sfx}"
@@ -202,18 +203,31 @@ def test_failed_binding_rolls_back_and_conflicts_are_retried(
     ext = start_extender(kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url))
     p = create_pod(cluster.core, pod_obj("p", [container("c", 1, 60000, 10)]), ns)
     args = bind_body(p, n1)
+    # a 500 the API server never saw: the Binding's fate looks unknown, so the extender fences it
+    # (a PATCH with the Binding's resourceVersion as precondition) and, the pod being unbound, gives up
     proxy.fail_next("POST", r"/pods/p/binding$", 500, message="etcd is unhappy")
     err = ext.post("bind", args).json()["Error"]
     assert f"Binding pod {ns}/p to node {n1} failed: 500" in err and "etcd is unhappy" in err
-    ann = annotations(get_pod(cluster.core, ns, "p"))
-    assert ANN_ASSIGNMENT not in ann and ANN_HANDOFF not in ann
+    pod = get_pod(cluster.core, ns, "p")
+    ann = annotations(pod)
+    assert not pod["spec"].get("nodeName")
+    assert ANN_ASSIGNMENT not in ann and ANN_HANDOFF not in ann and ANN_ALLOCATED not in ann
+    assert ANN_BIND_FENCED in ann
+    assert proxy.count("PATCH", r"/pods/p$") == 1  # the fence; there is nothing to roll back
+    # the view gives the GPU back: another pod of 60000 MiB fits where p's would have been
+    other = create_pod(cluster.core, pod_obj("other", [container("c", 1, 60000, 10)]), ns)
     until(lambda: ext.reserved().get((n1, "0"), (1, 1))[0] == 0, 30, "reservation released")
-    # a conflicting update of the pod between read and PATCH: re-read and retry
-    proxy.fail_next("PATCH", r"/pods/p$", 409, message="the object has been modified")
+    assert ext.post("filter", {"Pod": other, "NodeNames": [n1]}).json()["NodeNames"] == [n1]
+    # a conflicting update of the pod between its read and its Binding: read again and retry
+    proxy.fail_next("POST", r"/pods/p/binding$", 409, message="the object has been modified")
+    gets = proxy.count("GET", r"/pods/p$")
     assert ext.post("bind", args).json() == {"Error": ""}
-    assert proxy.count("PATCH", r"/pods/p$") >= 2
+    assert proxy.count("POST", r"/pods/p/binding$") == 3  # the 500, the 409, the retry
+    assert proxy.count("GET", r"/pods/p$") == gets + 2  # the bind's read of p, and its read after the 409
+    assert proxy.count("PATCH", r"/pods/p$") == 1  # a refusal needs no fence
     pod = get_pod(cluster.core, ns, "p")
     assert pod["spec"]["nodeName"] == n1 and ANN_ALLOCATED not in annotations(pod)
+    assert decode_assignment(annotations(pod)[ANN_ASSIGNMENT]).pod_uid == p["metadata"]["uid"]
     assert ext.reserved()[(n1, "0")] == (60000, 10)
     # a retried bind of a pod already bound here is a success; elsewhere it is an error
     assert ext.post("bind", args).json() == {"Error": ""}
@@ -277,7 +291,10 @@ def test_malformed_and_hostile_bodies_get_4xx_and_lose_nothing(cluster, ns, sfx,
         r = ext.post("prioritize", {"Pod": pod, "NodeNames": [n1]})
         assert r.status_code == 200 and r.json() == [{"Host": n1, "Score": 0}], r.text
     # a CPU-only pod is the extender's too (placed by CPU/memory and the policy), not a bad request
-    r = ext.post("filter", {"Pod": pod_obj("none", [{"name": "c", "image": "i"}], namespace=ns), "NodeNames": [n1, "ghost"]})
+    r = ext.post(
+        "filter",
+        {"Pod": pod_obj("none", [{"name": "c", "image": "i"}], namespace=ns), "NodeNames": [n1, "ghost"]},
+    )
     assert r.status_code == 200 and r.json()["NodeNames"] == [n1], r.text
     assert "not in gpupack's view" in r.json()["FailedNodes"]["ghost"], r.text
     assert ext.http.get(ext.url + "/healthz").status_code == 200
@@ -377,19 +394,24 @@ def test_status_cli_json_and_table(cluster, ns, sfx, kubeconfig, start_extender)
 
 
 def test_lists_are_paged_and_complete(cluster, ns, sfx, proxy, tmp_path):
-    from extender.kube import Kube, api_client
+    from extender.kube import ASSIGNED_PODS, Kube, api_client
 
     for i in range(5):
         gpu_node(cluster, f"n{i}-{sfx}", 1)
     for i in range(3):
-        p = pod_obj(f"p{i}", [container("c", 1, 10)])
+        # created bound (create_pod drops spec.nodeName, as a recorded pod's must go)
+        p = pod_obj(f"p{i}", [container("c", 1, 10)], namespace=ns)
         p["spec"]["nodeName"] = f"n{i}-{sfx}"
-        create_pod(cluster.core, p, ns)
+        made = json.loads(cluster.core.create_namespaced_pod(ns, p, _preload_content=False).data)
+        assert made["spec"]["nodeName"] == f"n{i}-{sfx}"
     create_pod(cluster.core, pod_obj("unbound", [container("c", 1, 10)]), ns)
     kube = Kube(api_client(str(cluster.write_kubeconfig(tmp_path / "kc", server=proxy.url))), page=2)
     nodes = kube.list_nodes()
     assert [n["metadata"]["name"] for n in nodes["items"]] == [f"n{i}-{sfx}" for i in range(5)]
     assert nodes["metadata"]["resourceVersion"]
     pods = [p["metadata"]["name"] for p in kube.list_pods()["items"] if p["metadata"]["namespace"] == ns]
-    assert pods == ["p0", "p1", "p2"]
+    assert pods == ["p0", "p1", "p2"]  # the assigned pods only: "unbound" holds nothing
     assert proxy.count("GET", r"^/api/v1/nodes$") == 3
+    pod_lists = [r for r in proxy.requests if r.method == "GET" and r.path == "/api/v1/pods"]
+    assert len(pod_lists) >= 2  # pages of 2
+    assert all(r.query.get("fieldSelector") == [ASSIGNED_PODS] for r in pod_lists), pod_lists
