@@ -44,8 +44,10 @@ from test_extender_scheduler import events
 
 from gpupack import handoff
 from gpupack.contract import (
+    ANN_ALLOCATED,
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
+    HANDOFF_DONE,
     HANDOFF_FAILED,
     HANDOFF_PENDING,
     LABEL_MANAGED,
@@ -293,21 +295,29 @@ def test_only_the_lease_holders_extender_binds_and_an_inflight_bind_that_loses_i
 
         _lease(cluster, ns, "sched", "me_5678")
         assert ext.post("bind", bind_body(p, node)).json() == {"Error": ""}
+        # one write: the Binding carries the assignment (no PATCH of the pod before or after it)
+        assert proxy.count("PATCH", r"/pods/p$") == 0 and proxy.count("POST", r"/pods/p/binding$") == 1
+        pp = get_pod(cluster.core, ns, "p")
+        assert pp["spec"].get("nodeName") == node and ANN_ASSIGNMENT in annotations(pp), pp["metadata"]
 
-        # an in-flight bind whose scheduler loses the Lease while the assignment is being written
-        node2 = f"gpu-2-{sfx}"  # p's handoff is pending on `node` (no kubelet here)
-        gpu_node(cluster, node2, 1)
+        # An in-flight bind whose scheduler loses the Lease before the bind reaches its write: q's
+        # bind passes its first Lease check and reads q, then waits for p's handoff (pending on
+        # `node`: no kubelet here). The Lease moves during that wait and p's handoff completes right
+        # after, well within a second of the bind's last good read of the Lease: only a read made
+        # after the move, right before the Binding, can stop this write.
         q = create_pod(cluster.core, small("q"), ns)
-        until(lambda: ext.post("filter", filter_body(q, [node2])).json()["NodeNames"], 30, "node2 known")
-        proxy.delay(r"/pods/q$", 1.0, method="PATCH")
         out: dict = {}
-        t = threading.Thread(target=lambda: out.update(ext.post("bind", bind_body(q, node2)).json()))
+        t = threading.Thread(target=lambda: out.update(ext.post("bind", bind_body(q, node)).json()))
         t.start()
-        until(lambda: proxy.count("PATCH", r"/pods/q$") == 1, 10, "q's assignment PATCH sent", interval=0.02)
+        until(
+            lambda: proxy.count("GET", r"/pods/q$") == 1, 10, "q's bind past its first check", interval=0.01
+        )
         _lease(cluster, ns, "sched", "new-leader_9")
+        done = {ANN_ALLOCATED: json.dumps(["c"]), ANN_HANDOFF: HANDOFF_DONE}  # what the device plugin writes
+        cluster.core.patch_namespaced_pod("p", ns, {"metadata": {"annotations": done}})
         t.join(30)
         assert "is held by new-leader_9" in out.get("Error", ""), out
-        assert proxy.count("POST", r"/pods/q/binding$") == 0
+        assert proxy.count("POST", r"/pods/q/binding$") == 0 and proxy.count("PATCH", r"/pods/q$") == 0
         qq = get_pod(cluster.core, ns, "q")
         assert not qq["spec"].get("nodeName") and ANN_ASSIGNMENT not in annotations(qq), qq["metadata"]
         assert metric(ext, 'gpupack_extender_bind_failures_total{reason="not-leader"}') >= 4
