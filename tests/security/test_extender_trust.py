@@ -3,7 +3,9 @@ the real `gpupack extender` against the real kube-apiserver (issue 11 "Why").
 
 - Removing gpupack.io/managed (or the assignment) from one's own running pod made the
   label-filtered watch report DELETED: the share was freed and a second 60000 MiB pod fitted on
-  the same 81559 MiB GPU. Now the pod keeps its share until a GET finds it gone or terminal.
+  the same 81559 MiB GPU. The extender now watches every assigned pod (no label; it writes none
+  since the one-write bind), and a bound pod whose assignment is stripped keeps its share until
+  it is deleted or ends.
 - A transient error reading a namespace was cached as "no labels": an offline namespace's pod was
   recorded online. Now the filter answers an error (kube-scheduler retries) and nothing is cached.
 - The verbs listened on 0.0.0.0 next to /metrics; now loopback only, metrics on a port of its own.
@@ -12,6 +14,7 @@ the real `gpupack extender` against the real kube-apiserver (issue 11 "Why").
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -21,13 +24,17 @@ from typing import Any
 import pytest
 import requests
 from faultproxy import FaultProxy
+from kubernetes.client.exceptions import ApiException
 from processes import ExtenderProcess, free_port
 from realk8s import ControlPlane, until
 
 from extender.main import build_parser
 from gpupack.contract import (
+    ANN_ALLOCATED,
     ANN_ASSIGNMENT,
+    ANN_HANDOFF,
     ANN_INVENTORY,
+    HANDOFF_DONE,
     LABEL_MANAGED,
     GPUInfo,
     NodeInventory,
@@ -89,33 +96,65 @@ def env(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         k8s.reset()
 
 
-def _held_for(env: Env, pod: dict[str, Any], seconds: float) -> None:
-    """The second pod keeps being refused for `seconds` (the old code freed the share at once)."""
+def _held_for(env: Env, pod: dict[str, Any], small: dict[str, Any], seconds: float) -> None:
+    """`pod` keeps being refused for `seconds` (the old code freed the share at once), while `small`
+    still fits: the node is open, only the share of the stripped pod keeps `pod` off it."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         assert not env.fits(pod), f"the share was freed: {env.ext.tail()}"
+        assert env.fits(small), f"the node is closed for another reason: {env.filter(small)}"
         time.sleep(0.25)
+
+
+def _problems(env: Env, kind: str) -> float:
+    m = f'gpupack_extender_annotation_problems_total{{kind="{kind}"}} '
+    text = requests.get(f"http://127.0.0.1:{env.metrics_port}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(m))
 
 
 @pytest.mark.parametrize("strip", ["label", "assignment"])
 def test_a_pod_stripped_of_its_state_keeps_its_share_until_it_is_gone(env: Env, strip: str):
+    """`assignment`: the tenant removes the assignment from its bound pod. `label`: the tenant puts
+    gpupack.io/managed on its pod and takes it off again (pods bound before the one-write bind
+    carry it; the watch that once selected on it turned its removal into DELETED): nothing may
+    change either way."""
     ns = f"strip-{strip[:5]}-{env.sfx}"
     env.cp.ensure_namespace(ns)
     a = env.pod(ns, "a", 60000)
-    assert env.fits(a)
-    env.bind(a)
-    got = env.cp.core.read_namespaced_pod("a", ns)
-    assert got.spec.node_name == env.node and got.metadata.labels[LABEL_MANAGED] == "true"
-    b = env.pod(ns, "b", 60000)
-    until(lambda: not env.fits(b), 30, "the extender to charge pod a")
-    # the tenant strips gpupack's state from its running pod (no admission policy in this test:
-    # the component must hold on its own)
-    meta = {"labels": {LABEL_MANAGED: None}} if strip == "label" else {"annotations": {ANN_ASSIGNMENT: None}}
-    env.cp.core.patch_namespaced_pod("a", ns, {"metadata": meta})
-    _held_for(env, b, 5.0)  # > two rounds of the GET confirmation
-    # really gone: freed within seconds
-    env.cp.core.delete_namespaced_pod("a", ns, grace_period_seconds=0)
-    until(lambda: env.fits(b), 30, f"the share of the deleted pod to be freed: {env.ext.tail()}")
+    try:
+        assert env.fits(a)
+        env.bind(a)
+        got = env.cp.core.read_namespaced_pod("a", ns)
+        assert got.spec.node_name == env.node and ANN_ASSIGNMENT in got.metadata.annotations
+        assert LABEL_MANAGED not in (got.metadata.labels or {}), "the bind writes no label any more"
+        # the device plugin served a (no kubelet here): a's handoff no longer closes the node, so
+        # only a's share keeps b (60000 MiB more on the 81559 MiB GPU) off it
+        done = {ANN_ALLOCATED: '["a"]', ANN_HANDOFF: HANDOFF_DONE}
+        env.cp.core.patch_namespaced_pod("a", ns, {"metadata": {"annotations": done}})
+        b = env.pod(ns, "b", 60000)
+        c = env.pod(ns, "c", 1024)
+        until(lambda: env.fits(c) and not env.fits(b), 30, "pod a charged and its handoff done")
+        # the tenant changes gpupack's state on its running pod (no admission policy in this test:
+        # the component must hold on its own)
+        if strip == "label":
+            for value in ("true", None):
+                env.cp.core.patch_namespaced_pod("a", ns, {"metadata": {"labels": {LABEL_MANAGED: value}}})
+                _held_for(env, b, c, 1.5)
+        else:
+            seen = _problems(env, "stripped-assignment")
+            env.cp.core.patch_namespaced_pod("a", ns, {"metadata": {"annotations": {ANN_ASSIGNMENT: None}}})
+            until(
+                lambda: _problems(env, "stripped-assignment") > seen, 30, "the watch to show the stripped pod"
+            )
+            _held_for(env, b, c, 1.5)
+        # really gone (DELETED from the watch of assigned pods): freed within seconds
+        env.cp.core.delete_namespaced_pod("a", ns, grace_period_seconds=0)
+        until(lambda: env.fits(b), 30, f"the share of the deleted pod to be freed: {env.ext.tail()}")
+    finally:
+        # a pod left bound would keep the next tests of this module off the node
+        for name in ("a", "b", "c"):
+            with contextlib.suppress(ApiException):
+                env.cp.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
 
 
 def test_an_unreadable_namespace_is_an_error_to_retry_never_a_default_class(env: Env):
