@@ -899,7 +899,12 @@ class Extender:
             rv = str((pod.get("metadata") or {}).get("resourceVersion") or "")
             try:
                 self.kube.bind(
-                    args.pod_namespace, args.pod_name, req.uid, args.node, handoff.binding_annotations(a), rv or None
+                    args.pod_namespace,
+                    args.pod_name,
+                    req.uid,
+                    args.node,
+                    handoff.binding_annotations(a),
+                    rv or None,
                 )
                 self.view.mark_bound(req.key, args.node)
                 return
@@ -954,7 +959,9 @@ class Extender:
         assert self.kube is not None
         if fence and rv:
             try:
-                return self.kube.patch_pod_metadata(ns, name, {ANN_BIND_FENCED: handoff.rfc3339(self.clock())}, {}, rv)
+                return self.kube.patch_pod_metadata(
+                    ns, name, {ANN_BIND_FENCED: handoff.rfc3339(self.clock())}, {}, rv
+                )
             except ApiException as e:
                 if e.status == 404:
                     return None
@@ -1019,7 +1026,9 @@ class Extender:
             return again
         left = (again.get("metadata") or {}).get("annotations") or {}
         if ANN_ASSIGNMENT in left or ANN_ALLOCATED in left:
-            raise BindError(f"pod {args.key} carries an old GPU assignment that could not be removed", "conflict")
+            raise BindError(
+                f"pod {args.key} carries an old GPU assignment that could not be removed", "conflict"
+            )
         return again
 
     # --- stale state: whoever finds it cleans it -------------------------------------------------

@@ -100,7 +100,9 @@ def test_a_failed_binding_leaves_nothing_on_the_pod_and_locks_nothing(
     node = f"gpu-{sfx}"
     gpu_node(cluster, node, 1)
     with FaultProxy(cluster.url) as proxy:
-        ext = start_extender(kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url))
+        ext = start_extender(
+            kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
+        )
         p = create_pod(cluster.core, small("p", 60000, 60), ns)
         proxy.fail_next("POST", r"/pods/p/binding$", 500)  # never reaches the API server
         r = ext.post("bind", bind_body(p, node))
@@ -125,7 +127,9 @@ def test_a_binding_whose_answer_is_lost_is_known_done_and_its_gpu_stays_charged(
     node = f"gpu-{sfx}"
     gpu_node(cluster, node, 1)
     with FaultProxy(cluster.url) as proxy:
-        ext = start_extender(kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url))
+        ext = start_extender(
+            kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
+        )
         p = create_pod(cluster.core, small("p", 60000, 60), ns)
         proxy.lose_answer_next("POST", r"/pods/p/binding$", 504)  # the API server binds; the answer is lost
         assert ext.post("bind", bind_body(p, node)).json() == {"Error": ""}, ext.tail()
@@ -207,9 +211,10 @@ def test_an_old_unbound_assignment_is_removed_before_the_pod_is_bound(
     assert ext.post("bind", bind_body(stale, node)).json() == {"Error": ""}, ext.tail()
     bound = get_pod(cluster.core, ns, "p")
     a = decode_assignment(annotations(bound)[ANN_ASSIGNMENT])
-    assert bound["spec"]["nodeName"] == node and a.bound_at != decode_assignment(
-        annotations(stale)[ANN_ASSIGNMENT]
-    ).bound_at
+    assert (
+        bound["spec"]["nodeName"] == node
+        and a.bound_at != decode_assignment(annotations(stale)[ANN_ASSIGNMENT]).bound_at
+    )
 
 
 def _quiet(fn, *a) -> None:

@@ -153,7 +153,13 @@ def mirror(core: client.CoreV1Api) -> ClusterView:
     pods = json.loads(core.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
     # what the extender's one pod watch selects: every pod with a node that has not ended
     view.replace_assigned_pages(
-        [[p for p in pods if p["spec"].get("nodeName") and p["status"].get("phase") not in ("Succeeded", "Failed")]]
+        [
+            [
+                p
+                for p in pods
+                if p["spec"].get("nodeName") and p["status"].get("phase") not in ("Succeeded", "Failed")
+            ]
+        ]
     )
     return view
 
@@ -224,7 +230,9 @@ def test_kube_scheduler_binds_where_schedule_picks(
         c["resources"]["requests"].update(cpu="20", memory="4Gi")
         body = pod_obj("cpu-only", [c], namespace=ns)
         view = mirror(core)
-        req = Extender(view, sim, None).pod_request({**body, "metadata": {**body["metadata"], "uid": "probe-c"}})
+        req = Extender(view, sim, None).pod_request(
+            {**body, "metadata": {**body["metadata"], "uid": "probe-c"}}
+        )
         assert not req.needs_gpu
         want = schedule(view.state.clone(), req, sim, commit=False)
         assert want.node is not None, want.failures
@@ -238,7 +246,11 @@ def test_kube_scheduler_binds_where_schedule_picks(
         assert "gpupack_extender_binds_total 11.0" in metrics, "bound by the extender"
         # ... and a GPU pod sent right after to a node where one was just bound is not held up by it
         # (the policy put the one above where no GPU was left free: here both go to a node with room)
-        free = min(n for n, nd in mirror(core).state.nodes.items() if n.startswith("kb-") and any(g.empty for g in nd.gpus))
+        free = min(
+            n
+            for n, nd in mirror(core).state.nodes.items()
+            if n.startswith("kb-") and any(g.empty for g in nd.gpus)
+        )
         pin = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchFields": [
                 {"key": "metadata.name", "operator": "In", "values": [free]}]}]}}}  # fmt: skip
@@ -258,7 +270,9 @@ def test_kube_scheduler_binds_where_schedule_picks(
                         "the GPU pod bound next to it, its handoff done", interval=0.1)  # fmt: skip
         except AssertionError as e:
             p = get_pod(core, ns, "after")
-            raise AssertionError(f"{e}\n{p['spec'].get('nodeName')} {p['status']}\n{proc.tail(3000)}\n{ext.tail()}") from None
+            raise AssertionError(
+                f"{e}\n{p['spec'].get('nodeName')} {p['status']}\n{proc.tail(3000)}\n{ext.tail()}"
+            ) from None
         assert pod["spec"]["nodeName"] == free and time.monotonic() - t0 < 4.0
         pinned = get_pod(core, ns, "cpu-pinned")
         assert pinned["spec"].get("nodeName") == free, pinned["status"]
