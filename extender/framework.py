@@ -235,6 +235,7 @@ class Extender:
         # any change since), one API round trip less per pod.
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._pods_lock = threading.Lock()
+        self._slots_last: tuple[PodRequest, int] | None = None
 
     # --- request parsing ---------------------------------------------------------------------
     def pod_request(self, pod: dict[str, Any]) -> PodRequest:
@@ -331,7 +332,7 @@ class Extender:
                 "with its kubelet, or has gone)",
                 "no-slots",
             ), None
-        need = request_slots(pod)
+        need = self._slots_needed(pod)
         free = self.view.slots_free(name)
         if need > free:
             return FitFailure(
@@ -370,6 +371,15 @@ class Extender:
         if isinstance(last, FitFailure) and "reservation" not in last.reason:
             last = FitFailure(f"{last.reason} (with {len(held)} defrag reservation(s) held)", last.code)
         return last, None
+
+    def _slots_needed(self, pod: PodRequest) -> int:
+        # asked once per node of a filter for the same request: counted once (view lock held)
+        last = self._slots_last
+        if last is not None and last[0] is pod:
+            return last[1]
+        n = request_slots(pod)
+        self._slots_last = (pod, n)
+        return n
 
     def _host_only_fit(
         self, name: str, node: Node, pod: PodRequest, now: datetime, table: dict | None

@@ -23,6 +23,11 @@ from gunicorn.http import errors as http_errors
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 ACCEPT_POLL_S = 0.5  # how soon an accept loop sees the worker stopping
+# A connection's thread waits this long for the next connection before it ends. kube-scheduler's
+# HTTP client keeps only 2 idle connections to the extender, so binds in parallel open (and close)
+# new ones all the time: a thread started per connection was ~6% of the extender's CPU in a burst.
+IDLE_THREAD_S = 30.0
+IDLE_THREADS_MAX = 64
 
 
 class ConnectionThreadWorker(ThreadWorker):
@@ -32,6 +37,7 @@ class ConnectionThreadWorker(ThreadWorker):
         self._conn_lock = threading.Lock()
         self._open = 0
         self._room = threading.Semaphore(max(1, self.cfg.worker_connections))
+        self._idle: list[_Handoff] = []  # threads between connections, newest last
 
     def handle_exit(self, sig: Any, frame: Any) -> None:
         self.alive = False
@@ -78,9 +84,31 @@ class ConnectionThreadWorker(ThreadWorker):
                 continue
             with self._conn_lock:
                 self._open += 1
-            threading.Thread(
-                target=self._serve, args=(listener, sock, client), name="conn", daemon=True
-            ).start()
+                idle = self._idle.pop() if self._idle else None
+            job = (listener, sock, client)
+            if idle is not None:
+                idle.give(job)
+            else:
+                threading.Thread(target=self._conn_loop, args=(job,), name="conn", daemon=True).start()
+
+    def _conn_loop(self, job: tuple[Any, socket.socket, Any]) -> None:
+        """Serve `job`, then wait (idle) for the next connection the accept loop hands over."""
+        me = _Handoff()
+        while True:
+            self._serve(*job)
+            with self._conn_lock:
+                if not self.alive or len(self._idle) >= IDLE_THREADS_MAX:
+                    return
+                self._idle.append(me)
+            nxt = me.take(IDLE_THREAD_S)
+            if nxt is None:
+                with self._conn_lock:
+                    if me in self._idle:
+                        self._idle.remove(me)
+                        return
+                nxt = me.take(None)  # handed a connection just as the wait ran out
+                assert nxt is not None
+            job = nxt
 
     def _serve(self, listener: Any, sock: socket.socket, client: Any) -> None:
         req = None
@@ -110,3 +138,22 @@ class ConnectionThreadWorker(ThreadWorker):
             with self._conn_lock:
                 self._open -= 1
             self._room.release()
+
+
+class _Handoff:
+    """One idle thread's mailbox: the accept loop puts the next connection in, the thread takes it."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._job: tuple[Any, socket.socket, Any] | None = None
+
+    def give(self, job: tuple[Any, socket.socket, Any]) -> None:
+        self._job = job
+        self._ready.set()
+
+    def take(self, timeout: float | None) -> tuple[Any, socket.socket, Any] | None:
+        if not self._ready.wait(timeout):
+            return None
+        self._ready.clear()
+        job, self._job = self._job, None
+        return job
