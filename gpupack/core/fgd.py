@@ -263,10 +263,10 @@ class FragCache(Generic[V]):
     """Fragmentation of node states and of GPU trials on them, for one workload version (a new
     version needs a new cache). `amount`: a GPU's free capacity (milli); `serves`: whether a GPU
     can take one GPU's worth of a shape. Memoised: many nodes, and the trials on equal GPUs of one
-    node, share a state. The bound (200,000 states and trials) is what the per-state memo it
-    replaced held."""
+    node, share a state. Bounded at LIMIT states and trials: an entry takes ~1 KB, so ~50 MB at
+    most in the extender, which keeps one cache per policy."""
 
-    LIMIT = 200_000
+    LIMIT = 50_000
 
     def __init__(
         self,
