@@ -751,6 +751,17 @@ class ClusterView:
         raw = ann.get(ANN_ASSIGNMENT)
         a = None
         if raw is not None and not deleted and phase not in TERMINAL:
+            with self.lock:
+                old = self.pods.get(key)
+                if (
+                    old is not None
+                    and old.uid == uid
+                    and old.assignment_raw == raw
+                    and key in self.state.pods
+                ):
+                    # the assignment held already (a handoff or status update): nothing to decode
+                    self._refresh(old, obj)
+                    return
             try:
                 a = decode_assignment(raw, key)
                 self.problems.pop(f"pod/{key}", None)
@@ -776,6 +787,12 @@ class ClusterView:
                 return
             assert raw is not None
             bound = str((obj.get("spec") or {}).get("nodeName") or "")
+            if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw and not bound:
+                return  # an unbound pod's old record (the Binding being posted replaces it)
+            if old is not None and old.uid == uid and old.assignment_raw == raw and key in self.state.pods:
+                self._refresh(old, obj)
+                return
+            self.doubtful.pop(key, None)  # the watch shows what the pod holds: no doubt left
             info = PodInfo(
                 key=key,
                 uid=uid,
@@ -790,20 +807,23 @@ class ClusterView:
                 resource_version=str(meta.get("resourceVersion") or ""),
                 host=pod_host_request(obj) if self.track_host else HostUse(),
             )
-            if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw and not bound:
-                return  # an unbound pod's old record (the Binding being posted replaces it)
-            self.doubtful.pop(key, None)  # the watch shows what the pod holds: no doubt left
-            if old is not None and old.uid == uid and old.assignment_raw == raw and key in self.state.pods:
-                old.handoff, old.deleting, old.assumed = info.handoff, info.deleting, False
-                old.bound_node = bound or old.bound_node
-                old.resource_version = info.resource_version
-                self._index_pending(old)
-            else:
-                self._release(key, freed=False)
-                self.pods[key] = info
-                self._charge(info)
-                self._index_pending(info)
+            self._release(key, freed=False)
+            self.pods[key] = info
+            self._charge(info)
+            self._index_pending(info)
             self.changed.notify_all()
+
+    def _refresh(self, old: PodInfo, obj: dict[str, Any]) -> None:
+        """An event of a pod with the assignment `old` holds: only its handoff, deletion, node and
+        version can have changed (the rest of a pod's spec is immutable). View lock held."""
+        meta = obj.get("metadata") or {}
+        self.doubtful.pop(old.key, None)  # the watch shows what the pod holds: no doubt left
+        old.handoff = str((meta.get("annotations") or {}).get(ANN_HANDOFF, ""))
+        old.deleting, old.assumed = meta.get("deletionTimestamp") is not None, False
+        old.bound_node = str((obj.get("spec") or {}).get("nodeName") or "") or old.bound_node
+        old.resource_version = str(meta.get("resourceVersion") or "")
+        self._index_pending(old)
+        self.changed.notify_all()
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
         self.apply_pod(obj, deleted=True)
