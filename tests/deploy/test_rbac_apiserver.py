@@ -257,11 +257,14 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     flow.procs.append(sched)
 
     # 4. a GPU pod: the webhook completes it, kube-scheduler + extender place and bind it, the
-    #    device plugin serves its Allocate
+    #    device plugin serves its Allocate. Its first Binding gets no answer: the extender fences it
+    #    (a PATCH with its resourceVersion precondition) and kube-scheduler's retry binds it.
+    flow.proxies["extender"].fail_next("POST", rf"/namespaces/{flow.work}/pods/p/binding$", 503)
     cluster.core.create_namespaced_pod(flow.work, {"metadata": {"name": "p"}, "spec": {"containers": [
         {"name": "a", "image": "registry.invalid/x:1", "resources": {"limits": {"gpupack.io/gpu-mem": "1024"}}}]}})  # fmt: skip
     pod = until(lambda: _bound(cluster, flow.work, "p"), 60, f"the pod bound (logs: {sched.log}, {ext.log})")
     assert pod.spec.node_name == flow.node and pod.spec.scheduler_name == "gpupack-scheduler"
+    assert flow.proxies["extender"].count("PATCH", rf"/namespaces/{flow.work}/pods/p$") == 1  # the fence
     assert pod.metadata.annotations[ANN_HANDOFF] == "pending"
     # the namespace's class label is the pod's default
     assert decode_assignment(pod.metadata.annotations[ANN_ASSIGNMENT]).pod_class == "offline"
@@ -269,11 +272,15 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
     until(lambda: cluster.core.read_namespaced_pod("p", flow.work).metadata.annotations[ANN_HANDOFF] == "done",
           30, "handoff done")  # fmt: skip
-    # the pod goes: its DELETED event from the label-filtered watch is confirmed with a GET before
-    # its share is freed (a pod that merely lost its label looks the same; issue 11)
+    # the pod goes; a bind for it that comes late (no filter of it left to reuse) reads the pod
+    # itself and answers that it is gone
+    uid = pod.metadata.uid
     cluster.core.delete_namespaced_pod("p", flow.work, grace_period_seconds=0)
-    until(lambda: flow.proxies["extender"].count("GET", rf"/namespaces/{flow.work}/pods/p$"), 30,
-          "the extender to confirm the deletion with a GET")  # fmt: skip
+    until(lambda: not cluster.core.list_namespaced_pod(flow.work, field_selector="metadata.name=p").items, 30,
+          "p deleted")  # fmt: skip
+    late = ext.post("bind", {"PodName": "p", "PodNamespace": flow.work, "PodUID": uid, "Node": flow.node})
+    assert late.status_code == 404 and "not found" in late.text, late.text
+    assert flow.proxies["extender"].count("GET", rf"/namespaces/{flow.work}/pods/p$") >= 1
     # a Prometheus scrape of the plugin (it reads its node's pods for the per-pod series)
     assert requests.get(f"http://127.0.0.1:{dp.metrics_port}/metrics", timeout=10).status_code == 200
     # kube-scheduler's port authenticates (TokenReview) and authorizes (SubjectAccessReview) a
