@@ -94,16 +94,23 @@ def write_stale_assignment(core, ns: str, pod: dict, node: str, age_s: float) ->
 
 
 # --- case 3 -------------------------------------------------------------------------------------
-def test_a_failed_binding_leaves_nothing_on_the_pod_and_locks_nothing(
-    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
-):
+@contextlib.contextmanager
+def _one_gpu_behind_proxy(cluster, ns, sfx, tmp_path, start_extender, *flags) -> Iterator[SimpleNamespace]:
+    """A one-GPU node, an extender whose API calls go through a FaultProxy, and a pod p of 60000 MiB."""
     node = f"gpu-{sfx}"
     gpu_node(cluster, node, 1)
     with FaultProxy(cluster.url) as proxy:
-        ext = start_extender(
-            kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
-        )
+        kc = cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
+        ext = start_extender(*flags, kubeconfig_path=kc)
         p = create_pod(cluster.core, small("p", 60000, 60), ns)
+        yield SimpleNamespace(node=node, proxy=proxy, ext=ext, p=p)
+
+
+def test_a_failed_binding_leaves_nothing_on_the_pod_and_locks_nothing(
+    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
+):
+    with _one_gpu_behind_proxy(cluster, ns, sfx, tmp_path, start_extender) as env:
+        node, proxy, ext, p = env.node, env.proxy, env.ext, env.p
         proxy.fail_next("POST", r"/pods/p/binding$", 500)  # never reaches the API server
         r = ext.post("bind", bind_body(p, node))
         assert "Binding pod" in r.json()["Error"], r.text
@@ -124,13 +131,8 @@ def test_a_failed_binding_leaves_nothing_on_the_pod_and_locks_nothing(
 def test_a_binding_whose_answer_is_lost_is_known_done_and_its_gpu_stays_charged(
     cluster, ns, sfx, kubeconfig, tmp_path, start_extender
 ):
-    node = f"gpu-{sfx}"
-    gpu_node(cluster, node, 1)
-    with FaultProxy(cluster.url) as proxy:
-        ext = start_extender(
-            kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
-        )
-        p = create_pod(cluster.core, small("p", 60000, 60), ns)
+    with _one_gpu_behind_proxy(cluster, ns, sfx, tmp_path, start_extender) as env:
+        node, proxy, ext, p = env.node, env.proxy, env.ext, env.p
         proxy.lose_answer_next("POST", r"/pods/p/binding$", 504)  # the API server binds; the answer is lost
         assert ext.post("bind", bind_body(p, node)).json() == {"Error": ""}, ext.tail()
         bound = get_pod(cluster.core, ns, "p")
@@ -148,14 +150,10 @@ def test_a_binding_whose_answer_is_lost_is_known_done_and_its_gpu_stays_charged(
 def test_a_binding_of_unknown_outcome_keeps_its_gpu_until_the_janitor_settles_it(
     cluster, ns, sfx, kubeconfig, tmp_path, start_extender
 ):
-    node = f"gpu-{sfx}"
-    gpu_node(cluster, node, 1)
-    with FaultProxy(cluster.url) as proxy:
-        ext = start_extender(
-            "--sweep-interval-s", "0.3",
-            kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url),
-        )  # fmt: skip
-        p = create_pod(cluster.core, small("p", 60000, 60), ns)
+    with _one_gpu_behind_proxy(
+        cluster, ns, sfx, tmp_path, start_extender, "--sweep-interval-s", "0.3"
+    ) as env:
+        node, proxy, ext, p = env.node, env.proxy, env.ext, env.p
         # neither the Binding nor the fence that would settle it get an answer (the API server is away)
         proxy.fail_next("POST", r"/pods/p/binding$", 503)
         proxy.fail_next("PATCH", r"/pods/p$", 503, times=4)
