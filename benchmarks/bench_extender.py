@@ -88,7 +88,12 @@ def node_obj(name: str) -> dict[str, Any]:
     extender reads only the inventory, and one API call per node keeps big clusters quick to build."""
     model = "NVIDIA-H100-80GB-HBM3"
     inv = NodeInventory(gpus=tuple(GPUInfo(f"GPU-{name}-{i}", i, model, GPU_MIB, 132) for i in range(8)))
-    labels = {"kubernetes.io/hostname": name, LABEL_GPU_NODE: "true", LABEL_GPU_MODEL: model, LABEL_GPU_COUNT: "8"}
+    labels = {
+        "kubernetes.io/hostname": name,
+        LABEL_GPU_NODE: "true",
+        LABEL_GPU_MODEL: model,
+        LABEL_GPU_COUNT: "8",
+    }
     # the kubelet's allocatable `gpupack.io/gpu` slots: the extender places no GPU pod beyond them
     status = {"allocatable": {RES_GPU: str(SLOTS_PER_GPU * 8)}, "capacity": {RES_GPU: str(SLOTS_PER_GPU * 8)}}
     return {"metadata": {"name": name, "labels": labels, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {},
@@ -154,7 +159,9 @@ class Extender(ExtenderProcess):
         return super().wait_ready(timeout)
 
     def worker_rss_mib(self) -> float:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout.split()
         total = 0.0
         for pid in [str(self.proc.pid), *out]:
             try:
@@ -178,7 +185,9 @@ def bench_scheduling(
     names = [f"node-{i:05d}" for i in range(n_nodes)]
     cluster.create_nodes(names)
     pods = cluster.create_pods([pod_obj(f"p{i:06d}", rng.choice(SHAPES)) for i in range(n_pods)])
-    ext = Extender(kubeconfig_in(tmp, cluster), tmp / f"extender-{n_nodes}.log", f"--filter-keep-best={keep_best}")
+    ext = Extender(
+        kubeconfig_in(tmp, cluster), tmp / f"extender-{n_nodes}.log", f"--filter-keep-best={keep_best}"
+    )
     try:
         ready_s = ext.wait_ready()
         http = requests.Session()
@@ -218,8 +227,12 @@ def bench_scheduling(
         def bind(p: dict, node: str) -> None:
             s = getattr(bind_http, "s", None) or requests.Session()
             bind_http.s = s
-            body = {"PodName": p["metadata"]["name"], "PodNamespace": "default",
-                    "PodUID": p["metadata"]["uid"], "Node": node}
+            body = {
+                "PodName": p["metadata"]["name"],
+                "PodNamespace": "default",
+                "PodUID": p["metadata"]["uid"],
+                "Node": node,
+            }
             t0 = time.perf_counter()
             r = s.post(f"{ext.url}/bind", data=json.dumps(body), headers={"Content-Type": "application/json"})
             dt = time.perf_counter() - t0
@@ -265,18 +278,19 @@ def bench_scheduling(
         wall = time.perf_counter() - t_all
         ms = lambda v: round(v * 1000, 2)  # noqa: E731
         warmup_fp_max = max(both[: warm_n[2]], default=0.0)
-        filt, prio, both = filt[warm_n[0]:], prio[warm_n[1]:], both[warm_n[2]:]
+        filt, prio, both = filt[warm_n[0] :], prio[warm_n[1] :], both[warm_n[2] :]
         for k in ("filter", "prioritize"):
-            server[k] = server[k][warm[k]:]
+            server[k] = server[k][warm[k] :]
         if keep_best:  # (nearly) every pod had one feasible node and no prioritize
             sv_both = list(server["filter"])
         else:
             n_sv = min(len(server["filter"]), len(server["prioritize"]))
-            sv_both = [a + b for a, b in zip(server["filter"][-n_sv:], server["prioritize"][-n_sv:], strict=True)]
+            sv_both = [
+                a + b for a, b in zip(server["filter"][-n_sv:], server["prioritize"][-n_sv:], strict=True)
+            ]
         return {
-            "server_ms": {
-                v: {"p50": ms(pct(server[v], 50)), "p99": ms(pct(server[v], 99))} for v in server
-            } | {"filter_plus_prioritize": {"p50": ms(pct(sv_both, 50)), "p99": ms(pct(sv_both, 99))}},
+            "server_ms": {v: {"p50": ms(pct(server[v], 50)), "p99": ms(pct(server[v], 99))} for v in server}
+            | {"filter_plus_prioritize": {"p50": ms(pct(sv_both, 50)), "p99": ms(pct(sv_both, 99))}},
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "keep_best": keep_best,
             "nodes": n_nodes,
@@ -344,7 +358,9 @@ def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int, keep_best: i
         req = ext.pod_request(p)
         with view.lock:
             f, _ = ext.node_fit(best, req, ext.clock(), None)
-            a = assignment_from_fit(view.state.nodes[best], req, f, ext.clock(), "", view.nodes[best].gpu_indexes)
+            a = assignment_from_fit(
+                view.state.nodes[best], req, f, ext.clock(), "", view.nodes[best].gpu_indexes
+            )
             view.assume(req.key, req.uid, a, frozenset())
         view.expect(req.uid, req.key, (), 0.0)  # its bind has come (ClusterView.claim drops it so)
     ms = lambda v: round(v * 1000, 2)  # noqa: E731
@@ -418,17 +434,23 @@ def bench_memory(cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Pa
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, action="append", help="cluster sizes (default 100, 1000, 5000)")
-    ap.add_argument("--pods", type=int, default=0, help="pods scheduled per size (default: 3 x nodes, 300..3000)")
+    ap.add_argument(
+        "--pods", type=int, default=0, help="pods scheduled per size (default: 3 x nodes, 300..3000)"
+    )
     ap.add_argument("--memory-pods", type=int, default=50_000, help="GPU pods for the memory run; 0 skips it")
     ap.add_argument("--memory-nodes", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
-        "--warmup", type=int, default=200,
+        "--warmup",
+        type=int,
+        default=200,
         help="pods scheduled before measuring (the learning policy's first batches, cold shapes)",
     )
     ap.add_argument("--inproc", action="store_true", help="one process without HTTP (no memory run)")
     ap.add_argument(
-        "--keep-best", type=int, default=1,
+        "--keep-best",
+        type=int,
+        default=1,
         help="the extender's --filter-keep-best (default 1, as deployed; 0: filter then prioritize)",
     )
     ap.add_argument("--json", action="store_true")
@@ -442,9 +464,14 @@ def main(argv: list[str] | None = None) -> int:
             r = bench_inproc(n, pods + args.warmup, args.seed, args.warmup, args.keep_best)
             results["inproc"].append(r)
             if not args.json:
-                print(f"{n:>5} nodes, in-process: " + ", ".join(
-                    f"{k} {r[k]['p50']}/{r[k]['p99']} ms" for k in ("filter", "prioritize", "filter_plus_prioritize")
-                ), flush=True)
+                print(
+                    f"{n:>5} nodes, in-process: "
+                    + ", ".join(
+                        f"{k} {r[k]['p50']}/{r[k]['p99']} ms"
+                        for k in ("filter", "prioritize", "filter_plus_prioritize")
+                    ),
+                    flush=True,
+                )
         if args.json:
             print(json.dumps(results, indent=2))
         return 0

@@ -77,7 +77,9 @@ def shipped_extender_args() -> list[str]:
     """The `gpupack extender` flags of deploy/scheduler/deployment.yaml that decide scheduling."""
     docs = yaml.safe_load_all((ROOT / "deploy" / "scheduler" / "deployment.yaml").read_text())
     for doc in docs:
-        for c in ((((doc or {}).get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers", []):
+        for c in ((((doc or {}).get("spec") or {}).get("template") or {}).get("spec") or {}).get(
+            "containers", []
+        ):
             if c.get("name") == "extender":
                 return [a for a in c.get("args", []) if a.split("=", 1)[0] not in _NOT_SCHEDULING]
     raise SystemExit("deploy/scheduler/deployment.yaml has no extender container")
@@ -288,7 +290,9 @@ def run_phase(
     def point_mean(point: str) -> float:
         name, match = "scheduler_framework_extension_point_duration_seconds", f'extension_point="{point}"'
         c = counter(s1, name + "_count", match) - counter(s0, name + "_count", match)
-        return (counter(s1, name + "_sum", match) - counter(s0, name + "_sum", match)) / c if c else float("nan")
+        return (
+            (counter(s1, name + "_sum", match) - counter(s0, name + "_sum", match)) / c if c else float("nan")
+        )
 
     out["scheduler"] = {
         "algorithm_mean_ms": ms(mean("scheduler_scheduling_algorithm_duration_seconds")),

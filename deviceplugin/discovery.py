@@ -36,13 +36,23 @@ class Discovery:
     def table(self) -> str:
         head = ("IDX", "UUID", "MODEL", "MEM MiB", "SMs", "PCI BUS", "NUMA", "HEALTH")
         rows = [
-            (str(g.index), g.uuid, g.model, str(g.mem_mib), str(g.sm_count), g.pci_bus_id, str(g.numa_node),
-             "healthy" if g.healthy else f"unhealthy: {g.unhealthy_reason}")
+            (
+                str(g.index),
+                g.uuid,
+                g.model,
+                str(g.mem_mib),
+                str(g.sm_count),
+                g.pci_bus_id,
+                str(g.numa_node),
+                "healthy" if g.healthy else f"unhealthy: {g.unhealthy_reason}",
+            )
             for g in self.gpus
         ]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         lines = [f"driver {self.driver}, {len(self.gpus)} GPU(s) offered"]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]]
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *rows]
+        ]
         lines += [f"skipped: {s}" for s in self.skipped]
         return "\n".join(lines)
 

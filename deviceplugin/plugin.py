@@ -39,7 +39,9 @@ class PluginConfig:
 
 
 class DevicePlugin:
-    def __init__(self, cfg: PluginConfig, nvml: NvmlFacade, discovery: Discovery, api_client: client.ApiClient):
+    def __init__(
+        self, cfg: PluginConfig, nvml: NvmlFacade, discovery: Discovery, api_client: client.ApiClient
+    ):
         self.cfg = cfg
         self.nvml = nvml
         self.state = DeviceState(discovery.gpus, discovery.skipped)
@@ -53,7 +55,9 @@ class DevicePlugin:
         self.health = HealthWatcher(nvml, self.state, probe_interval_s=cfg.probe_interval_s)
         self.publisher = Publisher(self.kube, cfg.node, self.state, cfg.enforcement)
         self.watcher = KubeletWatcher(
-            os.path.join(cfg.kubelet_dir, KUBELET_SOCKET_NAME), self.server, cfg.socket_name,
+            os.path.join(cfg.kubelet_dir, KUBELET_SOCKET_NAME),
+            self.server,
+            cfg.socket_name,
             on_registered=self.metrics.registrations.inc,
         )
         self._metrics_server = None
@@ -65,7 +69,9 @@ class DevicePlugin:
         self.publisher.start()
         self.watcher.start()
         if self.cfg.metrics_port is not None:
-            self._metrics_server = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr, self._not_ready)
+            self._metrics_server = self.metrics.serve(
+                self.cfg.metrics_port, self.cfg.metrics_addr, self._not_ready
+            )
             log.info("metrics on http://%s:%d/metrics", self.cfg.metrics_addr, self.metrics_port)
 
     def _not_ready(self) -> str:

@@ -77,8 +77,12 @@ class Publisher:
         labels, annotations = node_patch(self.state, self.enforcement)
         self.kube.patch_node(self.node, labels, annotations)
         self.published_version = version
-        log.info("published inventory of node %s (%d GPU(s), state version %d)", self.node,
-                 len(self.state.gpus()), version)
+        log.info(
+            "published inventory of node %s (%d GPU(s), state version %d)",
+            self.node,
+            len(self.state.gpus()),
+            version,
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -91,7 +95,11 @@ class Publisher:
                     self.publish_once()
                 except Exception as e:  # keep trying: the extender needs the inventory
                     why = f"{e.status} {e.reason}" if isinstance(e, ApiException) else str(e)
-                    log.warning("cannot publish inventory of node %s: %s; retrying in %.0fs", self.node, why,
-                                self.retry_s)
+                    log.warning(
+                        "cannot publish inventory of node %s: %s; retrying in %.0fs",
+                        self.node,
+                        why,
+                        self.retry_s,
+                    )
                     if self._stop.wait(self.retry_s):
                         return

@@ -36,7 +36,9 @@ def register(kubelet_socket: str, endpoint: str, resource: str = RES_GPU, timeou
                 timeout=timeout_s,
             )
         except grpc.FutureTimeoutError as e:
-            raise RegistrationError(f"kubelet socket {kubelet_socket} did not answer within {timeout_s}s") from e
+            raise RegistrationError(
+                f"kubelet socket {kubelet_socket} did not answer within {timeout_s}s"
+            ) from e
         except grpc.RpcError as e:
             raise RegistrationError(f"kubelet refused registration: {e.code().name}: {e.details()}") from e
 
@@ -84,7 +86,9 @@ class KubeletWatcher:
         while not self._stop.is_set():
             ident = _identity(self.kubelet_socket)
             if not self.server.socket_present():
-                log.warning("plugin socket %s was removed (kubelet restart?); serving again", self.server.socket_path)
+                log.warning(
+                    "plugin socket %s was removed (kubelet restart?); serving again", self.server.socket_path
+                )
                 self.server.restart()
                 self.registered_identity = None
             if ident is None:

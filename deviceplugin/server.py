@@ -20,14 +20,18 @@ from gpupack.handoff import HandoffError
 
 log = logging.getLogger("gpupack.deviceplugin.server")
 
-PLUGIN_OPTIONS = api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+PLUGIN_OPTIONS = api_pb2.DevicePluginOptions(
+    pre_start_required=False, get_preferred_allocation_available=True
+)
 
 
 def device_id(uuid: str, slot: int) -> str:
     return f"{uuid}::{slot}"
 
 
-def list_response(state: DeviceState, slots_per_gpu: int = contract.SLOTS_PER_GPU) -> api_pb2.ListAndWatchResponse:
+def list_response(
+    state: DeviceState, slots_per_gpu: int = contract.SLOTS_PER_GPU
+) -> api_pb2.ListAndWatchResponse:
     """SLOTS_PER_GPU device IDs per GPU: the kubelet sees a small count, never one ID per MiB."""
     devices = []
     for g in state.gpus():
@@ -131,7 +135,9 @@ class PluginServer:
 
     def _start_locked(self) -> None:
         _remove_socket(self.socket_path)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gpupack-grpc"))
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gpupack-grpc")
+        )
         api_pb2_grpc.add_DevicePluginServicer_to_server(self.service, server)
         server.add_insecure_port(f"unix:{self.socket_path}")
         server.start()

@@ -95,7 +95,9 @@ def _common(app: Flask, view: ClusterView, metrics: Metrics, max_body: int) -> N
     def readyz() -> Response:
         if view.synced.is_set():
             return Response("ok\n", mimetype="text/plain")
-        return Response("waiting for the first full list of nodes and pods\n", status=503, mimetype="text/plain")
+        return Response(
+            "waiting for the first full list of nodes and pods\n", status=503, mimetype="text/plain"
+        )
 
     @app.get("/metrics")
     def metrics_() -> Response:
@@ -178,7 +180,10 @@ def _status(code: int) -> str:
 
 
 def _verbs_first(
-    inner: Callable[..., Any], verbs: dict[str, tuple[str, Callable[[Any], Any]]], metrics: Metrics, max_body: int
+    inner: Callable[..., Any],
+    verbs: dict[str, tuple[str, Callable[[Any], Any]]],
+    metrics: Metrics,
+    max_body: int,
 ) -> Callable[..., Any]:
     """The WSGI app, with the three verbs answered straight from WSGI: the same functions, JSON
     and answers (errors too) as their Flask routes, without Flask's request and response objects
@@ -244,7 +249,9 @@ def only_probes_on(app: Flask, port: int) -> Callable[..., Any]:
             local = port  # unknown: treat as the open listener
         if local == port and environ.get("PATH_INFO") not in PROBE_PATHS:
             body = _encode({"Error": "only /metrics, /healthz and /readyz are served on this port"})
-            start_response("404 NOT FOUND", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            start_response(
+                "404 NOT FOUND", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+            )
             return [body]
         return inner(environ, start_response)
 

@@ -57,7 +57,11 @@ def _json(resp: Any) -> Any:
 
 class Kube:
     def __init__(
-        self, api: client.ApiClient, ns_ttl_s: float = 60.0, page: int = 1000, timeout_s: float = API_TIMEOUT_S
+        self,
+        api: client.ApiClient,
+        ns_ttl_s: float = 60.0,
+        page: int = 1000,
+        timeout_s: float = API_TIMEOUT_S,
     ) -> None:
         self.api = api
         self.timeout_s = timeout_s
@@ -162,7 +166,11 @@ class Kube:
                 return hit[1]
         try:
             ns = (
-                _json(_Bounded(self.core.read_namespace)(namespace, _preload_content=False, _request_timeout=self.timeout_s))
+                _json(
+                    _Bounded(self.core.read_namespace)(
+                        namespace, _preload_content=False, _request_timeout=self.timeout_s
+                    )
+                )
                 or {}
             )
             labels = dict((ns.get("metadata") or {}).get("labels") or {})
@@ -194,7 +202,11 @@ class Kube:
             meta["resourceVersion"] = resource_version
         return _json(
             _Bounded(self.core.patch_namespaced_pod)(
-                name, namespace, {"metadata": meta}, _content_type=MERGE_PATCH, _preload_content=False,
+                name,
+                namespace,
+                {"metadata": meta},
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
                 _request_timeout=self.timeout_s,
             )
         )

@@ -52,18 +52,22 @@ class _Gunicorn(BaseApplication):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpupack extender", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--host", default="127.0.0.1",
+        "--host",
+        default="127.0.0.1",
         help="address of the verbs (/filter, /prioritize, /bind), which have no authentication: only the "
         "kube-scheduler beside it may call them (default 127.0.0.1)",
     )
     p.add_argument("--port", type=int, default=8888, help="extender HTTP port (default 8888)")
     p.add_argument(
-        "--metrics-port", type=int, default=0,
+        "--metrics-port",
+        type=int,
+        default=0,
         help="also serve /metrics, /healthz and /readyz (nothing else) on this port; 0: none (default)",
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="address of --metrics-port (default 0.0.0.0)")
     p.add_argument(
-        "--webhook-host", default="0.0.0.0",
+        "--webhook-host",
+        default="0.0.0.0",
         help="address of the webhook (the API server calls it through its Service; default 0.0.0.0)",
     )
     p.add_argument("--webhook-port", type=int, default=8443, help="admission webhook HTTPS port; 0 disables")
@@ -71,67 +75,94 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key for the webhook")
     p.add_argument("--policy", default=None, help=f"placement policy (default {DEFAULT_POLICY})")
     p.add_argument(
-        "--policy-seed", type=int, default=0,
+        "--policy-seed",
+        type=int,
+        default=0,
         help="seed of the policy's node order that breaks score ties (as `gpupack simulate` seeds it; default 0)",
     )
     p.add_argument(
-        "--filter-keep-best", type=int, default=0, metavar="N",
+        "--filter-keep-best",
+        type=int,
+        default=0,
+        metavar="N",
         help="filter passes only the N fitting nodes the policy scores best (ties as the simulator breaks "
         "them), so kube-scheduler's own scores and random ties cannot override it; 0: every fitting "
         "node (default). Use with percentageOfNodesToScore: 100 (docs/operator-guide.md)",
     )
     p.add_argument(
-        "--workload-file", metavar="PATH",
+        "--workload-file",
+        metavar="PATH",
         help="JSON pod shapes and counts the policy packs for (`gpupack simulate workload` writes one); "
         "given, the policy does not learn the workload from the pods it sees",
     )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    p.add_argument("--scheduler-name", default=SCHEDULER_NAME, help=f"scheduler name (default {SCHEDULER_NAME})")
     p.add_argument(
-        "--set-scheduler-name", action="store_true",
+        "--scheduler-name", default=SCHEDULER_NAME, help=f"scheduler name (default {SCHEDULER_NAME})"
+    )
+    p.add_argument(
+        "--set-scheduler-name",
+        action="store_true",
         help="webhook sets spec.schedulerName of GPU pods that use the default scheduler",
     )
     p.add_argument(
-        "--threads", type=int, default=128,
+        "--threads",
+        type=int,
+        default=128,
         help="request threads of the extender worker (each bind holds one while it waits on the API server)",
     )
     p.add_argument(
-        "--serving", choices=["connection", "gthread"], default="connection",
+        "--serving",
+        choices=["connection", "gthread"],
+        default="connection",
         help="how the verbs are served: a thread per connection, woken by its request (default), or "
         "gunicorn's gthread (a poller thread hands each request to --threads pool threads)",
     )
-    p.add_argument("--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff")
     p.add_argument(
-        "--bind-concurrency", type=int, default=64,
+        "--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff"
+    )
+    p.add_argument(
+        "--bind-concurrency",
+        type=int,
+        default=64,
         help="binds making their API calls at the same time, at most (0: no limit); more wait their turn",
     )
     p.add_argument(
         "--stale-handoff-s", type=float, default=120.0, help="pending handoff age reported as stale"
     )
     p.add_argument(
-        "--unbound-grace-s", type=float, default=None,
+        "--unbound-grace-s",
+        type=float,
+        default=None,
         help="deprecated, ignored: a bind is one Binding that carries the assignment, so no pod holds "
         "one unbound any more (an old one is removed when the pod is next filtered or bound)",
     )
-    p.add_argument("--sweep-interval-s", type=float, default=5.0, help="how often stale handoffs are looked for")
     p.add_argument(
-        "--api-timeout-s", type=float, default=2.0,
+        "--sweep-interval-s", type=float, default=5.0, help="how often stale handoffs are looked for"
+    )
+    p.add_argument(
+        "--api-timeout-s",
+        type=float,
+        default=2.0,
         help="timeout of each API call on the bind path (a bind makes up to five when a Binding's "
         "outcome must be found out, usually one or two; keep their sum "
         "plus --bind-wait-s below kube-scheduler's extender httpTimeout)",
     )
     p.add_argument(
-        "--lease-namespace", default="",
+        "--lease-namespace",
+        default="",
         help="namespace of kube-scheduler's leader-election Lease; with --lease-name, this extender "
         "binds only while the scheduler beside it (same --identity) holds that Lease",
     )
     p.add_argument("--lease-name", default="", help="name of kube-scheduler's leader-election Lease")
     p.add_argument(
-        "--identity", default="",
+        "--identity",
+        default="",
         help="holder identity of the scheduler beside this extender, or its prefix before `_` "
         "(default: this host name, which kube-scheduler uses as `<hostname>_<uuid>`)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
+    )
     logs.add_log_flags(p)
     p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
     return p
@@ -193,7 +224,9 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         api = api_client(args.kubeconfig)
         kube = Kube(api, timeout_s=args.api_timeout_s)
         events = EventRecorder(
-            KubeClient(api, timeout_s=args.api_timeout_s), args.identity or socket.gethostname(), "gpupack-extender"
+            KubeClient(api, timeout_s=args.api_timeout_s),
+            args.identity or socket.gethostname(),
+            "gpupack-extender",
         )
         policy = make_policy(args)
         fence = None
@@ -241,8 +274,13 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
         stop = threading.Event()
         w = Watcher(
-            "nodes", kube.node_pages, kube.watch_nodes, view.replace_node_pages, view.apply_node,
-            lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")), stop,
+            "nodes",
+            kube.node_pages,
+            kube.watch_nodes,
+            view.replace_node_pages,
+            view.apply_node,
+            lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")),
+            stop,
         )
         threading.Thread(target=w.run, daemon=True, name="watch-nodes").start()
 
@@ -283,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args)
     if args.unbound_grace_s is not None:
-        log.warning("--unbound-grace-s is deprecated and ignored: no pod holds an assignment unbound any more")
+        log.warning(
+            "--unbound-grace-s is deprecated and ignored: no pod holds an assignment unbound any more"
+        )
     try:
         make_policy(args)  # in the arbiter: a bad flag or file is one line and status 2, not a dead worker
     except (UnknownPolicy, ConfigError) as e:
@@ -291,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.role in ("all", "webhook") and args.webhook_port:
         if not args.tls_cert or not args.tls_key:
-            print("gpupack extender: the webhook needs --tls-cert and --tls-key (or --webhook-port 0)", file=sys.stderr)
+            print(
+                "gpupack extender: the webhook needs --tls-cert and --tls-key (or --webhook-port 0)",
+                file=sys.stderr,
+            )
             return 2
         for f in (args.tls_cert, args.tls_key):
             if not os.path.isfile(f):
@@ -310,7 +353,14 @@ def main(argv: list[str] | None = None) -> int:
 
     child = None
     if args.role == "all" and args.webhook_port:
-        cmd = [sys.executable, "-m", "extender.main", *(argv if argv is not None else sys.argv[1:]), "--role", "webhook"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "extender.main",
+            *(argv if argv is not None else sys.argv[1:]),
+            "--role",
+            "webhook",
+        ]
         child = subprocess.Popen(cmd)
     opts = _options(args, args.port, args.threads)
     if args.serving == "connection":

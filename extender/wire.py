@@ -141,10 +141,14 @@ def filter_result(
         "Error": error,
     }
     # A scheduler without node cache reads the passing nodes back from Nodes.items.
-    out["Nodes"] = None if args.node_objects is None else {
-        "metadata": {},
-        "items": [args.node_objects[n] for n in passed],
-    }
+    out["Nodes"] = (
+        None
+        if args.node_objects is None
+        else {
+            "metadata": {},
+            "items": [args.node_objects[n] for n in passed],
+        }
+    )
     return out
 
 

@@ -43,7 +43,13 @@ def test_assignment_round_trip():
 
 def test_reservations_round_trip():
     r = Reservation(
-        "r1", "ns", "ReplicaSet", "web-abc", "offline", {"c": (GPUShare("GPU-3", 3, 2048, 10),)}, "2026-01-01T00:00:00Z"
+        "r1",
+        "ns",
+        "ReplicaSet",
+        "web-abc",
+        "offline",
+        {"c": (GPUShare("GPU-3", 3, 2048, 10),)},
+        "2026-01-01T00:00:00Z",
     )
     assert decode_reservations(encode_reservations([r]), "n1") == [r]
 
@@ -55,10 +61,18 @@ def test_reservations_round_trip():
         ("[]", "expected a JSON object"),
         ('{"v": 2, "gpus": []}', "unsupported version"),
         ('{"v": 1}', "missing field 'gpus'"),
-        ('{"v": 1, "gpus": [{"uuid": "a", "index": 0, "model": "x", "mem_mib": "big", "sm_count": 1}]}', "wrong type"),
-        ('{"v": 1, "gpus": [{"uuid": "a", "index": 0, "model": "x", "mem_mib": -1, "sm_count": 1}]}', "positive"),
         (
-            '{"v": 1, "gpus": [' + ",".join(['{"uuid": "a", "index": 0, "model": "x", "mem_mib": 1, "sm_count": 1}'] * 2) + "]}",
+            '{"v": 1, "gpus": [{"uuid": "a", "index": 0, "model": "x", "mem_mib": "big", "sm_count": 1}]}',
+            "wrong type",
+        ),
+        (
+            '{"v": 1, "gpus": [{"uuid": "a", "index": 0, "model": "x", "mem_mib": -1, "sm_count": 1}]}',
+            "positive",
+        ),
+        (
+            '{"v": 1, "gpus": ['
+            + ",".join(['{"uuid": "a", "index": 0, "model": "x", "mem_mib": 1, "sm_count": 1}'] * 2)
+            + "]}",
             "duplicate",
         ),
         ("[" * 100000, "not valid JSON"),
@@ -76,8 +90,13 @@ def test_corrupt_inventory_is_a_contract_error_naming_the_node(text, match):
         {"v": 1, "pod_uid": "u", "node": "n", "class": "gold", "containers": {}},
         {"v": 1, "pod_uid": "u", "node": "n", "class": "online", "containers": {"c": []}},
         {"v": 1, "pod_uid": "u", "node": "n", "class": "online", "containers": {"c": [{"uuid": "g"}]}},
-        {"v": 1, "pod_uid": "u", "node": "n", "class": "online",
-         "containers": {"c": [{"uuid": "g", "index": 0, "mem_mib": 1, "sm_pct": 101}]}},
+        {
+            "v": 1,
+            "pod_uid": "u",
+            "node": "n",
+            "class": "online",
+            "containers": {"c": [{"uuid": "g", "index": 0, "mem_mib": 1, "sm_pct": 101}]},
+        },
     ],
 )
 def test_corrupt_assignment_is_a_contract_error(d):

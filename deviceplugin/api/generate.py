@@ -22,7 +22,14 @@ def generate() -> dict[str, str]:
 
     with tempfile.TemporaryDirectory() as tmp:
         rc = protoc.main(
-            ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", "api.proto"]
+            [
+                "grpc_tools.protoc",
+                f"-I{PROTO_DIR}",
+                f"--python_out={tmp}",
+                f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}",
+                "api.proto",
+            ]
         )
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit status {rc}")
@@ -57,7 +64,9 @@ def proto_descriptor() -> bytes:
 
 
 def stale_files() -> list[str]:
-    return [n for n, text in generate().items() if not (OUT_DIR / n).exists() or (OUT_DIR / n).read_text() != text]
+    return [
+        n for n, text in generate().items() if not (OUT_DIR / n).exists() or (OUT_DIR / n).read_text() != text
+    ]
 
 
 def main(argv: list[str]) -> int:

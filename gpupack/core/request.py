@@ -56,7 +56,9 @@ def _resources(c: dict[str, Any], where: str) -> dict[str, Any]:
     for name in (RES_GPU, RES_GPU_MEM, RES_GPU_SM):
         lim, req = limits.get(name), requests.get(name)
         if lim is None and req is not None:
-            raise RequestError(f"{where}: {name} is in requests but not in limits (extended resources need limits)")
+            raise RequestError(
+                f"{where}: {name} is in requests but not in limits (extended resources need limits)"
+            )
         if lim is not None and req is not None:
             a = parse_int_quantity(lim, f"{where} limits {name}")
             b = parse_int_quantity(req, f"{where} requests {name}")

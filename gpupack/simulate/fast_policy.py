@@ -19,7 +19,9 @@ _REWARD_MASKS: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[int, int, in
     weakref.WeakKeyDictionary()
 )
 # policy -> (its waste table, as an array for fancy indexing)
-_WASTE: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[float, ...], np.ndarray]] = weakref.WeakKeyDictionary()
+_WASTE: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[float, ...], np.ndarray]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _waste(policy: GpupackPolicy) -> np.ndarray:

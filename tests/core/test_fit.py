@@ -108,7 +108,10 @@ def test_fast_single_share_path_decides_like_the_general_path():
 
     @settings(max_examples=200, deadline=None)
     @given(
-        st.lists(st.tuples(st.sampled_from(["online", "offline"]), st.integers(1, 20000), st.integers(0, 60)), max_size=12),
+        st.lists(
+            st.tuples(st.sampled_from(["online", "offline"]), st.integers(1, 20000), st.integers(0, 60)),
+            max_size=12,
+        ),
         st.sampled_from(["online", "offline"]),
         st.integers(1, 24576),
         st.integers(0, 100),

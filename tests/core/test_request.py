@@ -11,13 +11,21 @@ SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
 
 def pod(containers, labels=None, init=None, annotations=None):
     return {
-        "metadata": {"name": "p", "namespace": "ns", "labels": labels or {}, "annotations": annotations or {}},
+        "metadata": {
+            "name": "p",
+            "namespace": "ns",
+            "labels": labels or {},
+            "annotations": annotations or {},
+        },
         "spec": {"containers": containers, "initContainers": init or []},
     }
 
 
 def ctr(name="c", **limits):
-    return {"name": name, "resources": {"limits": {f"gpupack.io/{k.replace('_', '-')}": v for k, v in limits.items()}}}
+    return {
+        "name": name,
+        "resources": {"limits": {f"gpupack.io/{k.replace('_', '-')}": v for k, v in limits.items()}},
+    }
 
 
 @pytest.mark.parametrize(

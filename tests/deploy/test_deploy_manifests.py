@@ -56,14 +56,24 @@ def test_renders_and_validates(renderer, where):
 
 
 def test_cli_exit_codes(tmp_path):
-    bad = subprocess.run([sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.2"], capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "no strict schemas for Kubernetes 1.2" in bad.stderr
     assert "Traceback" not in bad.stderr
     (tmp_path / "kustomization.yaml").write_text("resources: [cm.yaml]\n")
-    (tmp_path / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, namespace: n}\nbogus: 1\n")
-    broken = subprocess.run([sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.32", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    (tmp_path / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, namespace: n}\nbogus: 1\n"
+    )
+    broken = subprocess.run(
+        [sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.32", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "'bogus' was unexpected" in broken.stdout and "Traceback" not in broken.stderr
 
@@ -118,7 +128,10 @@ def test_webhooks_get_their_ca_without_an_operator(base):
     assert init["command"] == ["python", "-m", "gpupack.certs"]
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         wc = find(base, kind, "gpupack")
-        assert f"--{kind.removesuffix('WebhookConfiguration').lower()}-webhook-configuration=gpupack" in init["args"]
+        assert (
+            f"--{kind.removesuffix('WebhookConfiguration').lower()}-webhook-configuration=gpupack"
+            in init["args"]
+        )
         # fail closed, except the device plugin's node check: the plugin's writes never wait on
         # gpupack's scheduler pod (the admission policy still bounds what they may change)
         assert all(h["matchConditions"] and h["failurePolicy"] == ("Ignore" if h["name"] == "plugin-node.gpupack.io" else "Fail")
@@ -132,7 +145,11 @@ def test_examples_cover_inference_hpa_batch_and_pdb(examples):
     assert {"gpupack.io/gpu-mem", "gpupack.io/gpu-sm"} <= set(limits)
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
     assert any(m["mountPath"] == "/dev/shm" for m in pod["containers"][0]["volumeMounts"])
-    assert pod["containers"][0]["startupProbe"]["failureThreshold"] * pod["containers"][0]["startupProbe"]["periodSeconds"] >= 300
+    assert (
+        pod["containers"][0]["startupProbe"]["failureThreshold"]
+        * pod["containers"][0]["startupProbe"]["periodSeconds"]
+        >= 300
+    )
     hpa = find(examples, "HorizontalPodAutoscaler", "llm-7b")
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
     assert find(examples, "PodDisruptionBudget", "llm-7b")
@@ -143,47 +160,140 @@ def test_examples_cover_inference_hpa_batch_and_pdb(examples):
 # --- negative: a broken manifest must fail ----------------------------------------------------------
 BREAKAGES = [
     # (file, old, new, expected problem)
-    ("deviceplugin/daemonset.yaml", "      priorityClassName: system-node-critical\n",
-     "      priorityClassName: system-node-critical\n      hostNetwork: yes-please\n", "schema: spec/template/spec/hostNetwork"),
-    ("deviceplugin/daemonset.yaml", "      priorityClassName: system-node-critical\n",
-     "      priorityClassName: system-node-critical\n      nodeSelectr: {}\n", "'nodeSelectr' was unexpected"),
-    ("scheduler/deployment.yaml", "--tls-cert=/tls/tls.crt", "--tls-cert-file=/tls/tls.crt",
-     "gpupack extender rejects its args"),
-    ("scheduler/deployment.yaml", "--tls-key=/tls/tls.key", "--tls-key=/etc/tls/tls.key", "is not under any volumeMount"),
-    ("scheduler/deployment.yaml", "--webhook-port=8443", "--webhook-port=9443", "is not a declared containerPort"),
+    (
+        "deviceplugin/daemonset.yaml",
+        "      priorityClassName: system-node-critical\n",
+        "      priorityClassName: system-node-critical\n      hostNetwork: yes-please\n",
+        "schema: spec/template/spec/hostNetwork",
+    ),
+    (
+        "deviceplugin/daemonset.yaml",
+        "      priorityClassName: system-node-critical\n",
+        "      priorityClassName: system-node-critical\n      nodeSelectr: {}\n",
+        "'nodeSelectr' was unexpected",
+    ),
+    (
+        "scheduler/deployment.yaml",
+        "--tls-cert=/tls/tls.crt",
+        "--tls-cert-file=/tls/tls.crt",
+        "gpupack extender rejects its args",
+    ),
+    (
+        "scheduler/deployment.yaml",
+        "--tls-key=/tls/tls.key",
+        "--tls-key=/etc/tls/tls.key",
+        "is not under any volumeMount",
+    ),
+    (
+        "scheduler/deployment.yaml",
+        "--webhook-port=8443",
+        "--webhook-port=9443",
+        "is not a declared containerPort",
+    ),
     ("deviceplugin/daemonset.yaml", "port: metrics\n", "port: metric\n", "is not a named container port"),
-    ("scheduler/config.yaml", 'ignoredResourceGroups: ["gpupack.io"]', 'ignoredResourceGroups: ["gpupack.com"]',
-     "does not ignore gpupack.io/gpu, gpupack.io/gpu-mem, gpupack.io/gpu-sm"),
-    ("scheduler/config.yaml", 'ignoredResourceGroups: ["gpupack.io"]',
-     'ignoredResources: ["gpupack.io/gpu", "gpupack.io/gpu-mem"]', "does not ignore gpupack.io/gpu-sm"),
-    ("scheduler/config.yaml", "        ignorable: false\n",
-     "        ignorable: false\n        managedResources:\n          - name: gpupack.io/gpu\n"
-     "            ignoredByScheduler: true\n", "managedResources must not be set"),
-    ("scheduler/config.yaml", "              scoringStrategy:", "              scoringStrategyy:", "unknown field 'scoringStrategyy'"),
-    ("scheduler/config.yaml", "httpTimeout: 15s", "httpTimeout: 5s", "must exceed the extender's worst bind: --bind-wait-s 4 + 5 x --api-timeout-s 2 = 14 s"),
-    ("scheduler/config.yaml", "urlPrefix: http://127.0.0.1:8888", "urlPrefix: http://127.0.0.1:8080", "urlPrefix port"),
+    (
+        "scheduler/config.yaml",
+        'ignoredResourceGroups: ["gpupack.io"]',
+        'ignoredResourceGroups: ["gpupack.com"]',
+        "does not ignore gpupack.io/gpu, gpupack.io/gpu-mem, gpupack.io/gpu-sm",
+    ),
+    (
+        "scheduler/config.yaml",
+        'ignoredResourceGroups: ["gpupack.io"]',
+        'ignoredResources: ["gpupack.io/gpu", "gpupack.io/gpu-mem"]',
+        "does not ignore gpupack.io/gpu-sm",
+    ),
+    (
+        "scheduler/config.yaml",
+        "        ignorable: false\n",
+        "        ignorable: false\n        managedResources:\n          - name: gpupack.io/gpu\n"
+        "            ignoredByScheduler: true\n",
+        "managedResources must not be set",
+    ),
+    (
+        "scheduler/config.yaml",
+        "              scoringStrategy:",
+        "              scoringStrategyy:",
+        "unknown field 'scoringStrategyy'",
+    ),
+    (
+        "scheduler/config.yaml",
+        "httpTimeout: 15s",
+        "httpTimeout: 5s",
+        "must exceed the extender's worst bind: --bind-wait-s 4 + 5 x --api-timeout-s 2 = 14 s",
+    ),
+    (
+        "scheduler/config.yaml",
+        "urlPrefix: http://127.0.0.1:8888",
+        "urlPrefix: http://127.0.0.1:8080",
+        "urlPrefix port",
+    ),
     ("scheduler/config.yaml", "bindVerb: bind", "bindVerb: bnd", "serves no /bnd"),
-    ("scheduler/config.yaml", "nodeCacheCapable: true", "nodeCacheCapable: true\n        nodeCache: true",
-     "unknown field 'nodeCache'"),
-    ("scheduler/deployment.yaml", "--config=/etc/gpupack-scheduler/config.yaml",
-     "--config=/etc/gpupack-scheduler/cfg.yaml", "has no key 'cfg.yaml'"),
+    (
+        "scheduler/config.yaml",
+        "nodeCacheCapable: true",
+        "nodeCacheCapable: true\n        nodeCache: true",
+        "unknown field 'nodeCache'",
+    ),
+    (
+        "scheduler/deployment.yaml",
+        "--config=/etc/gpupack-scheduler/config.yaml",
+        "--config=/etc/gpupack-scheduler/cfg.yaml",
+        "has no key 'cfg.yaml'",
+    ),
     ("webhook/webhooks.yaml", "path: /mutate", "path: /mutating", "is not served by the extender"),
-    ("webhook/webhooks.yaml", "        name: gpupack-webhook\n        namespace: gpupack-system\n        path: /mutate",
-     "        name: gpupack-hook\n        namespace: gpupack-system\n        path: /mutate", "Service gpupack-system/gpupack-hook not found"),
+    (
+        "webhook/webhooks.yaml",
+        "        name: gpupack-webhook\n        namespace: gpupack-system\n        path: /mutate",
+        "        name: gpupack-hook\n        namespace: gpupack-system\n        path: /mutate",
+        "Service gpupack-system/gpupack-hook not found",
+    ),
     ("scheduler/service.yaml", "targetPort: webhook", "targetPort: webhooks", "targetPort 'webhooks'"),
     ("scheduler/networkpolicy.yaml", "port: sched-metrics", "port: scheduler-metrics", "is not a named port"),
-    ("scheduler/rbac.yaml", "  name: gpupack-extender\nrules:", "  name: gpupack-extendr\nrules:", "roleRef ClusterRole/gpupack-extender not found"),
-    ("deviceplugin/daemonset.yaml", "serviceAccountName: gpupack-device-plugin", "serviceAccountName: gpupack-dp",
-     "has no ServiceAccount"),
+    (
+        "scheduler/rbac.yaml",
+        "  name: gpupack-extender\nrules:",
+        "  name: gpupack-extendr\nrules:",
+        "roleRef ClusterRole/gpupack-extender not found",
+    ),
+    (
+        "deviceplugin/daemonset.yaml",
+        "serviceAccountName: gpupack-device-plugin",
+        "serviceAccountName: gpupack-dp",
+        "has no ServiceAccount",
+    ),
     ("kustomization.yaml", "newTag: v1.32.4", "newTag: latest", "is not pinned"),
-    ("kustomization.yaml", "  - deviceplugin/service.yaml\n", "  - deviceplugin/service.yaml\n  - deviceplugin/missing.yaml\n",
-     "missing.yaml"),
+    (
+        "kustomization.yaml",
+        "  - deviceplugin/service.yaml\n",
+        "  - deviceplugin/service.yaml\n  - deviceplugin/missing.yaml\n",
+        "missing.yaml",
+    ),
     ("namespace.yaml", "  name: gpupack-system\n", "  name: gpupack-system\n   labels: [\n", "YAML"),
-    ("examples/online-inference.yaml", 'gpupack.io/gpu-sm: "40"', 'gpupack.io/gpu-sms: "40"', "unknown gpupack resource"),
-    ("examples/online-inference.yaml", 'gpupack.io/gpu-sm: "40"', 'gpupack.io/gpu-sm: "140"', "must be 1..100"),
-    ("examples/online-inference-hpa.yaml", "    name: llm-7b\n  minReplicas", "    name: llm-8b\n  minReplicas",
-     "scaleTargetRef Deployment/llm-8b not found"),
-    ("examples/online-inference-pdb.yaml", "app.kubernetes.io/name: llm-7b", "app.kubernetes.io/name: llm", "matches no pod"),
+    (
+        "examples/online-inference.yaml",
+        'gpupack.io/gpu-sm: "40"',
+        'gpupack.io/gpu-sms: "40"',
+        "unknown gpupack resource",
+    ),
+    (
+        "examples/online-inference.yaml",
+        'gpupack.io/gpu-sm: "40"',
+        'gpupack.io/gpu-sm: "140"',
+        "must be 1..100",
+    ),
+    (
+        "examples/online-inference-hpa.yaml",
+        "    name: llm-7b\n  minReplicas",
+        "    name: llm-8b\n  minReplicas",
+        "scaleTargetRef Deployment/llm-8b not found",
+    ),
+    (
+        "examples/online-inference-pdb.yaml",
+        "app.kubernetes.io/name: llm-7b",
+        "app.kubernetes.io/name: llm",
+        "matches no pod",
+    ),
 ]
 
 

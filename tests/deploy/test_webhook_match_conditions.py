@@ -33,9 +33,16 @@ def programs():
     for cfg in WEBHOOKS:
         # the state and plugin-node webhooks select on who changes what, not on resources (tested against
         # the real API server in test_webhook_apiserver.py)
-        for hook in (h for h in cfg["webhooks"] if h["name"] not in ("state.pods.gpupack.io", "plugin-node.gpupack.io")):
+        for hook in (
+            h for h in cfg["webhooks"] if h["name"] not in ("state.pods.gpupack.io", "plugin-node.gpupack.io")
+        ):
             for cond in hook["matchConditions"]:
-                out.append((f"{cfg['kind']} {hook['name']} {cond['name']}", env.program(env.compile(cond["expression"]))))
+                out.append(
+                    (
+                        f"{cfg['kind']} {hook['name']} {cond['name']}",
+                        env.program(env.compile(cond["expression"])),
+                    )
+                )
     return out
 
 
@@ -49,14 +56,24 @@ def c(name: str, **res: dict) -> dict:
 PODS = {
     "shared gpu in limits": {"containers": [c("a", limits={"gpupack.io/gpu-mem": "20k", "cpu": "1"})]},
     "whole gpus": {"containers": [c("a", limits={"gpupack.io/gpu": "2"})]},
-    "only requests (the webhook must see it, to refuse it)": {"containers": [c("a", requests={"gpupack.io/gpu-sm": "10"})]},
-    "init container only": {"initContainers": [c("i", limits={"gpupack.io/gpu-mem": "2048"})], "containers": [c("a")]},
-    "second container": {"containers": [c("a", limits={"cpu": "1"}), c("b", limits={"gpupack.io/gpu-sm": "50"})]},
+    "only requests (the webhook must see it, to refuse it)": {
+        "containers": [c("a", requests={"gpupack.io/gpu-sm": "10"})]
+    },
+    "init container only": {
+        "initContainers": [c("i", limits={"gpupack.io/gpu-mem": "2048"})],
+        "containers": [c("a")],
+    },
+    "second container": {
+        "containers": [c("a", limits={"cpu": "1"}), c("b", limits={"gpupack.io/gpu-sm": "50"})]
+    },
     "cpu only": {"containers": [c("a", limits={"cpu": "1", "memory": "1Gi"}, requests={"cpu": "1"})]},
     "no resources at all": {"containers": [c("a")]},
     "empty resources": {"containers": [{"name": "a", "image": "x:1", "resources": {}}]},
     "nvidia plugin gpu": {"containers": [c("a", limits={"nvidia.com/gpu": "1"})]},
-    "init without gpu": {"initContainers": [c("i", limits={"cpu": "1"})], "containers": [c("a", limits={"cpu": "1"})]},
+    "init without gpu": {
+        "initContainers": [c("i", limits={"cpu": "1"})],
+        "containers": [c("a", limits={"cpu": "1"})],
+    },
 }
 
 

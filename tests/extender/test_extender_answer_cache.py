@@ -212,4 +212,6 @@ def test_answers_follow_every_change_with_the_nodes_in_a_new_order_each_time():
                 view.apply_node({**node_obj(n, n=4), "spec": {"unschedulable": rng.random() < 0.5}})
             elif r < 0.46:
                 n = rng.choice(names)
-                view.apply_node(node_obj(n, n=4, reservations=[_reservation(n)] if rng.random() < 0.6 else None))
+                view.apply_node(
+                    node_obj(n, n=4, reservations=[_reservation(n)] if rng.random() < 0.6 else None)
+                )

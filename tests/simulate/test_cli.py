@@ -112,7 +112,6 @@ def test_fleet_scenario_table_json_and_chart(tmp_path):
     assert "GPUs needed for every replica" in table.stdout and table.returncode == 0
 
 
-
 def test_without_matplotlib_the_figures_print_and_the_chart_is_skipped(tmp_path, capsys, monkeypatch):
     # the runtime image has no `simulate` extra: the results must still come, with one line why no chart
     from gpupack.simulate import chart
@@ -125,8 +124,11 @@ def test_without_matplotlib_the_figures_print_and_the_chart_is_skipped(tmp_path,
     out = capsys.readouterr()
     doc = json.loads(out.out)
     assert "chart" not in doc and doc["modes"]["gpupack"]["pods_placed"] > 0
-    assert out.err.strip().splitlines() == ["gpupack simulate: no chart: charts need matplotlib, in gpupack's `simulate` extra"]
+    assert out.err.strip().splitlines() == [
+        "gpupack simulate: no chart: charts need matplotlib, in gpupack's `simulate` extra"
+    ]
     assert not (tmp_path / "o" / "fleet.png").exists()
+
 
 BAD = [
     ("name,cpu_milli,memory_mib,num_gpu\np1,1,1,1\n", "pods.csv:1: missing column 'gpu_milli'"),
