@@ -282,8 +282,10 @@ class Extender:
         "Exact" with learning on means: filter's best node is schedule()'s for the current view
         and the policy as of the last flush; pods seen since are not in the policy yet (the same
         lag as before, at most a batch or OBSERVE_MIN_GAP_S). Call with the view's lock held."""
-        if not getattr(self.policy, "learn", True):
-            return  # a given workload (--workload-file): nothing to learn, scores stay put
+        if not getattr(self.policy, "learn", False):
+            # a given workload (--workload-file), or a policy that learns nothing (bestfit,
+            # random): a flush would only make every shape score every node again for nothing
+            return
         ident = pod.uid or pod.key
         if ident in self._observed:
             return

@@ -363,3 +363,14 @@ def test_learning_batches_in_a_burst():
         fixed.filter(args(p, ["m"]))
         t[0] += fw.OBSERVE_FLUSH_S + 1
     assert fixed.epoch == 0 and dict(fixed.policy.workload.counts) == before  # type: ignore[attr-defined]
+
+    # a policy that learns nothing never flushes either (its scores never change)
+    _view, plain, _ = make([node_obj("b", 2)])
+    plain.policy = get_policy("bestfit")
+    plain._monotonic = lambda: t[0]
+    for i in range(5):
+        p = pod_obj(f"g{i}", [container("c", 1, 500, 10)])
+        p["metadata"]["uid"] = f"uid-g{i}"
+        plain.filter(args(p, ["b"]))
+        t[0] += fw.OBSERVE_FLUSH_S + 1
+    assert plain.epoch == 0
