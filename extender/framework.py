@@ -901,6 +901,7 @@ class Extender:
         one while unbound, and a Binding that failed left nothing to roll back. On 409 (the pod
         changed since it was read) the pod is read again and fitted again."""
         assert self.kube is not None
+        self._settle_before_rebind(args, req)
         for _attempt in range(5):
             pod = self._without_stale_record(args, pod)
             if self.fence is not None:
@@ -1014,23 +1015,42 @@ class Extender:
         keep the charge of a pod bound with it, release the others. The number resolved."""
         n = 0
         for key, uid, rv in self.view.doubtful_items():
-            ns, name = key.split("/", 1)
             try:
-                pod = self._settle(ns, name, uid, rv, fence=True)
+                self._settle_doubt(key, uid, rv)
             except ApiException as e:
                 log.info("pod %s: outcome of its Binding still unknown: %s", key, api_reason(e))
                 continue
-            self.view.resolve_doubtful(key, uid, pod)
             n += 1
         return n
+
+    def _settle_doubt(self, key: str, uid: str, rv: str) -> None:
+        ns, name = key.split("/", 1)
+        self.view.resolve_doubtful(key, uid, self._settle(ns, name, uid, rv, fence=True))
+
+    def _settle_before_rebind(self, args: BindArgs, req: PodRequest) -> None:
+        """A pod whose earlier Binding's outcome is unknown is settled before it is bound again:
+        otherwise that Binding could still land after this bind gave up, with no GPU charged."""
+        with self.view.lock:
+            doubt = self.view.doubtful.get(req.key)
+        if doubt is None or doubt[0] != req.uid:
+            return
+        try:
+            self._settle_doubt(req.key, doubt[0], doubt[1])
+        except ApiException as e:
+            raise BindError(
+                f"pod {req.key}: the outcome of its earlier Binding is still unknown ({api_reason(e)})",
+                "binding",
+            ) from e
 
     def _without_stale_record(self, args: BindArgs, pod: dict[str, Any]) -> dict[str, Any]:
         """A Binding can add annotations, not remove them: a pod that still carries an assignment or
         allocation record (from an extender before the one-write bind, or a tool) is cleaned
         first, with its resourceVersion as precondition, and the pod as it is then returned."""
         ann = (pod.get("metadata") or {}).get("annotations") or {}
-        if ANN_ASSIGNMENT not in ann and ANN_ALLOCATED not in ann:
-            return pod
+        if (ANN_ASSIGNMENT not in ann and ANN_ALLOCATED not in ann) or (pod.get("spec") or {}).get(
+            "nodeName"
+        ):
+            return pod  # nothing old on it, or bound already (the Binding's 409 says so)
         meta = pod.get("metadata") or {}
         self.clean_unbound(args.key, str(meta.get("uid") or ""), str(meta.get("resourceVersion") or ""))
         again = self._get_pod(args)

@@ -363,9 +363,9 @@ class ClusterView:
         self.slot_use: dict[str, dict[str, int]] = {}  # node -> pod key -> `gpupack.io/gpu` slots
         self.inflight: set[str] = set()  # pods this process is binding now (assumed, Binding not answered)
         # Pods whose Binding got no answer and whose fate could not be found out yet: pod key ->
-        # (uid, the Binding's resourceVersion precondition). Their assignment stays charged, and
+        # (uid, the Binding's resourceVersion precondition, its assignment). It stays charged, and
         # counts as a pending handoff, until the janitor settles them (Extender.settle_doubtful).
-        self.doubtful: dict[str, tuple[str, str]] = {}
+        self.doubtful: dict[str, tuple[str, str, str]] = {}  # key -> (uid, rv, assignment held)
         # node -> pod key -> uid of every bind request this process holds, from its arrival on (before
         # it reads the pod, queues for the node or writes anything): filter steers the next pods
         # away from these nodes at once, not only once the assignment is written.
@@ -1021,33 +1021,35 @@ class ClusterView:
         with self.lock:
             p = self.pods.get(key)
             if p is not None and p.uid == uid:
-                self.doubtful[key] = (uid, rv)
+                self.doubtful[key] = (uid, rv, p.assignment_raw)
 
     def doubtful_items(self) -> list[tuple[str, str, str]]:
+        """(pod key, uid, the doubtful Binding's resourceVersion precondition) of each doubt held."""
         with self.lock:
-            return [(k, uid, rv) for k, (uid, rv) in self.doubtful.items()]
+            return [(k, uid, rv) for k, (uid, rv, _raw) in self.doubtful.items()]
 
     def resolve_doubtful(self, key: str, uid: str, pod: dict[str, Any] | None) -> None:
         """`pod`: the pod as found once no late Binding of it can land any more (None: gone). Bound
         with the assignment held for it: the charge stays (the watch confirms it); otherwise the
         held assignment is released, and what the pod holds instead (if bound) is charged."""
         with self.lock:
-            if self.doubtful.get(key, ("", ""))[0] != uid:
+            doubt = self.doubtful.pop(key, None)
+            if doubt is None or doubt[0] != uid:
+                if doubt is not None:
+                    self.doubtful[key] = doubt
                 return
-            del self.doubtful[key]
             p = self.pods.get(key)
-            if p is None or p.uid != uid or not p.assumed:
-                return
             meta = (pod or {}).get("metadata") or {}
             node = str(((pod or {}).get("spec") or {}).get("nodeName") or "")
             raw = (meta.get("annotations") or {}).get(ANN_ASSIGNMENT)
-            if node and raw == p.assignment_raw:
-                p.bound_node = node
-                self._index_pending(p)
-            else:
-                self._release(key)
-                if pod is not None and node and raw:
-                    self.apply_pod(pod)
+            if p is not None and p.uid == uid and p.assumed and p.assignment_raw == doubt[2]:
+                if node and raw == p.assignment_raw:
+                    p.bound_node = node
+                    self._index_pending(p)
+                else:
+                    self._release(key)
+            if pod is not None and node and raw and raw != doubt[2]:
+                self.apply_pod(pod)  # bound with another assignment: charge what it holds
             self.changed.notify_all()
 
     def pending_bound(self) -> list[PodInfo]:

@@ -170,6 +170,28 @@ def test_a_binding_of_unknown_outcome_keeps_its_gpu_until_the_janitor_settles_it
         assert ANN_ASSIGNMENT not in annotations(left)
 
 
+def test_a_pod_whose_binding_has_an_unknown_outcome_is_settled_before_it_is_bound_again(
+    cluster, ns, sfx, kubeconfig, tmp_path, start_extender
+):
+    with _one_gpu_behind_proxy(
+        cluster, ns, sfx, tmp_path, start_extender, "--sweep-interval-s", "600"
+    ) as env:
+        node, proxy, ext, p = env.node, env.proxy, env.ext, env.p
+        proxy.fail_next("POST", r"/pods/p/binding$", 503)
+        proxy.fail_next("PATCH", r"/pods/p$", 503)
+        assert "not known yet" in ext.post("bind", bind_body(p, node)).json()["Error"]
+        # kube-scheduler retries the pod before any janitor pass: the earlier Binding is fenced out
+        # first (it could otherwise land after this bind, with its GPUs charged nowhere), then p binds
+        assert ext.post("bind", bind_body(p, node)).json() == {"Error": ""}, ext.tail()
+        bound = get_pod(cluster.core, ns, "p")
+        assert bound["spec"]["nodeName"] == node and "gpupack.io/bind-fenced" in annotations(bound)
+        assert decode_assignment(annotations(bound)[ANN_ASSIGNMENT]).pod_uid == p["metadata"]["uid"]
+        assert proxy.count("POST", r"/pods/p/binding$") >= 2
+        # charged once: 60000 MiB more do not fit on the one GPU, 10000 do
+        big = create_pod(cluster.core, small("big", 60000, 60), ns)
+        assert ext.post("filter", filter_body(big, [node])).json()["NodeNames"] == []
+
+
 def test_extender_killed_while_its_binding_is_in_flight_leaves_no_locked_node(
     cluster, ns, sfx, kubeconfig, tmp_path, start_extender
 ):
