@@ -270,24 +270,32 @@ class Fleet:
 def allocate(core: client.CoreV1Api, pod: Any) -> None:
     """The device plugin's side of the handoff, for a KubeletEmulator's on_admit: what
     deviceplugin/allocate.py leaves on the pod once the kubelet has called Allocate for each GPU
-    container (the extender holds the node's next bind until the handoff is done)."""
+    container (the extender holds the node's next bind until the handoff is done). Like the plugin,
+    a 409 (the pod changed between the read and the write) means: read it again and retry."""
     meta = pod.metadata
-    cur = raw(core.read_namespaced_pod(meta.name, meta.namespace, _preload_content=False))
-    ann = cur["metadata"].get("annotations") or {}
-    if ann.get(ANN_HANDOFF) != "pending":
-        return
-    a = decode_assignment(ann[ANN_ASSIGNMENT], meta.name)
-    assert a.node == cur["spec"]["nodeName"] and a.pod_uid == meta.uid, f"assignment of {meta.name}: {a}"
-    gpu = [
-        c["name"]
-        for c in cur["spec"]["containers"]
-        if "gpupack.io/gpu" in (c.get("resources") or {}).get("limits", {})
-    ]
-    assert set(gpu) <= set(a.containers), f"{meta.name}: containers {gpu} vs assignment {a.containers}"
-    core.patch_namespaced_pod(meta.name, meta.namespace, {"metadata": {
-        "resourceVersion": cur["metadata"]["resourceVersion"],
-        "annotations": {ANN_ALLOCATED: json.dumps(gpu, separators=(",", ":")), ANN_HANDOFF: HANDOFF_DONE},
-    }})  # fmt: skip
+    for _attempt in range(5):
+        cur = raw(core.read_namespaced_pod(meta.name, meta.namespace, _preload_content=False))
+        ann = cur["metadata"].get("annotations") or {}
+        if ann.get(ANN_HANDOFF) != "pending" or cur["metadata"]["uid"] != meta.uid:
+            return
+        a = decode_assignment(ann[ANN_ASSIGNMENT], meta.name)
+        assert a.node == cur["spec"]["nodeName"] and a.pod_uid == meta.uid, f"assignment of {meta.name}: {a}"
+        gpu = [
+            c["name"]
+            for c in cur["spec"]["containers"]
+            if "gpupack.io/gpu" in (c.get("resources") or {}).get("limits", {})
+        ]
+        assert set(gpu) <= set(a.containers), f"{meta.name}: containers {gpu} vs assignment {a.containers}"
+        try:
+            core.patch_namespaced_pod(meta.name, meta.namespace, {"metadata": {
+                "resourceVersion": cur["metadata"]["resourceVersion"],
+                "annotations": {ANN_ALLOCATED: json.dumps(gpu, separators=(",", ":")), ANN_HANDOFF: HANDOFF_DONE},
+            }})  # fmt: skip
+            return
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+    raise AssertionError(f"pod {meta.name} kept changing while its handoff was recorded (409 x5)")
 
 
 def running_not_ready_status(pod: Any) -> dict[str, Any]:
