@@ -167,7 +167,7 @@ class Pair:
         e = ExtenderProcess(
             self.kc, self.tmp / f"extender-{self.name}-{self.starts}.log",
             "--lease-namespace", self.lease_ns, "--lease-name", LEASE, "--identity", self.name,
-            "--bind-wait-s", "3", "--unbound-grace-s", "5", "--sweep-interval-s", "1", "--stale-handoff-s", "60",
+            "--bind-wait-s", "3", "--sweep-interval-s", "1", "--stale-handoff-s", "60",
             port=self.port,
         )  # fmt: skip
         e.wait_ready(60)
