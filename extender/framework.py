@@ -66,7 +66,6 @@ from .view import (
     pod_host_request,
     pod_slots,
     ram_mib,
-    request_slots,
 )
 from .wire import (
     BindArgs,
@@ -102,6 +101,12 @@ ANN_REQUEUED = "gpupack.io/requeued-at"
 # Written, with a Binding's resourceVersion as precondition, when that Binding got no answer: a
 # late arrival of it then fails its precondition, so whether the pod is bound is known for good.
 ANN_BIND_FENCED = "gpupack.io/bind-fenced"
+
+
+def fit_error(node: str, f: FitFailure) -> BindError:
+    """The bind's error for a pod that no longer fits `node`, naming the node once."""
+    at = f"node {node}"
+    return BindError(f.reason if f.reason.startswith(at) else f"{at}: {f.reason}", f"fit-{f.code}")
 
 
 def utcnow() -> datetime:
@@ -235,7 +240,6 @@ class Extender:
         # any change since), one API round trip less per pod.
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._pods_lock = threading.Lock()
-        self._slots_last: tuple[PodRequest, int] | None = None
 
     # --- request parsing ---------------------------------------------------------------------
     def pod_request(self, pod: dict[str, Any]) -> PodRequest:
@@ -334,7 +338,7 @@ class Extender:
                 "with its kubelet, or has gone)",
                 "no-slots",
             ), None
-        need = self._slots_needed(pod)
+        need = pod.gpu_slots
         free = self.view.slots_free(name)
         if need > free:
             return FitFailure(
@@ -373,15 +377,6 @@ class Extender:
         if isinstance(last, FitFailure) and "reservation" not in last.reason:
             last = FitFailure(f"{last.reason} (with {len(held)} defrag reservation(s) held)", last.code)
         return last, None
-
-    def _slots_needed(self, pod: PodRequest) -> int:
-        # asked once per node of a filter for the same request: counted once (view lock held)
-        last = self._slots_last
-        if last is not None and last[0] is pod:
-            return last[1]
-        n = request_slots(pod)
-        self._slots_last = (pod, n)
-        return n
 
     def _host_only_fit(
         self, name: str, node: Node, pod: PodRequest, now: datetime, table: dict | None
@@ -838,8 +833,7 @@ class Extender:
         with self.view.lock:
             f, _ = self.node_fit(args.node, req, self.clock(), None)
             if isinstance(f, FitFailure):
-                at = f"node {args.node}"
-                raise BindError(f.reason if f.reason.startswith(at) else f"{at}: {f.reason}", f"fit-{f.code}")
+                raise fit_error(args.node, f)
             try:
                 self.view.assume_host(key, req.uid, args.node, pod_host_request(pod))
             except PlacementError as e:
@@ -878,8 +872,7 @@ class Extender:
             now = self.clock()
             f, reservation = self.node_fit(args.node, req, now, None)
             if isinstance(f, FitFailure):
-                at = f"node {args.node}"
-                raise BindError(f.reason if f.reason.startswith(at) else f"{at}: {f.reason}", f"fit-{f.code}")
+                raise fit_error(args.node, f)
             a = assignment_from_fit(
                 self.view.state.nodes[args.node],
                 req,

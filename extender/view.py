@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from decimal import ROUND_CEILING, ROUND_FLOOR
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from gpupack import handoff
 from gpupack.contract import (
@@ -242,11 +242,6 @@ def pod_slots(obj: Any) -> int:
     except ContractError:
         return 0
     return max(app, init)
-
-
-def request_slots(pod: PodRequest) -> int:
-    app = sum(c.gpus for c in pod.containers)
-    return max(app, max((c.gpus for c in pod.init_containers), default=0))
 
 
 def _allocatable_slots(obj: dict[str, Any]) -> int:
@@ -753,12 +748,7 @@ class ClusterView:
         if raw is not None and not deleted and phase not in TERMINAL:
             with self.lock:
                 old = self.pods.get(key)
-                if (
-                    old is not None
-                    and old.uid == uid
-                    and old.assignment_raw == raw
-                    and key in self.state.pods
-                ):
+                if self._holds(old, uid, raw):
                     # the assignment held already (a handoff or status update): nothing to decode
                     self._refresh(old, obj)
                     return
@@ -789,7 +779,7 @@ class ClusterView:
             bound = str((obj.get("spec") or {}).get("nodeName") or "")
             if old is not None and old.assumed and old.uid == uid and old.assignment_raw != raw and not bound:
                 return  # an unbound pod's old record (the Binding being posted replaces it)
-            if old is not None and old.uid == uid and old.assignment_raw == raw and key in self.state.pods:
+            if self._holds(old, uid, raw):  # charged since the check before decoding
                 self._refresh(old, obj)
                 return
             self.doubtful.pop(key, None)  # the watch shows what the pod holds: no doubt left
@@ -813,6 +803,10 @@ class ClusterView:
             self._index_pending(info)
             self.changed.notify_all()
 
+    def _holds(self, old: PodInfo | None, uid: str, raw: str) -> TypeGuard[PodInfo]:
+        """Whether `old` is this pod (`uid`) with the assignment `raw` charged. View lock held."""
+        return old is not None and old.uid == uid and old.assignment_raw == raw and old.key in self.state.pods
+
     def _refresh(self, old: PodInfo, obj: dict[str, Any]) -> None:
         """An event of a pod with the assignment `old` holds: only its handoff, deletion, node and
         version can have changed (the rest of a pod's spec is immutable). View lock held."""
@@ -830,11 +824,7 @@ class ClusterView:
 
     def replace_pods(self, objs: Iterable[dict[str, Any]]) -> None:
         """A fresh list: apply it and drop confirmed pods that are gone (assumed ones stay)."""
-        self.replace_pod_pages([list(objs)])
-
-    def replace_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
-        """Like replace_pods, a page at a time; the view stays usable between pages."""
-        seen = self._apply_pod_pages(pages, self.apply_pod)
+        seen = self._apply_pod_pages([list(objs)], self.apply_pod)
         with self.lock:
             self._drop_unlisted(seen)
             self.changed.notify_all()
@@ -1033,11 +1023,10 @@ class ClusterView:
         with the assignment held for it: the charge stays (the watch confirms it); otherwise the
         held assignment is released, and what the pod holds instead (if bound) is charged."""
         with self.lock:
-            doubt = self.doubtful.pop(key, None)
+            doubt = self.doubtful.get(key)
             if doubt is None or doubt[0] != uid:
-                if doubt is not None:
-                    self.doubtful[key] = doubt
                 return
+            del self.doubtful[key]
             p = self.pods.get(key)
             meta = (pod or {}).get("metadata") or {}
             node = str(((pod or {}).get("spec") or {}).get("nodeName") or "")

@@ -224,7 +224,7 @@ def rfc3339(t: datetime) -> str:
 def handoff_annotations_for_bind(assignment: Assignment) -> dict[str, str | None]:
     """The same annotations as :func:`binding_annotations`, as a merge patch that also drops an earlier
     allocation record (for tools and tests that write an assignment onto a pod themselves)."""
-    return {ANN_ASSIGNMENT: assignment.to_json(), ANN_HANDOFF: HANDOFF_PENDING, ANN_ALLOCATED: None}
+    return {**binding_annotations(assignment), ANN_ALLOCATED: None}
 
 
 def binding_annotations(assignment: Assignment) -> dict[str, str]:

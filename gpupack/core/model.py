@@ -12,6 +12,7 @@ per second, and copying a 50,000-GPU snapshot per decision would dominate. What-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 FULL = 1000  # milli in one GPU
 
@@ -55,6 +56,13 @@ class PodRequest:
     @property
     def needs_gpu(self) -> bool:
         return bool(self.containers or self.init_containers)
+
+    @cached_property
+    def gpu_slots(self) -> int:
+        """GPUs the kubelet must have free for the pod at once: its app containers' together, or its
+        largest init container's (init containers run one at a time, before the others). Cached:
+        the extender asks once per node it fits the pod on."""
+        return max(self.total_gpus, max((c.gpus for c in self.init_containers), default=0))
 
 
 @dataclass
