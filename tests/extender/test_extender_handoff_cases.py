@@ -195,12 +195,8 @@ def test_a_pod_whose_binding_has_an_unknown_outcome_is_settled_before_it_is_boun
 def test_extender_killed_while_its_binding_is_in_flight_leaves_no_locked_node(
     cluster, ns, sfx, kubeconfig, tmp_path, start_extender
 ):
-    node = f"gpu-{sfx}"
-    gpu_node(cluster, node, 1)
-    with FaultProxy(cluster.url) as proxy:
-        kc = cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
-        first = start_extender("--api-timeout-s", "8", kubeconfig_path=kc)
-        p = create_pod(cluster.core, small("p", 60000, 60), ns)
+    with _one_gpu_behind_proxy(cluster, ns, sfx, tmp_path, start_extender, "--api-timeout-s", "8") as env:
+        node, proxy, first, p = env.node, env.proxy, env.ext, env.p
         proxy.delay(r"/pods/p/binding$", 6, method="POST")
         proxy.fail_next("POST", r"/pods/p/binding$", 500)  # never reaches the API server
         threading.Thread(target=lambda: _quiet(first.post, "bind", bind_body(p, node)), daemon=True).start()
