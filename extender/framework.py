@@ -12,11 +12,12 @@ uses the cache; it fits again under the view's lock, so a cached answer can neve
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -94,6 +95,7 @@ POD_MEMORY = 4096  # filtered pods kept for their bind
 # at most EXPECT_S.
 EXPECT_MAX_NODES = 4
 EXPECT_S = 2.0
+STATE_IDS_MAX = 10_000  # node states numbered (Extender._state); ~1.2 KB each at 8 GPUs
 BIND_BUSY = "gpupack extender: every bind slot stayed busy for the whole bind wait"
 # Written on pods kube-scheduler may have parked while the extender was away: an update of the
 # pod itself moves it from the scheduler's unschedulable pods back to its active queue.
@@ -101,6 +103,10 @@ ANN_REQUEUED = "gpupack.io/requeued-at"
 # Written, with a Binding's resourceVersion as precondition, when that Binding got no answer: a
 # late arrival of it then fails its precondition, so whether the pod is bound is known for good.
 ANN_BIND_FENCED = "gpupack.io/bind-fenced"
+
+
+def _busy(node: str, key: str) -> str:
+    return f"node {node}: pod {key} is being bound there or waits for its kubelet (GPU handoff)"
 
 
 def fit_error(node: str, f: FitFailure) -> BindError:
@@ -235,6 +241,9 @@ class Extender:
         self.priorities: FitCache[Any] = FitCache()
         self.best: FitCache[Any] = FitCache()  # (shape, epoch) -> _BestIndex
         self._sigs: dict[str, tuple[int, tuple]] = {}
+        self._states: dict[str, tuple[int, int | None]] = {}
+        self._state_ids: dict[tuple, int] = {}
+        self._state_seq = itertools.count()
         # uid -> the Pod kube-scheduler sent with its last filter: the bind that follows uses it
         # instead of reading the pod again (the Binding's resourceVersion precondition still catches
         # any change since), one API round trip less per pod.
@@ -355,7 +364,7 @@ class Extender:
             r: Fit | FitFailure | None = None
             if memo is not None:
                 # Nodes in the same state give the same answer (a fresh or evenly filled cluster).
-                sig = self._signature(name, node, info.version)
+                sig = self._state(name, info)
                 hit_r = memo.get(sig)
                 if isinstance(hit_r, Fit):
                     r = Fit(Placement(name, hit_r.placement.containers), hit_r.charged)
@@ -459,14 +468,22 @@ class Extender:
                     r, res = self.node_fit(n, pod, now, table, memo)
                 update(n, r, res)
             st.pos = pos
-            if st.passed is None:
-                ok = st.ok
-                st.passed = [n for n in names if n in ok]
-            passed = list(st.passed)
+            cand: set[str] | None = None
+            passed: list[str] = []
+            steered: list[str] | None = None
+            if self.keep_best > 0 and not st.steered:
+                # only the policy's best few of the nodes that pass are answered: which pass is
+                # wanted as a set, not as a list in the request's order (~1,000 nodes a pod)
+                cand = set(st.ok)
+            else:
+                if st.passed is None:
+                    ok = st.ok
+                    st.passed = [n for n in names if n in ok]
+                passed = list(st.passed)
+                steered = [n for n in passed if n in st.steered] if st.steered else None
             failed = dict(st.failed)
             unresolvable = dict(st.unresolvable)
             codes = {c: k for c, k in st.codes.items() if k}
-            steered = [n for n in passed if n in st.steered] if st.steered else None
             if steered:
                 target = steered[0]
                 steer: Reservation = st.steered[target]
@@ -482,19 +499,19 @@ class Extender:
                     codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
             passed = steered
         locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
-        if locked and any(n in locked for n in passed):
+        if cand is not None:
+            passed = self._best_of(pod, names, cand, locked, failed, codes, now)
+        elif locked and any(n in locked for n in passed):
             free = [n for n in passed if n not in locked]
             if free:
                 # A bind there would wait for the kubelet to admit the other pod first; another
                 # node that fits is better than a bind that waits and maybe fails into back-off.
                 for n in passed:
                     if n in locked:
-                        failed[n] = (
-                            f"node {n}: pod {locked[n]} is being bound there or waits for its kubelet (GPU handoff)"
-                        )
+                        failed[n] = _busy(n, locked[n])
                         codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
                 passed = free
-        if self.keep_best > 0 and len(passed) > self.keep_best:
+        if cand is None and self.keep_best > 0 and len(passed) > self.keep_best:
             # The others are left out of the answer without a reason: kube-scheduler reads reasons
             # only when no node passes (and one always does here), and this one would only say that
             # another node was chosen. At 1,000 nodes that was ~50 KB of JSON per pod to write here
@@ -510,7 +527,34 @@ class Extender:
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
 
-    def _keep_best(self, pod: PodRequest, names: list[str], passed: list[str], now: datetime) -> list[str]:
+    def _best_of(
+        self,
+        pod: PodRequest,
+        names: list[str],
+        cand: set[str],
+        locked: dict[str, str],
+        failed: dict[str, str],
+        codes: dict[str, int],
+        now: datetime,
+    ) -> list[str]:
+        """filter's answer with keep_best from `cand`, the nodes that pass (no defrag steering):
+        as filter would answer from them in the request's order, without that list. Nodes locked
+        by another pod's bind or handoff are left out (with the reason) while another passes."""
+        busy = [n for n in locked if n in cand]
+        if busy and len(busy) < len(cand):
+            for n in busy:
+                failed[n] = _busy(n, locked[n])
+            codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(busy)
+            cand.difference_update(busy)
+        if len(cand) > self.keep_best:
+            kept = self._keep_best(pod, names, cand, now)
+            codes["not-best"] = codes.get("not-best", 0) + len(cand) - len(kept)
+            return kept
+        return [n for n in names if n in cand]
+
+    def _keep_best(
+        self, pod: PodRequest, names: list[str], passed: Collection[str], now: datetime
+    ) -> list[str]:
         """The `keep_best` nodes the policy prefers among those that pass (`passed`, out of the
         request's `names`). Order as
         :func:`gpupack.core.policies.schedule` picks: highest score, ties to the node first in the
@@ -519,8 +563,9 @@ class Extender:
         is schedule()'s, and the bind's fit there its GPUs. The order of the request's nodes is kept
         per (shape, epoch) and only the nodes changed since the last request are scored again."""
         with self.view.lock:
-            self.policy.rank_nodes(self.view.state.nodes)
             tie = self.policy.tie_key
+            if not self.view.state.nodes.keys() <= tie.keys():
+                self.policy.rank_nodes(self.view.state.nodes)
             idx, todo = self._todo(self.best, (shape_of(pod), self.epoch), names, _BestIndex)
             pos = self.view.seq
             todo = list(todo)
@@ -534,7 +579,7 @@ class Extender:
                 idx.key_of = {n: (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0)) for n in todo}
                 idx.order = sorted((k, n) for n, k in idx.key_of.items())
             idx.pos = pos
-            want = set(passed)
+            want = passed if isinstance(passed, set) else set(passed)
             keep: list[str] = []
             for _key, n in idx.order:
                 if n in want:
@@ -552,13 +597,35 @@ class Extender:
         nodes = self.view.nodes
         out: dict[str, float] = {}
         # Nodes in the same state fit and score the same (a fresh or evenly filled cluster, and after
-        # the policy learned more pods, when every node is scored again), as in scores_for.
+        # the policy learned more pods, when every node is scored again), as in scores_for. Here
+        # only the score is wanted, so a node in a state already scored in this call costs two
+        # lookups: after a learning flush every node of every shape is scored again, ~1,000 nodes
+        # on kube-scheduler's serial cycle, mostly in a few dozen states.
         memo: dict[tuple, float] = {}
         fit_memo: dict = {}
+        by_state: dict[int, float | None] = {}
         for n in names:
             info = nodes.get(n)
             if info is None:
                 continue
+            if not info.reservations:
+                hit = table.get(n)
+                if hit is not None and hit[0] == info.version:
+                    if hit[1] is not None:
+                        out[n] = hit[1]
+                    continue
+                state = self._state(n, info)
+                if state is not None:
+                    if state in by_state:
+                        score = by_state[state]
+                        table[n] = (info.version, score)
+                    else:
+                        score = by_state[state] = self._raw_score(
+                            n, info, pod, now, fits, table, fit_memo, memo
+                        )[0]
+                    if score is not None:
+                        out[n] = score
+                    continue
             score, _res = self._raw_score(n, info, pod, now, fits, table, fit_memo, memo)
             if score is not None:
                 out[n] = score
@@ -587,7 +654,7 @@ class Extender:
         score = None
         if isinstance(r, Fit):
             node = self.view.state.nodes[n]
-            sig = (self._signature(n, node, info.version), tuple(sorted(r.charged.items())))
+            sig = (self._state(n, info), tuple(sorted(r.charged.items())))
             score = memo.get(sig)
             if score is None:
                 score = memo[sig] = self.policy.node_score(node, pod, r)
@@ -669,6 +736,29 @@ class Extender:
         sig = _signature(node)
         self._sigs[name] = (version, sig)
         return sig
+
+    def _state(self, name: str, info: NodeInfo) -> int | None:
+        """A number for everything node_fit's answer on a node without reservations depends on,
+        apart from the node's name: its signature, its free and allocatable slots, whether its
+        inventory reads (None: a node gpupack does not know). Nodes with the same number fit and
+        score the same. A number, not the tuple: hashing a node's signature (a tuple per GPU) is
+        what a lookup by it costs, ~2 µs a node. Cached per node version, as every input is
+        charged under one (a slot's use too). View lock held."""
+        hit = self._states.get(name)
+        if hit is not None and hit[0] == info.version:
+            return hit[1]
+        node = self.view.state.nodes.get(name)
+        state = None
+        if node is not None:
+            key = (self._signature(name, node, info.version), self.view.slots_free(name), info.slots,
+                   bool(info.inventory_error))  # fmt: skip
+            state = self._state_ids.get(key)
+            if state is None:
+                if len(self._state_ids) >= STATE_IDS_MAX:
+                    self._state_ids.clear()  # numbers are never reused: new ones from here on
+                state = self._state_ids[key] = next(self._state_seq)
+        self._states[name] = (info.version, state)
+        return state
 
     # --- bind ------------------------------------------------------------------------------------
     def _node_lock(self, node: str) -> threading.Lock:

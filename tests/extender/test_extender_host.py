@@ -153,7 +153,11 @@ WORKLOAD = Workload.of(
 )
 
 
-def _random_cluster(rng: random.Random) -> list[dict]:
+def _random_cluster(rng: random.Random, even: bool = False) -> list[dict]:
+    """10 nodes of random sizes; `even`: 20 nodes of two kinds, so that many are in the same state
+    (the extender fits and scores each state once) until the pods tell them apart."""
+    if even:
+        return [sized_node(f"n{i:02d}", cpu="32" if i % 3 else "64", n=4, memory="256Gi") for i in range(20)]
     out = []
     for i in range(10):
         n = rng.choice([2, 4, 8])
@@ -173,15 +177,15 @@ def _random_pod(rng: random.Random, i: int) -> dict:
     return pod_obj(f"p{i}", [c], namespace="h", uid=f"uid-p{i}")
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(seed):
+@pytest.mark.parametrize("seed,even", [(1, False), (2, False), (3, False), (4, True), (5, True)])
+def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(seed, even):
     rng = random.Random(seed)
     view = ClusterView(track_host=True)
-    view.replace_nodes(_random_cluster(rng))
+    view.replace_nodes(_random_cluster(rng, even))
     view.replace_pods([])
     # CPU-only pods of other schedulers: the stranding term must see them
     view.replace_host_pod_pages([[host_pod(f"cpu{i}", f"n{rng.randrange(10):02d}", [res(str(rng.choice([4, 8, 12])))])
-                                  for i in range(8)]])  # fmt: skip
+                                  for i in range(8 if not even else 3)]])  # fmt: skip
     ext = Extender(
         view, get_policy("gpupack", seed=7, workload=WORKLOAD), None, clock=lambda: NOW, keep_best=1
     )
@@ -192,6 +196,8 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
     for i in range(40):
         pod = _random_pod(rng, i)
         req = ext.pod_request(pod)
+        if even and i % 7 == 6:
+            ext.epoch += 1  # as after a learning flush: every node of every shape is scored again
         want = schedule(view.state.clone(), req, sim, commit=False)
         out = ext.filter(ExtenderArgs(pod, names, None))
         if want.node is None:
@@ -215,6 +221,51 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
         view.apply_pod(bound)  # bound, its handoff done (the next pod's filter is not steered off)
         placed += 1
     assert placed >= 15  # the cluster filled up: ties and CPU limits were exercised
+
+
+def test_nodes_in_the_same_state_but_without_free_slots_never_pass():
+    # the GPUs of "dry" are as free as every other node's, but its kubelet has no gpupack.io/gpu
+    # slot left to give: nodes in the same GPU state are fitted and scored once, and that must
+    # never carry over to it
+    nodes = [sized_node(f"n{i}") for i in range(6)]
+    nodes[0]["metadata"]["name"] = "dry"
+    nodes[0]["status"]["allocatable"]["gpupack.io/gpu"] = "0"
+    view = ClusterView(track_host=True)
+    view.replace_nodes(nodes)
+    names = [n["metadata"]["name"] for n in nodes]
+    ext = Extender(view, get_policy("gpupack", workload=WORKLOAD), None, clock=lambda: NOW, keep_best=1)
+    for i in range(4):
+        ext.epoch += i % 2  # the full rescoring path too
+        pod = pod_obj(f"g{i}", [container("c", gpu=1, mem=1000, sm=20)], namespace="h", uid=f"uid-g{i}")
+        out = ext.filter(ExtenderArgs(pod, names, None))
+        assert out["NodeNames"] and out["NodeNames"] != ["dry"], out
+        assert "slot" in out["FailedNodes"]["dry"], out["FailedNodes"]
+        ext.keep_best = 0
+        assert "dry" not in ext.filter(ExtenderArgs(pod, names, None))["NodeNames"]
+        ext.keep_best = 1
+
+
+@pytest.mark.parametrize("keep_best", [0, 1])
+def test_filter_steers_the_next_pod_off_a_node_another_pod_is_being_bound_to(keep_best):
+    view = ClusterView(track_host=True)
+    view.replace_nodes([sized_node("a"), sized_node("b")])
+    ext = Extender(view, get_policy("gpupack", workload=WORKLOAD), None, clock=lambda: NOW, keep_best=keep_best)
+
+    def pod(i: int) -> dict:
+        return pod_obj(f"g{i}", [container("c", gpu=1, mem=1000, sm=20)], namespace="h", uid=f"uid-g{i}")
+
+    first = ext.filter(ExtenderArgs(pod(1), ["a", "b"], None))["NodeNames"]
+    view.claim(first[0], "h/g1", "uid-g1")  # its bind has come: the node is locked until it ends
+    out = ext.filter(ExtenderArgs(pod(2), ["a", "b"], None))
+    other = "b" if first[0] == "a" else "a"
+    assert out["NodeNames"] == [other], out
+    assert "is being bound there" in out["FailedNodes"][first[0]]
+    # with no other node that fits, the locked one is still answered (the bind waits its turn)
+    out = ext.filter(ExtenderArgs(pod(3), [first[0]], None))
+    assert out["NodeNames"] == [first[0]] and out["FailedNodes"] == {}, out
+    view.unclaim(first[0], "h/g1")
+    view.expected.clear()  # and the binds the filters above expect have come and gone
+    assert first[0] in ext.filter(ExtenderArgs(pod(4), ["a", "b"], None))["NodeNames"]
 
 
 def test_filter_keep_best_zero_passes_every_fitting_node():
