@@ -20,7 +20,9 @@ Reported per phase: pods/s (creation of the first pod to the last Binding), crea
 and from kube-scheduler's /metrics its scheduling-algorithm and bind times. For gpupack also: the
 share of bind attempts that failed a fit filter had passed, the extender's verb latencies and
 bind waits (from its /metrics histograms, whose buckets are fine below 50 ms), how the pods spread
-over the nodes, and a check of the result (over-committed GPUs, handoffs not done).
+over the nodes, and a check of the result (over-committed GPUs, handoffs not done). And the CPU
+seconds each process used in the phase (`cpu_s`): every part shares this machine's cores, so a
+phase that uses them all is as fast as the sum allows.
 
     python benchmarks/bench_scheduler.py                      # 1000 nodes, 500 pods (minutes)
     python benchmarks/bench_scheduler.py --nodes 100 --pods 200 --json
@@ -29,7 +31,9 @@ over the nodes, and a check of the result (over-committed GPUs, handoffs not don
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import re
 import sys
@@ -205,6 +209,56 @@ def ms(x: float) -> float:
     return round(x * 1000, 2)
 
 
+CPU_LABELS = [  # the first whose words all occur in the command line wins
+    (("gpupack extender",), "extender"),  # its master and gunicorn worker
+    (("gpupack-extender",), "extender"),  # the same, renamed by setproctitle
+    (("kube-scheduler", "gpupack-scheduler-"), "kube-scheduler (gpupack)"),
+    (("kube-scheduler", "plain-scheduler-"), "kube-scheduler (plain)"),
+    (("kube-apiserver",), "kube-apiserver"),
+    (("kube-controller-manager",), "kube-controller-manager"),
+    (("etcd",), "etcd"),
+]
+HARNESS = "this benchmark (pod creation, kubelet and device-plugin emulators)"
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                todo.extend(int(c) for c in task.read_text().split())
+    return out
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and every process it started, by role:
+    where a phase's CPU went on a machine all of them share. Linux /proc only ({} elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    me = os.getpid()
+    for pid in _descendants(me):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        secs = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        label = HARNESS if pid == me else "other"
+        for words, name in CPU_LABELS:
+            if all(w in cmd for w in words):
+                label = name
+                break
+        out[label] = out.get(label, 0.0) + secs
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 2) for k, v in sorted(after.items(), key=lambda kv: -kv[1])}
+
+
 class Scheduler:
     """A kube-scheduler with its /metrics reachable (anonymous, on an allowed path)."""
 
@@ -251,6 +305,7 @@ def run_phase(
         core.create_namespaced_pod(ns, p, _preload_content=False)
         created[p["metadata"]["name"]] = time.monotonic()
 
+    c0 = cpu_seconds()
     t0 = time.monotonic()
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(create, pods))
@@ -260,6 +315,7 @@ def run_phase(
     while time.monotonic() < deadline and len([n for n in names if n in obs.running]) < len(names):
         time.sleep(0.1)
     obs.stop.set()
+    cpu = cpu_used(c0, cpu_seconds())
     s1 = sched.metrics()
     e1 = scrape(ext.url + "/metrics") if ext is not None else ""
     bound = [obs.bound[n] - created[n] for n in names if n in obs.bound]
@@ -275,6 +331,9 @@ def run_phase(
         "bound_p99_s": round(pct(bound, 99), 3),
         "running_p50_s": round(pct(running, 50), 3),
         "running_p99_s": round(pct(running, 99), 3),
+        # CPU seconds each process spent from the first creation until every pod ran: on a machine
+        # they all share, any of them may be what limits the others
+        "cpu_s": cpu,
     }
     alg = diff(histogram(s1, "scheduler_scheduling_algorithm_duration_seconds"),
                histogram(s0, "scheduler_scheduling_algorithm_duration_seconds"))  # fmt: skip
@@ -389,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"nodes": args.nodes, "pods": args.pods, "admit_ms": args.admit_ms,
-                              "qps": args.qps, "burst": args.burst}  # fmt: skip
+                              "qps": args.qps, "burst": args.burst, "cpus": os.cpu_count()}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-sched-") as d:
         tmp = Path(d)
         cp = realk8s.ControlPlane(tmp).start()
@@ -416,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             gcfg = realk8s.gpupack_scheduler_config(ext.url)
             le = dict(gcfg.get("leaderElection") or {}, leaderElect=True, resourceLock="leases")
             scheds.append(Scheduler(cp, gcfg, "gpupack-scheduler", args.qps, args.burst, leader_election=le))
-            plugin = DevicePluginEmulator(cp)
+            plugin = DevicePluginEmulator(cp, static_inventory=True)
             with realk8s.KubeletEmulator(cp, None, admit_delay=args.admit_ms / 1000, on_admit=plugin):
                 result["plain"] = run_phase(cp, "plain", [plain_pod(i, "plain") for i in range(args.pods)],
                                             scheds[0], None, args.timeout)  # fmt: skip
@@ -442,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"running p50/p99 {r['running_p50_s']}/{r['running_p99_s']} s  {r['bound']}/{r['pods']} bound"
             )
             print(f"         scheduler: {r['scheduler']}")
+            print(f"         CPU seconds: {r['cpu_s']}")
         g = result["gpupack"]
         print(f"ratio gpupack/plain: {result['ratio']}")
         print(f"extender: {g['extender']}")
