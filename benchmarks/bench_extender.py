@@ -315,10 +315,14 @@ def bench_scheduling(
         ext.stop()
 
 
-def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int, keep_best: int = 1) -> dict[str, Any]:
+def bench_inproc(
+    n_nodes: int, n_pods: int, seed: int, warmup: int, keep_best: int = 1, drop: int = 0
+) -> dict[str, Any]:
     """The same stream in one process without HTTP or API server: JSON decode + parse, filter,
     prioritize, encode, then an immediate bind into the view (assume). Shows the extender's own
-    cost apart from the GIL contention with bind and watch threads that the HTTP run includes."""
+    cost apart from the GIL contention with bind and watch threads that the HTTP run includes.
+    `drop`: each filter is asked about every node but `drop` random ones, as when kube-scheduler's
+    own filters leave out nodes (their CPU taken, say) that change from pod to pod."""
     from extender.app import _encode
     from extender.framework import Extender as Ext
     from extender.framework import assignment_from_fit
@@ -336,7 +340,11 @@ def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int, keep_best: i
     for i in range(n_pods):
         p = pod_obj(f"p{i:06d}", rng.choice(SHAPES))
         p["metadata"]["uid"] = f"uid-{i}"
-        body = json.dumps({"Pod": p, "NodeNames": names, "Nodes": None}).encode()
+        asked = names
+        if drop:
+            left_out = set(rng.sample(names, drop))
+            asked = [n for n in names if n not in left_out]
+        body = json.dumps({"Pod": p, "NodeNames": asked, "Nodes": None}).encode()
         t0 = time.perf_counter()
         out = ext.filter(parse_extender_args(json.loads(body)))
         _encode(out)
@@ -364,7 +372,7 @@ def bench_inproc(n_nodes: int, n_pods: int, seed: int, warmup: int, keep_best: i
             view.assume(req.key, req.uid, a, frozenset())
         view.expect(req.uid, req.key, (), 0.0)  # its bind has come (ClusterView.claim drops it so)
     ms = lambda v: round(v * 1000, 2)  # noqa: E731
-    return {"nodes": n_nodes, "pods": n_pods, "warmup_pods": warmup, "keep_best": keep_best} | {
+    return {"nodes": n_nodes, "pods": n_pods, "warmup_pods": warmup, "keep_best": keep_best, "drop": drop} | {
         k: {"p50": ms(pct(v, 50)), "p99": ms(pct(v, 99))} for k, v in t.items()
     }
 
@@ -448,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--inproc", action="store_true", help="one process without HTTP (no memory run)")
     ap.add_argument(
+        "--drop-nodes",
+        type=int,
+        default=0,
+        help="--inproc: each filter leaves out this many random nodes (kube-scheduler's own filters)",
+    )
+    ap.add_argument(
         "--keep-best",
         type=int,
         default=1,
@@ -461,11 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         results = {"cpus": os.cpu_count(), "inproc": []}
         for n in args.nodes or [100, 1000, 5000]:
             pods = args.pods or min(3000, max(300, 3 * n))
-            r = bench_inproc(n, pods + args.warmup, args.seed, args.warmup, args.keep_best)
+            r = bench_inproc(n, pods + args.warmup, args.seed, args.warmup, args.keep_best, args.drop_nodes)
             results["inproc"].append(r)
             if not args.json:
                 print(
-                    f"{n:>5} nodes, in-process: "
+                    f"{n:>5} nodes, in-process{f', {args.drop_nodes} left out each time' if args.drop_nodes else ''}: "
                     + ", ".join(
                         f"{k} {r[k]['p50']}/{r[k]['p99']} ms"
                         for k in ("filter", "prioritize", "filter_plus_prioritize")

@@ -112,6 +112,17 @@ class _FilterAnswer:
         self.names = names
         self.passed = None
 
+    def forget(self, n: str) -> None:
+        """Node `n` is no longer asked about."""
+        old = self.code_of.pop(n, None)
+        if old is not None:
+            self.codes[old] -= 1
+            self.failed.pop(n, None)
+            self.unresolvable.pop(n, None)
+        self.ok.discard(n)
+        self.steered.pop(n, None)
+        self.passed = None
+
     def update(self, n: str, r: Fit | FitFailure, res: Reservation | None) -> None:
         old = self.code_of.pop(n, None)
         if old is not None:
@@ -152,6 +163,11 @@ class _PriorityAnswer:
         self.names = names
         self.out = None
 
+    def forget(self, n: str) -> None:
+        self.raw.pop(n, None)
+        self.steered.discard(n)
+        self.out = None
+
 
 def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
     """Raw scores to 0..MAX_SCORE over the lowest..highest; no fit 0; steered nodes MAX_SCORE."""
@@ -183,6 +199,16 @@ class _BestIndex:
 
     def reorder(self, names: list[str]) -> None:
         self.names = names  # the order of the request does not matter here
+
+    def forget(self, n: str) -> None:
+        key = self.key_of.pop(n, None)
+        if key is None:
+            return
+        i = bisect.bisect_left(self.order, (key, n))
+        if i < len(self.order) and self.order[i] == (key, n):
+            del self.order[i]
+        else:  # a key that does not compare equal to itself (NaN score)
+            self.order = sorted((k, m) for m, k in self.key_of.items())
 
     def set(self, n: str, key: tuple[bool, float, float]) -> None:
         old = self.key_of.get(n)

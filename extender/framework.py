@@ -242,6 +242,7 @@ class Extender:
         self.best: FitCache[Any] = FitCache()  # (shape, epoch) -> _BestIndex
         self._sigs: dict[str, tuple[int, tuple]] = {}
         self._states: dict[str, tuple[int, int | None]] = {}
+        self._last_names: tuple[list[str], set[str]] | None = None
         self._state_ids: dict[tuple, int] = {}
         self._state_seq = itertools.count()
         # uid -> the Pod kube-scheduler sent with its last filter: the bind that follows uses it
@@ -410,22 +411,32 @@ class Extender:
     def _todo(
         self, answers: FitCache, key: tuple, names: list[str], factory: Callable[[list[str]], Any]
     ) -> tuple[Any, Any]:
-        """The last answer for `key` and the nodes it must look at again: only those changed since
-        (or holding reservations, whose answer depends on the time) when the node list is the
-        same as last time; otherwise a fresh answer and every node. View lock held."""
+        """The last answer for `key` and the nodes it must look at again: those changed since (or
+        holding reservations, whose answer depends on the time), and those not asked about last
+        time; nodes no longer asked about are dropped from it. A fresh answer and every node when
+        there is none, or the view's journal no longer reaches back to it. View lock held."""
         st = answers.data.get(key)
-        if st is not None and st.names != names and len(st.names) == len(names) and st.name_set == set(names):
-            # The same nodes in another order: kube-scheduler's list of the nodes that passed its own
-            # filters starts where its last search stopped and is filled in parallel, so with
-            # percentageOfNodesToScore: 100 it is the same set in a new order almost every time.
+        added: set[str] = set()
+        if st is not None and st.names != names:
+            # kube-scheduler's list of the nodes that passed its own filters starts where its last
+            # search stopped and is filled in parallel, so with percentageOfNodesToScore: 100 it is
+            # the same set in a new order almost every time; and a node its own filters now refuse
+            # (its CPU is taken, say) leaves it, without changing the answer for any other node.
+            asked = self._name_set(names)
+            if asked != st.name_set:
+                for n in st.name_set - asked:
+                    st.forget(n)
+                added = asked - st.name_set
+                st.name_set = set(asked)
             st.reorder(names)
-        if st is not None and st.names == names:
+        if st is not None:
             answers.data.move_to_end(key)
             changed = self.view.changed_since(st.pos)
             if changed is not None:
                 todo = set(changed)
                 todo.update(self.view.reserved)
                 todo &= st.name_set
+                todo |= added
                 return st, todo
         st = factory(names)
         answers.data[key] = st
@@ -551,6 +562,15 @@ class Extender:
             codes["not-best"] = codes.get("not-best", 0) + len(cand) - len(kept)
             return kept
         return [n for n in names if n in cand]
+
+    def _name_set(self, names: list[str]) -> set[str]:
+        """set(names), built once per request (filter asks two answers about the same list)."""
+        last = self._last_names
+        if last is not None and last[0] is names:
+            return last[1]
+        asked = set(names)
+        self._last_names = (names, asked)
+        return asked
 
     def _keep_best(
         self, pod: PodRequest, names: list[str], passed: Collection[str], now: datetime

@@ -82,7 +82,15 @@ def test_answers_follow_every_kind_of_change():
     for step in range(400):
         owned = rng.random() < 0.2
         pod = _pod(step, rng.choice(SHAPES), owned)
-        asked = names if rng.random() < 0.8 else rng.sample(names, 6)
+        # kube-scheduler's own filters may leave a node or two out (their CPU is taken), or many
+        r = rng.random()
+        asked = (
+            names
+            if r < 0.5
+            else rng.sample(names, len(names) - rng.choice([1, 2]))
+            if r < 0.85
+            else rng.sample(names, 6)
+        )
         args = parse_extender_args({"Pod": pod, "NodeNames": asked})
         out = ext.filter(args)
         assert out == _fresh(view, policy).filter(args), f"filter differs at step {step}"
@@ -196,7 +204,7 @@ def test_answers_follow_every_change_with_the_nodes_in_a_new_order_each_time():
         placed: list[str] = []
         for step in range(300):
             pod = _pod(step, rng.choice(SHAPES), rng.random() < 0.2)
-            asked = rng.sample(names, len(names)) if rng.random() < 0.9 else rng.sample(names, 6)
+            asked = rng.sample(names, rng.choice([len(names)] * 6 + [len(names) - 1, len(names) - 2, 6]))
             args = parse_extender_args({"Pod": pod, "NodeNames": asked})
             out = ext.filter(args)
             want = Extender(view, policy, None, clock=lambda: NOW, keep_best=keep_best).filter(args)
