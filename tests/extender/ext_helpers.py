@@ -263,7 +263,7 @@ class DevicePluginEmulator:
                 patch = handoff.failed_annotations()
             body = {"metadata": {"annotations": patch, "resourceVersion": pod["metadata"]["resourceVersion"]}}
             try:
-                self.core.patch_namespaced_pod(name, ns, body)
+                _ = self.core.patch_namespaced_pod(name, ns, body, _preload_content=False).data  # not a V1Pod
             except client.ApiException as e:
                 if e.status == 409:  # the pod changed since we read it: read it again
                     continue

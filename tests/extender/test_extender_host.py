@@ -249,7 +249,9 @@ def test_nodes_in_the_same_state_but_without_free_slots_never_pass():
 def test_filter_steers_the_next_pod_off_a_node_another_pod_is_being_bound_to(keep_best):
     view = ClusterView(track_host=True)
     view.replace_nodes([sized_node("a"), sized_node("b")])
-    ext = Extender(view, get_policy("gpupack", workload=WORKLOAD), None, clock=lambda: NOW, keep_best=keep_best)
+    ext = Extender(
+        view, get_policy("gpupack", workload=WORKLOAD), None, clock=lambda: NOW, keep_best=keep_best
+    )
 
     def pod(i: int) -> dict:
         return pod_obj(f"g{i}", [container("c", gpu=1, mem=1000, sm=20)], namespace="h", uid=f"uid-g{i}")
