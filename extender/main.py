@@ -247,7 +247,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
             bind_concurrency=args.bind_concurrency, keep_best=args.filter_keep_best, events=events,
         )  # fmt: skip
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
-        Sync(view, kube).start()
+        Sync(view, kube, freeze_heap=True).start()
         Janitor(ext, args.sweep_interval_s).start()
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,

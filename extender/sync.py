@@ -12,6 +12,7 @@ view stays readable throughout.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -136,7 +137,18 @@ def _lines(resp: Any) -> Iterator[bytes]:
 class Sync:
     """Runs the node and pod watchers in daemon threads; `ready` once both listed fully."""
 
-    def __init__(self, view: ClusterView, kube: Kube, watch_timeout_s: int = 300) -> None:
+    def __init__(
+        self, view: ClusterView, kube: Kube, watch_timeout_s: int = 300, freeze_heap: bool = False
+    ) -> None:
+        # `freeze_heap`: once the first lists are in, move everything alive out of the garbage
+        # collector's reach (gc.freeze) before the first verb is answered. A full collection walks
+        # every tracked object; at 5,000 nodes the listed cluster alone is ~200,000 of them, and a
+        # full collection that a verb's allocation set off stalled that verb 40-130 ms. Frozen,
+        # the stalls in verbs added up to a third to a half less (bench_extender, 5,000 nodes,
+        # filter p99 19-28 ms against 34-41 ms). What is frozen is never collected as part of a
+        # reference cycle, only freed by its last reference, which is how the view's nodes and
+        # pods (no cycles) go.
+        self.freeze_heap = freeze_heap
         self.view, self.kube = view, kube
         self.stop = threading.Event()
         self.nodes = Watcher(
@@ -173,6 +185,9 @@ class Sync:
         # Nodes first: pods are charged onto nodes, so the first pod list is complete only after.
         while not self.stop.is_set():
             if all(w.listed.wait(0.5) for w in self.watchers):
+                if self.freeze_heap:
+                    gc.collect()
+                    gc.freeze()
                 self.view.synced.set()
                 return
 

@@ -6,6 +6,7 @@ too (on the node only: it gets no GPUs, no assignment and no handoff)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -82,6 +83,25 @@ def host(node: Node) -> tuple[int, int, int, int]:
 
 def delete_now(core: client.CoreV1Api, ns: str, name: str) -> None:
     core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+
+
+def test_the_listed_cluster_is_out_of_the_collectors_reach_before_the_first_verb(
+    cluster: realk8s.ControlPlane, sfx: str, tmp_path: Path
+) -> None:
+    # a full collection walks every tracked object: the nodes listed at start must not be among
+    # them (Sync(freeze_heap=True), as the extender runs it), and no verb is answered before
+    node = f"frozen-{sfx}"
+    gpu_node(cluster, node, n=2)
+    view = ClusterView(track_host=True)
+    sync = Sync(view, Kube(api_client(str(cluster.write_kubeconfig(tmp_path / "kc")))), 30, freeze_heap=True)
+    sync.start()
+    try:
+        assert sync.wait_ready(20)
+        listed = view.state.nodes[node]
+        assert not any(o is listed for o in gc.get_objects()), "the listed node is still collectable"
+    finally:
+        sync.close()
+        gc.unfreeze()  # the rest of this test process as before
 
 
 def test_node_cpu_and_memory_from_real_pods(
