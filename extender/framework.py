@@ -240,7 +240,6 @@ class Extender:
         self.filters: FitCache[Any] = FitCache()
         self.priorities: FitCache[Any] = FitCache()
         self.best: FitCache[Any] = FitCache()  # (shape, epoch) -> _BestIndex
-        self._sigs: dict[str, tuple[int, tuple]] = {}
         self._states: dict[str, tuple[int, int | None]] = {}
         self._last_names: tuple[list[str], set[str]] | None = None
         self._state_ids: dict[tuple, int] = {}
@@ -749,14 +748,6 @@ class Extender:
                         break
         self.view.expect(pod.uid, pod.key, tuple(best), time.monotonic() + EXPECT_S)
 
-    def _signature(self, name: str, node: Node, version: int) -> tuple:
-        hit = self._sigs.get(name)
-        if hit is not None and hit[0] == version:
-            return hit[1]
-        sig = _signature(node)
-        self._sigs[name] = (version, sig)
-        return sig
-
     def _state(self, name: str, info: NodeInfo) -> int | None:
         """A number for everything node_fit's answer on a node without reservations depends on,
         apart from the node's name: its signature, its free and allocatable slots, whether its
@@ -770,8 +761,7 @@ class Extender:
         node = self.view.state.nodes.get(name)
         state = None
         if node is not None:
-            key = (self._signature(name, node, info.version), self.view.slots_free(name), info.slots,
-                   bool(info.inventory_error))  # fmt: skip
+            key = (_signature(node), self.view.slots_free(name), info.slots, bool(info.inventory_error))
             state = self._state_ids.get(key)
             if state is None:
                 if len(self._state_ids) >= STATE_IDS_MAX:
