@@ -112,27 +112,28 @@ class _FilterAnswer:
         self.names = names
         self.passed = None
 
-    def forget(self, n: str) -> None:
-        """Node `n` is no longer asked about."""
+    def _unrecord(self, n: str) -> bool:
+        """Take node `n` out of the answer; whether it passed."""
         old = self.code_of.pop(n, None)
         if old is not None:
             self.codes[old] -= 1
             self.failed.pop(n, None)
             self.unresolvable.pop(n, None)
-        self.ok.discard(n)
+            was_ok = False
+        else:
+            was_ok = n in self.ok
+            self.ok.discard(n)
         self.steered.pop(n, None)
+        return was_ok
+
+    def forget(self, n: str) -> None:
+        """Node `n` is no longer asked about."""
+        self._unrecord(n)
         self.passed = None
 
     def update(self, n: str, r: Fit | FitFailure, res: Reservation | None) -> None:
-        old = self.code_of.pop(n, None)
-        if old is not None:
-            self.codes[old] -= 1
-            self.failed.pop(n, None)
-            self.unresolvable.pop(n, None)
-        elif n in self.ok:
-            self.ok.discard(n)
+        if self._unrecord(n):
             self.passed = None
-        self.steered.pop(n, None)
         if r.__class__ is Fit:
             self.ok.add(n)
             self.passed = None
@@ -200,26 +201,26 @@ class _BestIndex:
     def reorder(self, names: list[str]) -> None:
         self.names = names  # the order of the request does not matter here
 
-    def forget(self, n: str) -> None:
-        key = self.key_of.pop(n, None)
-        if key is None:
-            return
+    def _unlist(self, n: str, key: tuple[bool, float, float]) -> bool:
+        """Take (key, n) out of `order`. False when it is not found there (a key that does not
+        compare equal to itself: a NaN score), and `order` was sorted again from `key_of` instead."""
         i = bisect.bisect_left(self.order, (key, n))
         if i < len(self.order) and self.order[i] == (key, n):
             del self.order[i]
-        else:  # a key that does not compare equal to itself (NaN score)
-            self.order = sorted((k, m) for m, k in self.key_of.items())
+            return True
+        self.order = sorted((k, m) for m, k in self.key_of.items())
+        return False
+
+    def forget(self, n: str) -> None:
+        key = self.key_of.pop(n, None)
+        if key is not None:
+            self._unlist(n, key)
 
     def set(self, n: str, key: tuple[bool, float, float]) -> None:
         old = self.key_of.get(n)
         if old == key:
             return
         self.key_of[n] = key
-        if old is not None:
-            i = bisect.bisect_left(self.order, (old, n))
-            if i < len(self.order) and self.order[i] == (old, n):
-                del self.order[i]
-            else:  # a key that does not compare equal to itself (NaN score): sort again
-                self.order = sorted((k, m) for m, k in self.key_of.items())
-                return
+        if old is not None and not self._unlist(n, old):
+            return  # sorted again, with the new key
         bisect.insort(self.order, (key, n))
