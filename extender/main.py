@@ -263,32 +263,14 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
         from .app import create_webhook_app
         from .kube import Kube, api_client
         from .metrics import Metrics
-        from .sync import Watcher
+        from .sync import Sync
         from .view import ClusterView
         from .webhook import WebhookConfig
 
         metrics = Metrics()
         view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc())
         kube = Kube(api_client(args.kubeconfig))
-        import threading
-
-        stop = threading.Event()
-        w = Watcher(
-            "nodes",
-            kube.node_pages,
-            kube.watch_nodes,
-            view.replace_node_pages,
-            view.apply_node,
-            lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")),
-            stop,
-        )
-        threading.Thread(target=w.run, daemon=True, name="watch-nodes").start()
-
-        def mark_synced() -> None:
-            w.listed.wait()
-            view.synced.set()
-
-        threading.Thread(target=mark_synced, daemon=True).start()
+        Sync(view, kube, pods=False).start()  # the webhooks read nodes only
         # pod_lookup: the node of the device plugin pod a token is bound to (plugin-node webhook)
         cfg = WebhookConfig(args.scheduler_name, args.set_scheduler_name, pod_lookup=kube.get_pod)
         return create_webhook_app(cfg, view, metrics, args.max_body_bytes)

@@ -135,10 +135,16 @@ def _lines(resp: Any) -> Iterator[bytes]:
 
 
 class Sync:
-    """Runs the node and pod watchers in daemon threads; `ready` once both listed fully."""
+    """Runs the node and pod watchers in daemon threads (`pods` false: the node watcher only, as
+    the webhook needs); the view is `synced` once each listed fully."""
 
     def __init__(
-        self, view: ClusterView, kube: Kube, watch_timeout_s: int = 300, freeze_heap: bool = False
+        self,
+        view: ClusterView,
+        kube: Kube,
+        watch_timeout_s: int = 300,
+        freeze_heap: bool = False,
+        pods: bool = True,
     ) -> None:
         # `freeze_heap`: once the first lists are in, move everything alive out of the garbage
         # collector's reach (gc.freeze) before the first verb is answered. A full collection walks
@@ -161,17 +167,20 @@ class Sync:
             self.stop,
             watch_timeout_s,
         )
-        self.pods = Watcher(
-            "pods",
-            kube.assigned_pod_pages,
-            kube.watch_assigned_pods,
-            view.replace_assigned_pages,
-            view.apply_assigned,
-            view.delete_assigned,
-            self.stop,
-            watch_timeout_s,
-        )
-        self.watchers = [self.nodes, self.pods]
+        self.watchers = [self.nodes]
+        if pods:
+            self.watchers.append(
+                Watcher(
+                    "pods",
+                    kube.assigned_pod_pages,
+                    kube.watch_assigned_pods,
+                    view.replace_assigned_pages,
+                    view.apply_assigned,
+                    view.delete_assigned,
+                    self.stop,
+                    watch_timeout_s,
+                )
+            )
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
