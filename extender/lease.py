@@ -54,6 +54,13 @@ class LeaseFence:
         self._lock = threading.Lock()
         self._held_until = 0.0  # time.monotonic() until which the last read, if good, may be reused
         self._last_started = 0.0  # when the read that set it started (a later read's answer wins)
+        # Fresh reads are shared (see `problem`): one at a time; reads started and the last one
+        # answered are numbered, so a check knows which answers began after it asked.
+        self._turn = threading.Condition(self._lock)
+        self._reading = False
+        self._started_n = 0
+        self._answered_n = 0
+        self._answer = ""
 
     def problem(self, fresh: bool = True) -> str:
         """Why this extender may not write now ("" when it may). With `fresh` false, a read that
@@ -64,12 +71,37 @@ class LeaseFence:
             with self._lock:
                 if time.monotonic() < self._held_until:
                     return ""
+        # A fresh check is answered by a read that starts after it asked, its own or one shared
+        # with the checks that asked before that read began: each sees every change to the Lease
+        # made before it asked, as its own read would. In a burst of binds (dozens in flight at
+        # 60 pods/s) this is a read per read's duration instead of one per Binding, on an API
+        # server and etcd (a quorum read) that the binds themselves wait on.
+        with self._turn:
+            need = self._started_n + 1  # a read running now began before this check asked
+            while self._answered_n < need:
+                if not self._reading:
+                    self._reading = True
+                    self._started_n += 1
+                    mine = self._started_n
+                    break
+                self._turn.wait()
+            else:
+                return self._answer
         started = time.monotonic()
-        why, good_for = self._judge(started)
-        with self._lock:
-            if started >= self._last_started:
-                self._last_started = started
-                self._held_until = started + min(LEASE_REUSE_S, good_for) if not why else 0.0
+        done = False
+        try:
+            why, good_for = self._judge(started)
+            done = True
+        finally:
+            with self._turn:
+                self._reading = False
+                if done:
+                    self._answered_n, self._answer = mine, why
+                    if started >= self._last_started:
+                        self._last_started = started
+                        self._held_until = started + min(LEASE_REUSE_S, good_for) if not why else 0.0
+                # a read that raised answers nobody: the next waiter reads for itself
+                self._turn.notify_all()
         return why
 
     def _judge(self, started: float) -> tuple[str, float]:
