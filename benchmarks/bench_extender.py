@@ -14,6 +14,7 @@ Memory: extender worker RSS and resync time with N GPU pods already assigned in 
     python benchmarks/bench_extender.py                  # 100, 1000, 5000 nodes; 50,000 pods
     python benchmarks/bench_extender.py --nodes 1000 --pods 500 --json
     python benchmarks/bench_extender.py --nodes 1000 --pods 500 --inproc   # one process, no HTTP
+    python benchmarks/bench_extender.py --nodes 1000 --pods 500 --extender-cpus 1  # CPUs of its own
 
 With --keep-best N (default 1, as deploy/ runs the extender: --filter-keep-best=1) filter passes the
 policy's best node only and, as kube-scheduler does with one feasible node, no prioritize follows:
@@ -23,6 +24,7 @@ policy's best node only and, as kube-scheduler does with one feasible node, no p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -177,8 +179,62 @@ def kubeconfig_in(tmp: Path, cluster: Cluster) -> Path:
     return cluster.cp.write_kubeconfig(tmp / "kubeconfig")
 
 
+_ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _process_tree(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of `pids`; threads started later inherit their creator's CPUs."""
+    for pid in pids:
+        try:
+            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                os.sched_setaffinity(tid, cpus)
+
+
+def give_extender_cpus(ext: ExtenderProcess, n: int) -> dict[str, list[int]]:
+    """The extender (gunicorn master and worker) on the last `n` CPUs, everything else this benchmark
+    started (the API server, etcd, the client threads) on the others: the extender's own latency,
+    binds and watch events included, without the run queue of a client and an API server that a
+    deployed extender does not share its CPUs with (a scheduler pod with CPUs of its own)."""
+    mine = _ALL_CPUS  # as the benchmark started: a second cluster size finds this process pinned
+    if not 0 < n < len(mine):
+        raise SystemExit(f"--extender-cpus must be 1..{len(mine) - 1} on this machine ({len(mine)} CPUs)")
+    theirs, rest = set(mine[-n:]), set(mine[:-n])
+    ext_tree = set(_process_tree(ext.proc.pid))
+    _pin([p for p in _process_tree(os.getpid()) if p not in ext_tree], rest)
+    _pin(sorted(ext_tree), theirs)
+    return {"extender": sorted(theirs), "others": sorted(rest)}
+
+
 def bench_scheduling(
-    cluster: Cluster, n_nodes: int, n_pods: int, seed: int, tmp: Path, warmup: int, keep_best: int = 1
+    cluster: Cluster,
+    n_nodes: int,
+    n_pods: int,
+    seed: int,
+    tmp: Path,
+    warmup: int,
+    keep_best: int = 1,
+    extender_cpus: int = 0,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     cluster.empty()
@@ -190,6 +246,7 @@ def bench_scheduling(
     )
     try:
         ready_s = ext.wait_ready()
+        pinned = give_extender_cpus(ext, extender_cpus) if extender_cpus else None
         http = requests.Session()
 
         server: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
@@ -293,6 +350,7 @@ def bench_scheduling(
             | {"filter_plus_prioritize": {"p50": ms(pct(sv_both, 50)), "p99": ms(pct(sv_both, 99))}},
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "keep_best": keep_best,
+            "pinned_cpus": pinned,
             "nodes": n_nodes,
             "gpus": n_nodes * 8,
             "pods": n_pods,
@@ -467,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="the extender's --filter-keep-best (default 1, as deployed; 0: filter then prioritize)",
     )
+    ap.add_argument(
+        "--extender-cpus",
+        type=int,
+        default=0,
+        help="give the extender this many CPUs of its own (Linux; everything else gets the others)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
@@ -504,7 +568,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_http(args: argparse.Namespace, results: dict[str, Any], cluster: Cluster, tmp: Path) -> None:
     for n in args.nodes or [100, 1000, 5000]:
         pods = args.pods or min(3000, max(300, 3 * n))
-        r = bench_scheduling(cluster, n, pods + args.warmup, args.seed, tmp, args.warmup, args.keep_best)
+        r = bench_scheduling(
+            cluster, n, pods + args.warmup, args.seed, tmp, args.warmup, args.keep_best, args.extender_cpus
+        )
         results["scheduling"].append(r)
         if not args.json:
             print(
@@ -522,7 +588,9 @@ def run_http(args: argparse.Namespace, results: dict[str, Any], cluster: Cluster
                 f"       server side: filter {sv['filter']['p50']}/{sv['filter']['p99']} ms, prioritize "
                 f"{sv['prioritize']['p50']}/{sv['prioritize']['p99']} ms, filter+prioritize "
                 f"{sv['filter_plus_prioritize']['p50']}/{sv['filter_plus_prioritize']['p99']} ms, bind "
-                f"{sv['bind']['p50']}/{sv['bind']['p99']} ms (load average {r['load_avg_1m']} on {os.cpu_count()} CPUs)",
+                f"{sv['bind']['p50']}/{sv['bind']['p99']} ms (load average {r['load_avg_1m']} on {os.cpu_count()} CPUs"
+                + (f"; extender on CPUs {r['pinned_cpus']['extender']}" if r["pinned_cpus"] else "")
+                + ")",
                 flush=True,
             )
     if args.memory_pods:
