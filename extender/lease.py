@@ -66,7 +66,7 @@ class LeaseFence:
         """Why this extender may not write now ("" when it may). With `fresh` false, a read that
         found the Lease ours at most LEASE_REUSE_S ago, and valid for `margin_s` from now on,
         answers without another: for the checks before a bind's one write (the Binding), whose
-        last check, right before it, reads the Lease itself. A refusal is never reused."""
+        last check, right before it, is fresh. A refusal is never reused."""
         if not fresh:
             with self._lock:
                 if time.monotonic() < self._held_until:
