@@ -100,7 +100,7 @@ def test_checks_that_arrive_during_a_read_share_one_more_read_and_later_ones_rea
     kube.release(1)
     kube.wait_reads(2)  # one of the five reads for all of them
     late = _check_in_thread(fence, out, "late")  # asked while read 2 runs: needs read 3
-    _waiting(fence, 1)
+    _waiting(fence, 5)  # the four whose read 2 is on its way, and this one
     kube.release(2)
     for t in [first, *waiting]:
         t.join(10)
