@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import realk8s  # noqa: E402
-from processes import ExtenderProcess  # noqa: E402
+from processes import ExtenderProcess, descendants  # noqa: E402
 
 from gpupack.contract import (  # noqa: E402
     ANN_ASSIGNMENT,
@@ -182,23 +182,6 @@ def kubeconfig_in(tmp: Path, cluster: Cluster) -> Path:
 _ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
-def _process_tree(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def _pin(pids: list[int], cpus: set[int]) -> None:
     """Every thread of `pids`; threads started later inherit their creator's CPUs."""
     for pid in pids:
@@ -220,8 +203,8 @@ def give_extender_cpus(ext: ExtenderProcess, n: int) -> dict[str, list[int]]:
     if not 0 < n < len(mine):
         raise SystemExit(f"--extender-cpus must be 1..{len(mine) - 1} on this machine ({len(mine)} CPUs)")
     theirs, rest = set(mine[-n:]), set(mine[:-n])
-    ext_tree = set(_process_tree(ext.proc.pid))
-    _pin([p for p in _process_tree(os.getpid()) if p not in ext_tree], rest)
+    ext_tree = set(descendants(ext.proc.pid))
+    _pin([p for p in descendants(os.getpid()) if p not in ext_tree], rest)
     _pin(sorted(ext_tree), theirs)
     return {"extender": sorted(theirs), "others": sorted(rest)}
 

@@ -31,7 +31,6 @@ phase that uses them all is as fast as the sum allows.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -57,7 +56,7 @@ sys.path.insert(0, str(ROOT / "tests" / "extender"))
 import realk8s  # noqa: E402
 from ext_helpers import DevicePluginEmulator, container, gpu_node, pod_obj  # noqa: E402
 from kubernetes import client  # noqa: E402
-from processes import ExtenderProcess, free_port  # noqa: E402
+from processes import ExtenderProcess, descendants, free_port  # noqa: E402
 
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, decode_assignment  # noqa: E402
 
@@ -221,24 +220,13 @@ CPU_LABELS = [  # the first whose words all occur in the command line wins
 HARNESS = "this benchmark (pod creation, kubelet and device-plugin emulators)"
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            with contextlib.suppress(OSError):  # gone meanwhile
-                todo.extend(int(c) for c in task.read_text().split())
-    return out
-
-
 def cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) so far of this process and every process it started, by role:
     where a phase's CPU went on a machine all of them share. Linux /proc only ({} elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     me = os.getpid()
-    for pid in _descendants(me):
+    for pid in descendants(me):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

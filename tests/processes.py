@@ -6,6 +6,7 @@ free loopback port, talking to an in-test API server through a kubeconfig.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -24,6 +25,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process it started, and theirs (Linux /proc; only `pid` elsewhere)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # gone meanwhile
+                todo.extend(int(c) for c in task.read_text().split())
+    return out
 
 
 def write_kubeconfig(path: Path, url: str) -> Path:
