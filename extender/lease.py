@@ -53,9 +53,9 @@ class LeaseFence:
         self.clock = clock
         self._lock = threading.Lock()
         self._held_until = 0.0  # time.monotonic() until which the last read, if good, may be reused
-        self._last_started = 0.0  # when the read that set it started (a later read's answer wins)
-        # Fresh reads are shared (see `problem`): one at a time; reads started and the last one
-        # answered are numbered, so a check knows which answers began after it asked.
+        # Fresh reads are shared (see `problem`): one at a time, so the last answered is the newest;
+        # reads started and the last one answered are numbered, so a check knows which answers
+        # began after it asked.
         self._turn = threading.Condition(self._lock)
         self._reading = False
         self._started_n = 0
@@ -97,9 +97,7 @@ class LeaseFence:
                 self._reading = False
                 if done:
                     self._answered_n, self._answer = mine, why
-                    if started >= self._last_started:
-                        self._last_started = started
-                        self._held_until = started + min(LEASE_REUSE_S, good_for) if not why else 0.0
+                    self._held_until = started + min(LEASE_REUSE_S, good_for) if not why else 0.0
                 # a read that raised answers nobody: the next waiter reads for itself
                 self._turn.notify_all()
         return why
