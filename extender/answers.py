@@ -23,7 +23,9 @@ CACHE_SHAPES = 32
 
 def shape_of(pod: PodRequest) -> tuple:
     # host CPU/memory decide fits (free CPU) and scores (the policy's CPU terms) once nodes carry them
-    return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models, pod.cpu_milli, pod.ram_mib)
+    # (and every host resource kube-scheduler counts, which the extender checks: node_resources.py)
+    return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models, pod.cpu_milli, pod.ram_mib,
+            getattr(pod, "host", None))  # fmt: skip
 
 
 class FitCache(Generic[V]):

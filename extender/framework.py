@@ -59,6 +59,7 @@ from .answers import (
 from .kube import Kube, NamespaceUnreadable
 from .lease import BindError, LeaseFence
 from .metrics import Metrics
+from .node_resources import HostedPodRequest, hosted, node_resources_fit
 from .view import (
     ClusterView,
     NodeInfo,
@@ -261,7 +262,7 @@ class Extender:
         except (RequestError, ContractError) as e:
             raise PodRequestError(str(e)) from e
         use = pod_host_request(pod)
-        req = dataclasses.replace(req, cpu_milli=use.cpu_milli, ram_mib=ram_mib(use.mem_bytes))
+        req = hosted(dataclasses.replace(req, cpu_milli=use.cpu_milli, ram_mib=ram_mib(use.mem_bytes)), use)
         if not req.needs_gpu:
             # CPU-only: the policy places it too (on a GPU node it may strand GPUs), by CPU/memory
             return req
@@ -333,6 +334,11 @@ class Extender:
             return FitFailure(
                 f"node {name} is not in gpupack's view of the cluster (yet)", "unknown-node"
             ), None
+        if self.view.track_host and isinstance(pod, HostedPodRequest):
+            # kube-scheduler's NodeResourcesFit filter, off in the shipped profile (node_resources.py)
+            short = node_resources_fit(info, pod.host)
+            if short is not None:
+                return short, None
         if not pod.needs_gpu:
             return self._host_only_fit(name, node, pod, now, table), None
         if info.inventory_error:

@@ -54,15 +54,20 @@ MIB = 1024 * 1024
 
 
 class HostUse(NamedTuple):
-    """Host CPU (milli) and memory (bytes) a pod requests, as kube-scheduler counts them."""
+    """Host resources a pod requests (or a node has allocatable), as kube-scheduler's
+    NodeResourcesFit counts them: CPU (milli), memory and ephemeral storage (bytes), and every
+    other resource it checks (hugepages-*, extended resources outside gpupack.io) by name, sorted,
+    as whole units (Quantity.Value(), rounded up)."""
 
     cpu_milli: int = 0
     mem_bytes: int = 0
+    eph_bytes: int = 0
+    other: tuple[tuple[str, int], ...] = ()
 
 
 class HostPod(NamedTuple):
-    """What the extender keeps of an assigned pod (any pod, gpupack's or not) for its node's CPU
-    and memory: a 50,000-pod cluster costs a few MiB, not its full Pod objects."""
+    """What the extender keeps of an assigned pod (any pod, gpupack's or not) for its node's host
+    resources: a 50,000-pod cluster costs a few MiB, not its full Pod objects."""
 
     uid: str
     node: str
@@ -70,6 +75,9 @@ class HostPod(NamedTuple):
 
 
 NO_HOST_USE = HostUse()
+# Resources the container API names without a domain that NodeResourcesFit checks as scalars.
+_HUGEPAGES = "hugepages-"
+_GPUPACK_GROUP = RES_GPU.split("/", 1)[0] + "/"
 
 
 def _amount(raw: Any, scale: int, rounding: str) -> int:
@@ -84,43 +92,84 @@ def _amount(raw: Any, scale: int, rounding: str) -> int:
     return max(0, int((q * scale).to_integral_value(rounding=rounding)))
 
 
-def _container_use(c: Any) -> HostUse:
-    if not isinstance(c, dict):
-        return HostUse()
-    res = c.get("resources") or {}
-    req = res.get("requests") or {}
-    lim = res.get("limits") or {}
-    # the API server defaults a missing request to its limit; read the limit as it would have
+def _counted_other(name: str) -> bool:
+    """Whether NodeResourcesFit checks `name` as a scalar resource for gpupack's profile: hugepages
+    and every resource with a domain (extended resources) except gpupack's own, which its
+    ignoredResourceGroups skips and the extender accounts per GPU."""
+    return name.startswith(_HUGEPAGES) or ("/" in name and not name.startswith(_GPUPACK_GROUP))
+
+
+def _resources_use(req: Any, lim: Any, rounding: str = ROUND_CEILING) -> HostUse:
+    """The host resources of one resource list pair (requests, limits): the API server defaults a
+    missing request to its limit, so a limit alone is read as it would have been."""
+    req = req if isinstance(req, dict) else {}
+    lim = lim if isinstance(lim, dict) else {}
     cpu = req.get("cpu", lim.get("cpu"))
     mem = req.get("memory", lim.get("memory"))
-    return HostUse(_amount(cpu, 1000, ROUND_CEILING), _amount(mem, 1, ROUND_CEILING))
+    eph = req.get("ephemeral-storage", lim.get("ephemeral-storage"))
+    other: tuple[tuple[str, int], ...] = ()
+    if len(req) + len(lim) > (cpu is not None) + (mem is not None) + (eph is not None):
+        names = sorted(n for n in {*req, *lim} if isinstance(n, str) and _counted_other(n))
+        other = tuple((n, _amount(req.get(n, lim.get(n)), 1, rounding)) for n in names)
+    return HostUse(_amount(cpu, 1000, rounding), _amount(mem, 1, rounding), _amount(eph, 1, rounding), other)
+
+
+def _container_use(c: Any) -> HostUse:
+    if not isinstance(c, dict):
+        return NO_HOST_USE
+    res = c.get("resources") or {}
+    if not isinstance(res, dict):
+        return NO_HOST_USE
+    return _resources_use(res.get("requests"), res.get("limits"))
+
+
+def _merge_other(
+    a: tuple[tuple[str, int], ...], b: tuple[tuple[str, int], ...], add: bool
+) -> tuple[tuple[str, int], ...]:
+    if not b:
+        return a
+    if not a:
+        return b
+    d = dict(a)
+    for k, v in b:
+        d[k] = d.get(k, 0) + v if add else max(d.get(k, 0), v)
+    return tuple(sorted(d.items()))
+
+
+def host_plus(a: HostUse, b: HostUse) -> HostUse:
+    return HostUse(a.cpu_milli + b.cpu_milli, a.mem_bytes + b.mem_bytes, a.eph_bytes + b.eph_bytes,
+                   _merge_other(a.other, b.other, True))  # fmt: skip
+
+
+def _host_max(a: HostUse, b: HostUse) -> HostUse:
+    return HostUse(max(a.cpu_milli, b.cpu_milli), max(a.mem_bytes, b.mem_bytes), max(a.eph_bytes, b.eph_bytes),
+                   _merge_other(a.other, b.other, False))  # fmt: skip
 
 
 def pod_host_request(obj: Any) -> HostUse:
-    """A pod's CPU and memory request as kube-scheduler computes it (k8s.io/component-helpers
+    """A pod's host resource request as kube-scheduler computes it (k8s.io/component-helpers
     resource.PodRequests): per resource, max(sum of app containers plus restartable (sidecar) init
     containers, the largest init container plus the sidecars started before it), plus the pod's
     overhead."""
     spec = (obj.get("spec") or {}) if isinstance(obj, dict) else {}
     if not isinstance(spec, dict):
-        return HostUse()
-    app_cpu = app_mem = 0
+        return NO_HOST_USE
+    app = NO_HOST_USE
     for c in spec.get("containers") or []:
-        u = _container_use(c)
-        app_cpu, app_mem = app_cpu + u.cpu_milli, app_mem + u.mem_bytes
-    side_cpu = side_mem = init_cpu = init_mem = 0
+        app = host_plus(app, _container_use(c))
+    side = init = NO_HOST_USE
     for c in spec.get("initContainers") or []:
         u = _container_use(c)
         if isinstance(c, dict) and c.get("restartPolicy") == "Always":
-            side_cpu, side_mem = side_cpu + u.cpu_milli, side_mem + u.mem_bytes
-            cpu, mem = side_cpu, side_mem
+            side = host_plus(side, u)
+            init = _host_max(init, side)
         else:
-            cpu, mem = u.cpu_milli + side_cpu, u.mem_bytes + side_mem
-        init_cpu, init_mem = max(init_cpu, cpu), max(init_mem, mem)
-    over = spec.get("overhead") or {}
-    over_cpu = _amount(over.get("cpu"), 1000, ROUND_CEILING) if isinstance(over, dict) else 0
-    over_mem = _amount(over.get("memory"), 1, ROUND_CEILING) if isinstance(over, dict) else 0
-    return HostUse(max(app_cpu + side_cpu, init_cpu) + over_cpu, max(app_mem + side_mem, init_mem) + over_mem)
+            init = _host_max(init, host_plus(u, side))
+    use = _host_max(host_plus(app, side), init)
+    over = spec.get("overhead")
+    if isinstance(over, dict) and over:
+        use = host_plus(use, _resources_use(over, None))
+    return use
 
 
 def ram_mib(mem_bytes: int) -> int:
@@ -128,9 +177,22 @@ def ram_mib(mem_bytes: int) -> int:
     return -(-mem_bytes // MIB)
 
 
-def _allocatable_host(obj: dict[str, Any]) -> HostUse:
+def _grew(before: HostUse, after: HostUse) -> bool:
+    """Whether any resource of `after` exceeds `before`'s."""
+    if (
+        after.cpu_milli > before.cpu_milli
+        or after.mem_bytes > before.mem_bytes
+        or after.eph_bytes > before.eph_bytes
+    ):
+        return True
+    had = dict(before.other)
+    return any(v > had.get(k, 0) for k, v in after.other)
+
+
+def _allocatable_host(obj: dict[str, Any]) -> tuple[HostUse, int]:
+    """A node's allocatable host resources and how many pods it allows (status.allocatable)."""
     alloc = (obj.get("status") or {}).get("allocatable") or {}
-    return HostUse(_amount(alloc.get("cpu"), 1000, ROUND_FLOOR), _amount(alloc.get("memory"), 1, ROUND_FLOOR))
+    return _resources_use(alloc, None, ROUND_FLOOR), _amount(alloc.get("pods"), 1, ROUND_FLOOR)
 
 
 @dataclass
@@ -152,7 +214,12 @@ class NodeInfo:
     # change that lets waiting pods on (see ClusterView.on_room) is noticed.
     taints: frozenset[tuple[str, str, str]] = frozenset()
     ready: bool = False
-    allocatable: HostUse = HostUse()  # status.allocatable cpu (milli) and memory (bytes)
+    allocatable: HostUse = HostUse()  # status.allocatable cpu (milli), memory (bytes), ...
+    pods_allowed: int = 0  # status.allocatable pods
+    # (with track_host) what every pod on the node requests, and how many pods there are: what
+    # kube-scheduler's NodeResourcesFit compares with allocatable (see node_resources.py)
+    requested: HostUse = HostUse()
+    pod_count: int = 0
 
 
 @dataclass
@@ -390,7 +457,7 @@ class ClusterView:
         res_raw = ann.get(ANN_RESERVATIONS)
         slots = _allocatable_slots(obj)
         taints, ready = _blocking_taints(obj), _ready(obj)
-        alloc = _allocatable_host(obj)
+        alloc, pods_allowed = _allocatable_host(obj)
         with self.lock:
             info = self.nodes.get(name)
             if (
@@ -401,6 +468,7 @@ class ClusterView:
                 and info.unschedulable == unsched
                 and info.labels == labels
                 and info.allocatable == alloc
+                and info.pods_allowed == pods_allowed
             ):
                 # heartbeats and status updates: nothing gpupack's fit reads changed
                 if info.taints != taints or info.ready != ready:
@@ -420,13 +488,11 @@ class ClusterView:
             if (
                 not why
                 and self.track_host
-                and (
-                    alloc.cpu_milli > info.allocatable.cpu_milli
-                    or alloc.mem_bytes > info.allocatable.mem_bytes
-                )
+                and (_grew(info.allocatable, alloc) or pods_allowed > info.pods_allowed)
             ):
                 why = "allocatable-grew"
             info.unschedulable, info.labels, info.slots, info.allocatable = unsched, labels, slots, alloc
+            info.pods_allowed = pods_allowed
             if rebuild:
                 info.inventory_raw = inv_raw
                 inv = None
@@ -484,20 +550,18 @@ class ClusterView:
                 self._charge(p)
         self._host_recount(name)
 
-    # --- host CPU and memory ----------------------------------------------------------------------
+    # --- host resources ---------------------------------------------------------------------------
     def _host_recount(self, name: str) -> bool:
-        """Set the core Node's CPU/memory from the node's allocatable and the requests of the pods
-        assigned to it; True when what the policy sees changed. A gpupack pod the assigned-pod watch
-        shows already (same uid, same node) is counted from there, else from its PodInfo: binds
-        charge at assume time, before any watch has seen them, and nothing is counted twice."""
+        """Set the node's requested host resources and pod count (NodeInfo.requested, pod_count)
+        and the core Node's CPU/memory from its allocatable and the pods assigned to it; True when
+        any of them changed. A gpupack pod the assigned-pod watch shows already (same uid, same
+        node) is counted from there, else from its PodInfo: binds charge at assume time, before any
+        watch has seen them, and nothing is counted twice."""
         node = self.state.nodes.get(name)
         info = self.nodes.get(name)
         if node is None or info is None or not self.track_host:
             return False
-        cpu = mem = 0
-        for k in self.host_by_node.get(name, ()):
-            u = self.host_pods[k].use
-            cpu, mem = cpu + u.cpu_milli, mem + u.mem_bytes
+        uses: list[HostUse] = [self.host_pods[k].use for k in self.host_by_node.get(name, ())]
         for k in self.slot_use.get(name, ()):
             p = self.pods.get(k)
             if p is None or p.node != name:
@@ -505,16 +569,25 @@ class ClusterView:
             hp = self.host_pods.get(k)
             if hp is not None and hp.uid == p.uid and hp.node == name:
                 continue
-            cpu, mem = cpu + p.host.cpu_milli, mem + p.host.mem_bytes
+            uses.append(p.host)
         for k in self.host_assumed_by_node.get(name, ()):
             a = self.host_assumed[k][0]
             hp = self.host_pods.get(k)
             if hp is not None and hp.uid == a.uid and hp.node == name:
                 continue
-            cpu, mem = cpu + a.use.cpu_milli, mem + a.use.mem_bytes
+            uses.append(a.use)
+        cpu = mem = eph = 0
+        other: tuple[tuple[str, int], ...] = ()
+        for u in uses:
+            cpu, mem, eph = cpu + u.cpu_milli, mem + u.mem_bytes, eph + u.eph_bytes
+            if u.other:
+                other = _merge_other(other, u.other, True)
+        requested = HostUse(cpu, mem, eph, other)
+        changed = requested != info.requested or len(uses) != info.pod_count
+        info.requested, info.pod_count = requested, len(uses)
         new = (info.allocatable.cpu_milli, info.allocatable.mem_bytes // MIB, cpu, ram_mib(mem))
         if new == (node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used):
-            return False
+            return changed
         node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used = new
         return True
 
@@ -549,12 +622,13 @@ class ClusterView:
                 touched.add(assumed[0].node)
                 self._drop_host_assumed(key)
             for n in touched:
-                nd = self.state.nodes.get(n)
-                before = (nd.cpu_used, nd.ram_used) if nd is not None else (0, 0)
+                ni = self.nodes.get(n)
+                if ni is None:
+                    continue
+                before, count = ni.requested, ni.pod_count
                 if self._host_recount(n):
                     self._bump(n)
-                    after = (self.state.nodes[n].cpu_used, self.state.nodes[n].ram_used)
-                    if after[0] < before[0] or after[1] < before[1]:
+                    if ni.pod_count < count or _grew(ni.requested, before):
                         # kube-scheduler retries parked pods on a pod's deletion, but that retry can
                         # reach this extender before this watch has freed the CPU
                         self.on_room(n, "host-freed")

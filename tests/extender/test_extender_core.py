@@ -163,7 +163,7 @@ def test_cpu_only_pod_is_placed_by_cpu_and_memory_and_the_policy():
     assert scores["plain"] > scores["g"], scores
     view.assume_host("default/p", "uid-p", "plain", pod_host_request(cpu_pod("p", "40")))
     out = ext.filter(args(cpu_pod("q", "40"), ["g", "plain"]))
-    assert out["NodeNames"] == ["g"] and "CPU" in out["FailedNodes"]["plain"], out
+    assert out["NodeNames"] == ["g"] and out["FailedNodes"]["plain"] == "Insufficient cpu", out
     out = ext.filter(args(cpu_pod("big", "65"), ["g", "plain"]))
     assert out["NodeNames"] == [] and set(out["FailedAndUnresolvableNodes"]) == {"g", "plain"}, out
     # the assigned-pod watch shows it: counted from there, not twice; a failed Binding frees it

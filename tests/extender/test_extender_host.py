@@ -142,7 +142,85 @@ def test_filter_refuses_a_node_without_the_cpu_and_the_view_off_ignores_it():
         out = ext.filter(ExtenderArgs(pod, ["busy", "roomy"], None))
         assert out["NodeNames"] == passed, out
         if track:
-            assert "4000m CPU; 2000m free" in out["FailedNodes"]["busy"]
+            assert out["FailedNodes"]["busy"] == "Insufficient cpu"
+
+
+def test_pod_request_counts_ephemeral_storage_hugepages_and_extended_resources_but_not_gpupacks():
+    big = {
+        "resources": {
+            "requests": {"ephemeral-storage": "1Gi", "hugepages-2Mi": "4Mi", "example.com/nic": "1"},
+            "limits": {"example.com/nic": "1", "gpupack.io/gpu": "1", "gpupack.io/gpu-mem": "1000"},
+        }
+    }
+    init = {"resources": {"limits": {"example.com/nic": "3", "ephemeral-storage": "512Mi"}}}
+    p = host_pod("e", "n", [big, big], init=[init], overhead={"cpu": "10m"})
+    # per resource: max(two app containers, the init container), then the overhead
+    assert pod_host_request(p) == HostUse(
+        10, 0, 2 * GI, (("example.com/nic", 3), ("hugepages-2Mi", 8 * 2**20))
+    )
+
+
+def node_with(name, **alloc):
+    obj = sized_node(name)
+    obj["status"]["allocatable"].update(alloc)
+    return obj
+
+
+def filter_on(view, pod, names):
+    return Extender(view, get_policy("gpupack"), None, clock=lambda: NOW).filter(
+        ExtenderArgs(pod, names, None)
+    )
+
+
+def test_filter_checks_what_kube_schedulers_node_resources_fit_would():
+    """The shipped profile turns NodeResourcesFit's Filter off: the extender refuses a node for
+    every resource kube-scheduler would, in its words, and a request beyond the node's allocatable
+    as unresolvable."""
+    view = ClusterView(track_host=True)
+    view.replace_nodes(
+        [node_with("full", pods="2"), node_with("nic", **{"example.com/nic": "2"}), node_with("plain")]
+    )
+    cpu_only = {"resources": {"requests": {"cpu": "1"}}}
+    view.replace_host_pod_pages([[host_pod("a", "full", [{}]), host_pod("b", "full", [{}]),
+                                  host_pod("c", "nic", [{"resources": {"requests": {"example.com/nic": "1"}}}])]])  # fmt: skip
+    out = filter_on(view, host_pod("p", "", [cpu_only], uid="uid-p"), ["full", "nic", "plain"])
+    # a pod that requests nothing still takes a pod slot
+    assert out["FailedNodes"] == {"full": "Too many pods"} and out["NodeNames"] == ["nic", "plain"], out
+    two = {"resources": {"requests": {"example.com/nic": "2"}}}
+    out = filter_on(view, host_pod("q", "", [two], uid="uid-q"), ["full", "nic", "plain"])
+    assert out["NodeNames"] == [], out
+    assert out["FailedNodes"] == {"nic": "Insufficient example.com/nic"}, out
+    # the nodes without the resource at all, or with too few pod slots in all, can never take it;
+    # every short resource is named
+    assert out["FailedAndUnresolvableNodes"] == {
+        "full": "Too many pods, Insufficient example.com/nic",
+        "plain": "Insufficient example.com/nic",
+    }, out
+    disk = {"resources": {"requests": {"ephemeral-storage": "60Gi", "memory": "1Gi"}}}
+    view.replace_nodes(
+        [
+            node_with("nic", **{"ephemeral-storage": "100Gi"}),
+            node_with("plain", **{"ephemeral-storage": "50Gi"}),
+        ]
+    )
+    view.apply_host_pod(host_pod("d", "nic", [disk]))
+    out = filter_on(view, host_pod("r", "", [disk], uid="uid-r"), ["nic", "plain"])
+    assert out["FailedNodes"] == {"nic": "Insufficient ephemeral-storage"}, out
+    assert out["FailedAndUnresolvableNodes"] == {"plain": "Insufficient ephemeral-storage"}, out
+
+
+def test_a_pod_that_requests_nothing_changes_the_answer_of_its_node():
+    """A pod slot taken or freed must reach cached answers: the node's version moves with it."""
+    view = ClusterView(track_host=True)
+    view.replace_nodes([node_with("n", pods="1")])
+    ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW)
+    pod = host_pod("p", "", [{"resources": {"requests": {"cpu": "1"}}}], uid="uid-p")
+    assert ext.filter(ExtenderArgs(pod, ["n"], None))["NodeNames"] == ["n"]
+    other = host_pod("o", "n", [{}])
+    view.apply_host_pod(other)
+    assert ext.filter(ExtenderArgs(pod, ["n"], None))["FailedNodes"] == {"n": "Too many pods"}
+    view.delete_host_pod(other)
+    assert ext.filter(ExtenderArgs(pod, ["n"], None))["NodeNames"] == ["n"]
 
 
 WORKLOAD = Workload.of(

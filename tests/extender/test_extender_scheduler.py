@@ -210,3 +210,40 @@ def test_pods_that_cannot_be_placed_stay_pending_with_the_extenders_reason(clust
     assert all(p["status"]["phase"] == "Pending" for p in list_pods(cluster.core, ns))
     metrics = sched.ext.http.get(sched.ext.url + "/metrics", timeout=5).text
     assert 'gpupack_extender_bad_requests_total{verb="filter"}' not in metrics
+
+
+def test_node_resources_are_checked_by_the_extender_in_kube_schedulers_words(
+    cluster, ns, sfx, sched, kubelet
+):
+    """The shipped profile turns NodeResourcesFit's Filter off (it is a third of a GPU pod's
+    scheduling time at 1,000 nodes): the extender refuses nodes for CPU and other resources itself,
+    counting the pods it has bound, and the FailedScheduling event reads as kube-scheduler's would."""
+    nodes = [f"gpu-a-{sfx}", f"gpu-b-{sfx}"]
+    for n in nodes:
+        gpu_node(cluster, n, 2)  # 64 CPUs each, no example.com/nic
+    for i in range(2):
+        hog = container("c", 1, 1000, 10)
+        hog["resources"]["requests"]["cpu"] = "40"
+        create_pod(cluster.core, pod_obj(f"hog{i}", [hog]), ns)
+    pods = wait_bound_and_handed_off(cluster, ns, 2, sched)
+    assert {p["spec"]["nodeName"] for p in pods} == set(nodes)  # 80 CPUs do not fit on one node
+    cpu = container("c", 1, 1000, 10)
+    cpu["resources"]["requests"]["cpu"] = "30"
+    nic = {"name": "c", "image": "registry.invalid/x:1", "resources": {"limits": {"example.com/nic": "1"}}}
+    cases = {"cpu": ([cpu], "2 Insufficient cpu"), "nic": ([nic], "2 Insufficient example.com/nic")}
+    for name, (cs, _) in cases.items():
+        create_pod(cluster.core, pod_obj(name, cs), ns)
+    for name, (_, reason) in cases.items():
+        try:
+            until(lambda n=name, r=reason: [m for m in events(cluster, ns, n) if r in m], 30,
+                  f"FailedScheduling event of {name} with {reason!r}")  # fmt: skip
+        except AssertionError as e:
+            raise AssertionError(f"{e}; events: {events(cluster, ns, name)}{diag(sched)}") from None
+    assert sorted(p["metadata"]["name"] for p in list_pods(cluster.core, ns) if not p["spec"].get("nodeName")) == [
+        "cpu", "nic",
+    ]  # fmt: skip
+    # a hog leaving frees its CPU: the waiting GPU pod is placed where it went
+    cluster.core.delete_namespaced_pod("hog0", ns, grace_period_seconds=0)
+    freed = next(p["spec"]["nodeName"] for p in pods if p["metadata"]["name"] == "hog0")
+    until(lambda: [p for p in list_pods(cluster.core, ns) if p["metadata"]["name"] == "cpu"
+                   and p["spec"].get("nodeName") == freed], 60, "the cpu pod bound where hog0 was")  # fmt: skip
