@@ -86,8 +86,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def node_obj(name: str) -> dict[str, Any]:
-    """A GPU node as the device plugin publishes it (labels, inventory), without status: the
-    extender reads only the inventory, and one API call per node keeps big clusters quick to build."""
+    """A GPU node as the device plugin publishes it (labels, inventory) and its kubelet's allocatable,
+    without conditions (nothing of gpupack's reads them)."""
     model = "NVIDIA-H100-80GB-HBM3"
     inv = NodeInventory(gpus=tuple(GPUInfo(f"GPU-{name}-{i}", i, model, GPU_MIB, 132) for i in range(8)))
     labels = {
@@ -96,8 +96,10 @@ def node_obj(name: str) -> dict[str, Any]:
         LABEL_GPU_MODEL: model,
         LABEL_GPU_COUNT: "8",
     }
-    # the kubelet's allocatable `gpupack.io/gpu` slots: the extender places no GPU pod beyond them
-    status = {"allocatable": {RES_GPU: str(SLOTS_PER_GPU * 8)}, "capacity": {RES_GPU: str(SLOTS_PER_GPU * 8)}}
+    # what a kubelet of an 8-GPU server reports, with the `gpupack.io/gpu` slots: the extender
+    # places no pod beyond any of them (it checks what kube-scheduler's NodeResourcesFit would)
+    res = {"cpu": "224", "memory": "2Ti", "ephemeral-storage": "7Ti", "pods": "250", RES_GPU: str(SLOTS_PER_GPU * 8)}
+    status = {"allocatable": res, "capacity": dict(res)}
     return {"metadata": {"name": name, "labels": labels, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {},
             "status": status}  # fmt: skip
 

@@ -12,7 +12,7 @@ kube-schedulers run side by side with the same raised clientConnection qps/burst
   without). --extender-arg adds flags after those (a later flag wins).
 
 Each phase creates --pods pods at once (gpupack: 70 % shares, 20 % whole GPUs, 10 % 2-GPU pods,
-20 % of them offline); the kubelets are a KubeletEmulator admitting bound pods after --admit-ms,
+20 % of them offline, each also requesting the plain pods' 100m CPU and 128Mi); the kubelets are a KubeletEmulator admitting bound pods after --admit-ms,
 whose admit hook is gpupack's device plugin ending the GPU handoff (DevicePluginEmulator).
 
 Reported per phase: pods/s (creation of the first pod to the last Binding), creation -> bound
@@ -88,6 +88,9 @@ def shipped_extender_args() -> list[str]:
     raise SystemExit("deploy/scheduler/deployment.yaml has no extender container")
 
 
+PLAIN_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
+
+
 def gpu_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
     cls = "offline" if rng.random() < 0.2 else "online"
     kind = rng.choices(["share", "whole", "two"], weights=[70, 20, 10])[0]
@@ -96,11 +99,13 @@ def gpu_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
         c = container("c", 1, mem, sm)
     else:
         c = container("c", 1 if kind == "whole" else 2)
+    # the plain pods' CPU and memory too: an inference pod asks for both, and both are checked
+    c["resources"]["requests"].update(PLAIN_REQUESTS)
     return pod_obj(f"{kind}-{i}", [c], cls=cls, namespace=ns)
 
 
 def plain_pod(i: int, ns: str) -> dict[str, Any]:
-    res = {"cpu": "100m", "memory": "128Mi"}
+    res = dict(PLAIN_REQUESTS)
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"plain-{i}", "namespace": ns},
         "spec": {"containers": [{"name": "c", "image": "registry.invalid/x:1",

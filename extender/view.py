@@ -391,7 +391,8 @@ class ClusterView:
         self.lock = threading.RLock()
         # Host CPU/memory in the core's Nodes (cpu_milli/ram_mib allocatable, cpu_used/ram_used
         # requested by every non-terminal pod assigned there), so the policy's CPU terms see them.
-        # Off, the core treats CPU and memory as not tracked (kube-scheduler still checks both).
+        # Off, the core treats CPU and memory as not tracked and node_resources_fit is not run
+        # (then kube-scheduler's NodeResourcesFit filter must be on).
         self.track_host = track_host
         # Assigned pods of the whole cluster (a second, field-selected watch): pod key -> HostPod.
         # A gpupack pod not in it yet (assumed, or its Binding not echoed) is charged from its

@@ -157,13 +157,15 @@ def gpu_node(
     model: str = "NVIDIA-H100-80GB-HBM3",
     reservations: list[Reservation] | None = None,
     raw_inventory: str | None = None,
+    **host: str,
 ) -> None:
     """A Ready node of the real cluster as gpupack's device plugin publishes it: the inventory
-    annotation, the gpupack labels, and SLOTS_PER_GPU `gpupack.io/gpu` slots per GPU allocatable."""
+    annotation, the gpupack labels, and SLOTS_PER_GPU `gpupack.io/gpu` slots per GPU allocatable
+    (`host`: cpu, memory, pods as realk8s.make_node takes them)."""
     obj = node_obj(name, n, mem, model, reservations, raw_inventory)
     labels = {LABEL_GPU_NODE: "true", LABEL_GPU_MODEL: model, LABEL_GPU_COUNT: str(n)}
     cluster.make_node(name, extended={RES_GPU: str(SLOTS_PER_GPU * n)}, labels=labels,
-                      annotations=obj["metadata"]["annotations"])  # fmt: skip
+                      annotations=obj["metadata"]["annotations"], **host)  # fmt: skip
 
 
 def create_pod(core: client.CoreV1Api, pod: dict[str, Any], namespace: str) -> dict[str, Any]:
