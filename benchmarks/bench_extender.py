@@ -98,7 +98,13 @@ def node_obj(name: str) -> dict[str, Any]:
     }
     # what a kubelet of an 8-GPU server reports, with the `gpupack.io/gpu` slots: the extender
     # places no pod beyond any of them (it checks what kube-scheduler's NodeResourcesFit would)
-    res = {"cpu": "224", "memory": "2Ti", "ephemeral-storage": "7Ti", "pods": "250", RES_GPU: str(SLOTS_PER_GPU * 8)}
+    res = {
+        "cpu": "224",
+        "memory": "2Ti",
+        "ephemeral-storage": "7Ti",
+        "pods": "250",
+        RES_GPU: str(SLOTS_PER_GPU * 8),
+    }
     status = {"allocatable": res, "capacity": dict(res)}
     return {"metadata": {"name": name, "labels": labels, "annotations": {ANN_INVENTORY: inv.to_json()}}, "spec": {},
             "status": status}  # fmt: skip
