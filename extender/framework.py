@@ -11,7 +11,6 @@ uses the cache; it fits again under the view's lock, so a cached answer can neve
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -67,7 +66,6 @@ from .view import (
     _init_names,
     pod_host_request,
     pod_slots,
-    ram_mib,
 )
 from .wire import (
     BindArgs,
@@ -252,7 +250,7 @@ class Extender:
         self._pods_lock = threading.Lock()
 
     # --- request parsing ---------------------------------------------------------------------
-    def pod_request(self, pod: dict[str, Any]) -> PodRequest:
+    def pod_request(self, pod: dict[str, Any]) -> HostedPodRequest:
         meta = pod.get("metadata") or {}
         ns = meta.get("namespace") or "default"
         # NamespaceUnreadable propagates: filter answers an Error (retried), never a guessed class
@@ -261,8 +259,7 @@ class Extender:
             req = parse_pod(pod, ns_labels)
         except (RequestError, ContractError) as e:
             raise PodRequestError(str(e)) from e
-        use = pod_host_request(pod)
-        req = hosted(dataclasses.replace(req, cpu_milli=use.cpu_milli, ram_mib=ram_mib(use.mem_bytes)), use)
+        req = hosted(req, pod_host_request(pod))
         if not req.needs_gpu:
             # CPU-only: the policy places it too (on a GPU node it may strand GPUs), by CPU/memory
             return req
@@ -915,7 +912,7 @@ class Extender:
                 self.view.inflight.discard(key)
             lock.release()
 
-    def _request_to_bind(self, args: BindArgs, pod: dict[str, Any]) -> PodRequest | None:
+    def _request_to_bind(self, args: BindArgs, pod: dict[str, Any]) -> HostedPodRequest | None:
         """The request of the pod to bind, or None when it is bound already (answered as such)."""
         bound = (pod.get("spec") or {}).get("nodeName")
         if bound:
@@ -941,7 +938,7 @@ class Extender:
             if isinstance(f, FitFailure):
                 raise fit_error(args.node, f)
             try:
-                self.view.assume_host(key, req.uid, args.node, pod_host_request(pod))
+                self.view.assume_host(key, req.uid, args.node, req.host)
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
         why = self.fence.problem() if self.fence is not None else ""
@@ -971,7 +968,7 @@ class Extender:
             return
         raise BindError(f"pod {args.key} is already bound to node {bound}", "already-bound")
 
-    def _assume_fit(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> Assignment:
+    def _assume_fit(self, args: BindArgs, pod: dict[str, Any], req: HostedPodRequest) -> Assignment:
         """Fit the pod on the node again under the view's lock and hold the assignment (the next
         filter sees it before any watch does); BindError when it no longer fits."""
         with self.view.lock:
@@ -988,12 +985,12 @@ class Extender:
                 self.view.nodes[args.node].gpu_indexes,
             )
             try:
-                self.view.assume(req.key, req.uid, a, _init_names(pod), pod_slots(pod), pod_host_request(pod))
+                self.view.assume(req.key, req.uid, a, _init_names(pod), pod_slots(pod), req.host)
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
         return a
 
-    def _reserve_and_bind(self, args: BindArgs, pod: dict[str, Any], req: PodRequest) -> None:
+    def _reserve_and_bind(self, args: BindArgs, pod: dict[str, Any], req: HostedPodRequest) -> None:
         """Assume the assignment and post ONE Binding that carries it: the API server sets the pod's
         node and copies the Binding's annotations onto it in the same write, with the pod's uid and
         resourceVersion as preconditions. A pod is never bound without its assignment, nor holds

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from gpupack.core.fit import FitFailure
 from gpupack.core.model import PodRequest
 
-from .view import NO_HOST_USE, HostUse, NodeInfo
+from .view import NO_HOST_USE, HostUse, NodeInfo, ram_mib
 
 # kube-scheduler's reason strings (pkg/scheduler/framework/plugins/noderesources/fit.go), so that
 # kubectl describe reads as it does without gpupack and equal reasons aggregate in its event
@@ -33,7 +33,10 @@ class HostedPodRequest(PodRequest):
 
 
 def hosted(req: PodRequest, host: HostUse) -> HostedPodRequest:
-    return HostedPodRequest(**{f.name: getattr(req, f.name) for f in fields(PodRequest)}, host=host)
+    """`req` with `host`, and the core's CPU and memory (whole MiB, rounded up) taken from it."""
+    base = {f.name: getattr(req, f.name) for f in fields(PodRequest)}
+    base.update(cpu_milli=host.cpu_milli, ram_mib=ram_mib(host.mem_bytes))
+    return HostedPodRequest(**base, host=host)
 
 
 def node_resources_fit(info: NodeInfo, want: HostUse) -> FitFailure | None:

@@ -136,7 +136,7 @@ def _merge_other(
     return tuple(sorted(d.items()))
 
 
-def host_plus(a: HostUse, b: HostUse) -> HostUse:
+def _host_plus(a: HostUse, b: HostUse) -> HostUse:
     return HostUse(a.cpu_milli + b.cpu_milli, a.mem_bytes + b.mem_bytes, a.eph_bytes + b.eph_bytes,
                    _merge_other(a.other, b.other, True))  # fmt: skip
 
@@ -156,19 +156,19 @@ def pod_host_request(obj: Any) -> HostUse:
         return NO_HOST_USE
     app = NO_HOST_USE
     for c in spec.get("containers") or []:
-        app = host_plus(app, _container_use(c))
+        app = _host_plus(app, _container_use(c))
     side = init = NO_HOST_USE
     for c in spec.get("initContainers") or []:
         u = _container_use(c)
         if isinstance(c, dict) and c.get("restartPolicy") == "Always":
-            side = host_plus(side, u)
+            side = _host_plus(side, u)
             init = _host_max(init, side)
         else:
-            init = _host_max(init, host_plus(u, side))
-    use = _host_max(host_plus(app, side), init)
+            init = _host_max(init, _host_plus(u, side))
+    use = _host_max(_host_plus(app, side), init)
     over = spec.get("overhead")
     if isinstance(over, dict) and over:
-        use = host_plus(use, _resources_use(over, None))
+        use = _host_plus(use, _resources_use(over, None))
     return use
 
 
