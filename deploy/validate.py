@@ -393,7 +393,30 @@ def _fit_args_errors(profile: dict[str, Any], where: str) -> list[str]:
             f"{where}: pluginConfig NodeResourcesFit does not ignore {', '.join(missing)} (gpupack.contract."
             "MANAGED_RESOURCES): set ignoredResourceGroups: [gpupack.io]"
         )
+    disabled = _disabled_filters(profile)
+    if "*" in disabled:
+        errs.append(
+            f"{where}: plugins.filter.disabled '*' turns off every kube-scheduler filter (taints, affinity, "
+            "ports, volumes, topology spread), which the extender does not check; disable NodeResourcesFit only"
+        )
+    if "NodeResourcesFit" in disabled or "*" in disabled:
+        ours = {r.split("/", 1)[0] for r in contract.MANAGED_RESOURCES}
+        extra = sorted((groups - ours) | {n for n in names if n.split("/", 1)[0] not in ours})
+        if extra:
+            # the extender, which does the filter's work then, checks every resource outside gpupack.io
+            errs.append(
+                f"{where}: pluginConfig NodeResourcesFit ignores {', '.join(extra)}, which has no effect while "
+                "its filter is disabled: the extender checks every node resource outside gpupack.io "
+                "(enable the filter again to have kube-scheduler ignore them)"
+            )
     return errs
+
+
+def _disabled_filters(profile: dict[str, Any]) -> set[str]:
+    plugins = profile.get("plugins") or {}
+    flt = plugins.get("filter") or {} if isinstance(plugins, dict) else {}
+    disabled = flt.get("disabled") or [] if isinstance(flt, dict) else []
+    return {str(d.get("name")) for d in disabled if isinstance(d, dict)}
 
 
 def extender_routes() -> set[str]:

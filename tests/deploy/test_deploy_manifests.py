@@ -115,6 +115,8 @@ def test_scheduler_config_names_the_extender(base):
     (fit,) = [c for c in prof["pluginConfig"] if c["name"] == "NodeResourcesFit"]
     assert fit["args"]["ignoredResourceGroups"] == ["gpupack.io"]
     assert fit["args"]["scoringStrategy"]["type"] == "LeastAllocated"
+    # the extender checks node resources instead of kube-scheduler's filter (its scoring stays)
+    assert prof["plugins"] == {"filter": {"disabled": [{"name": "NodeResourcesFit"}]}}
     assert ext["nodeCacheCapable"] is True and ext["weight"] > 0 and ext["httpTimeout"]
     assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == ("filter", "prioritize", "bind")
     dep = find(base, "Deployment", "gpupack-scheduler")
@@ -202,6 +204,18 @@ BREAKAGES = [
         'ignoredResourceGroups: ["gpupack.io"]',
         'ignoredResources: ["gpupack.io/gpu", "gpupack.io/gpu-mem"]',
         "does not ignore gpupack.io/gpu-sm",
+    ),
+    (
+        "scheduler/config.yaml",
+        'ignoredResourceGroups: ["gpupack.io"]',
+        'ignoredResourceGroups: ["gpupack.io", "example.com"]',
+        "ignores example.com, which has no effect while its filter is disabled",
+    ),
+    (
+        "scheduler/config.yaml",
+        "              - name: NodeResourcesFit\n        pluginConfig:",
+        "              - name: '*'\n        pluginConfig:",
+        "turns off every kube-scheduler filter",
     ),
     (
         "scheduler/config.yaml",
