@@ -12,8 +12,9 @@ kube-schedulers run side by side with the same raised clientConnection qps/burst
   without). --extender-arg adds flags after those (a later flag wins).
 
 Each phase creates --pods pods at once (gpupack: 70 % shares, 20 % whole GPUs, 10 % 2-GPU pods,
-20 % of them offline, each also requesting the plain pods' 100m CPU and 128Mi); the kubelets are a KubeletEmulator admitting bound pods after --admit-ms,
-whose admit hook is gpupack's device plugin ending the GPU handoff (DevicePluginEmulator).
+20 % of them offline, each also requesting the plain pods' 100m CPU and 128Mi); the kubelets are a
+KubeletEmulator admitting bound pods after --admit-ms, whose admit hook is gpupack's device plugin
+ending the GPU handoff (DevicePluginEmulator).
 
 Reported per phase: pods/s (creation of the first pod to the last Binding), creation -> bound
 (spec.nodeName written by the Binding, which also sets PodScheduled) and creation -> running p50/p99,

@@ -107,10 +107,8 @@ def _resources_use(req: Any, lim: Any, rounding: str = ROUND_CEILING) -> HostUse
     cpu = req.get("cpu", lim.get("cpu"))
     mem = req.get("memory", lim.get("memory"))
     eph = req.get("ephemeral-storage", lim.get("ephemeral-storage"))
-    other: tuple[tuple[str, int], ...] = ()
-    if len(req) + len(lim) > (cpu is not None) + (mem is not None) + (eph is not None):
-        names = sorted(n for n in {*req, *lim} if isinstance(n, str) and _counted_other(n))
-        other = tuple((n, _amount(req.get(n, lim.get(n)), 1, rounding)) for n in names)
+    names = sorted(n for n in {*req, *lim} if isinstance(n, str) and _counted_other(n))
+    other = tuple((n, _amount(req.get(n, lim.get(n)), 1, rounding)) for n in names)
     return HostUse(_amount(cpu, 1000, rounding), _amount(mem, 1, rounding), _amount(eph, 1, rounding), other)
 
 
