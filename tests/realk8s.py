@@ -511,6 +511,17 @@ def running_ready_status(pod: Any, pod_ip: str = "10.0.0.1") -> dict[str, Any]:
     }}  # fmt: skip
 
 
+def confirm_deletion(core: client.CoreV1Api, pod: Any) -> None:
+    """The kubelet's confirmation that a pod being deleted is gone: a grace-period-0 delete with the
+    pod's UID as precondition, as the kubelet's status manager sends it. Without the precondition a
+    late event of an old pod deletes its successor of the same name (a StatefulSet's replacement)."""
+    opts = client.V1DeleteOptions(
+        grace_period_seconds=0, preconditions=client.V1Preconditions(uid=pod.metadata.uid)
+    )
+    with contextlib.suppress(client.ApiException):  # already gone (404) or replaced (409)
+        core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, body=opts)
+
+
 ADMIT_CONCURRENCY = 8  # below an API client's default connection pool (10)
 
 
@@ -597,8 +608,7 @@ class KubeletEmulator:
     def _handle(self, pod: Any) -> None:
         meta = pod.metadata
         if meta.deletion_timestamp is not None and pod.spec.node_name:
-            with contextlib.suppress(client.ApiException):
-                self.core.delete_namespaced_pod(meta.name, meta.namespace, grace_period_seconds=0)
+            confirm_deletion(self.core, pod)
             return
         if not pod.spec.node_name or meta.uid in self._seen:
             return

@@ -12,7 +12,6 @@ of a node can be SIGKILLed and restarted (:meth:`DeviceManagerNode.restart_plugi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -179,8 +178,7 @@ class DeviceManagerKubelet(realk8s.KubeletEmulator):
 
     def _confirm_after(self, pod: Any, done: threading.Event) -> None:
         done.wait(120)
-        with contextlib.suppress(client.ApiException):
-            self.api.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+        realk8s.confirm_deletion(self.api, pod)
 
     def _read(self, ns: str, name: str) -> dict[str, Any] | None:
         try:
