@@ -575,16 +575,17 @@ class ClusterView:
             if hp is not None and hp.uid == a.uid and hp.node == name:
                 continue
             uses.append(a.use)
-        cpu = mem = eph = 0
-        other: tuple[tuple[str, int], ...] = ()
+        requested = NO_HOST_USE
         for u in uses:
-            cpu, mem, eph = cpu + u.cpu_milli, mem + u.mem_bytes, eph + u.eph_bytes
-            if u.other:
-                other = _merge_other(other, u.other, True)
-        requested = HostUse(cpu, mem, eph, other)
+            requested = _host_plus(requested, u)
         changed = requested != info.requested or len(uses) != info.pod_count
         info.requested, info.pod_count = requested, len(uses)
-        new = (info.allocatable.cpu_milli, info.allocatable.mem_bytes // MIB, cpu, ram_mib(mem))
+        new = (
+            info.allocatable.cpu_milli,
+            info.allocatable.mem_bytes // MIB,
+            requested.cpu_milli,
+            ram_mib(requested.mem_bytes),
+        )
         if new == (node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used):
             return changed
         node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used = new
