@@ -30,16 +30,24 @@ def sched(k8s: realk8s.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def parked(cluster: realk8s.ControlPlane, ns: str, name: str, reason: str, sched: SimpleNamespace) -> None:
-    """The pod is Pending, unbound, marked Unschedulable, with the extender's reason in its event."""
+    """The pod is Pending, unbound, marked Unschedulable, with the extender's reason in its event.
+
+    kube-scheduler records the FailedScheduling event before it patches the PodScheduled condition
+    (handleSchedulingFailure), so the event can be readable first: wait for both."""
+
+    def unschedulable() -> list[dict]:
+        pod = get_pod(cluster.core, ns, name)
+        return [c for c in pod["status"].get("conditions") or []
+                if c["type"] == "PodScheduled" and c["status"] == "False" and c["reason"] == "Unschedulable"]  # fmt: skip
+
     try:
         until(lambda: [m for m in events(cluster, ns, name) if reason in m], 30,
               f"FailedScheduling event of {name} with {reason!r}")  # fmt: skip
+        until(unschedulable, 10, f"PodScheduled=False/Unschedulable on {name}")
     except AssertionError as e:
         raise AssertionError(f"{e}; events: {events(cluster, ns, name)}{diag(sched)}") from None
     pod = get_pod(cluster.core, ns, name)
     assert not pod["spec"].get("nodeName") and pod["status"]["phase"] == "Pending", pod["status"]
-    cond = [c for c in pod["status"].get("conditions") or [] if c["type"] == "PodScheduled"]
-    assert cond and cond[0]["status"] == "False" and cond[0]["reason"] == "Unschedulable", cond
 
 
 def bound_within(
