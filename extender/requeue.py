@@ -67,6 +67,11 @@ class Requeuer:
         self.passes = 0
 
     def poke(self, node: str, why: str) -> None:
+        # Room seen before the first sync (every node of the first list) is the Janitor's: it
+        # requeues all waiting pods once synced. Dropped here, not cleared when the thread sees the
+        # sync, so a poke that comes right after the sync is never lost with them.
+        if not self.ext.view.synced.is_set():
+            return
         with self._lock:
             self._why[why] += 1
         self.wake.set()
@@ -77,12 +82,9 @@ class Requeuer:
         return self
 
     def run(self) -> None:
-        # Room seen before the first sync (every node of the first list) is the Janitor's: it
-        # requeues all waiting pods once synced.
         while not self.ext.view.synced.wait(0.5):
             if self.stop.is_set():
                 return
-        self.wake.clear()
         round_start = ""  # a pass capped at max_pods goes on with the pods it did not reach
         while not self.stop.is_set():
             if not self.wake.wait(0.5):
