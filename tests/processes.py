@@ -93,6 +93,24 @@ class ExtenderProcess:
             f"{self.url}/{verb}", data=data, headers={"Content-Type": "application/json"}, timeout=timeout
         )
 
+    def metric(self, line_start: str) -> float:
+        """The value of the first /metrics line starting with `line_start` (0 when none does)."""
+        for line in self.http.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(line_start):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def wait_no_pending_handoffs(self, timeout: float = 10.0) -> None:
+        """Block until the extender's own view holds no pending handoff: a pod's handoff=done is in
+        the API server before the extender's watch delivers it, and until then the node stays locked."""
+        deadline = time.monotonic() + timeout
+        while self.metric("gpupack_cluster_pending_handoffs ") != 0.0:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"extender still sees a pending handoff after {timeout:g}s: {self.tail()}"
+                )
+            time.sleep(0.05)
+
     def reserved(self, key_label: str = "index") -> dict[tuple[str, str], tuple[float, float]]:
         """(node, GPU `key_label` — index or uuid) -> (reserved MiB, reserved SM %) from /metrics
         (exported in bytes and as a ratio)."""

@@ -49,7 +49,9 @@ def test_control_plane_nodes_tokens_faults_scheduler(cluster, tmp_path):
         cluster.core.create_namespaced_pod(
             "smoke", {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
         )
-        time.sleep(0.5)
+        # a watch opened with no resourceVersion replays existing objects as ADDED, so this holds
+        # whether the pod was created before or after the watch connected
+        realk8s.until(lambda: evs == ["ADDED"], 15, "the pod's ADDED event through the proxy")
         assert fp.cut_watches() == 1
         th.join(5)
         assert not th.is_alive()

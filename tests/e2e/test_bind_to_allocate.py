@@ -105,9 +105,9 @@ class DeviceManagerKubelet:
             h = self.dirs.harness
             rc = h.run([harness_pod(pod)], keep_checkpoint=True, wait_s=30)
             name = pod["metadata"]["name"]
-            self.exit_codes[name] = rc
             self.allocations[name] = h.allocations(pod["metadata"]["uid"])
             self.reports[name] = h.report()
+            self.exit_codes[name] = rc  # last: the test's wait polls it, then reads the other two
 
 
 @dataclass

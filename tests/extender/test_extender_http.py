@@ -100,6 +100,7 @@ def test_recorded_scheduler_conversation(mode, cluster, ns, sfx, start_extender,
             # conversation was recorded): a node with a pending handoff is now filtered out.
             until(lambda n=body["PodName"]: annotations(get_pod(core, ns, n)).get(ANN_HANDOFF) == HANDOFF_DONE,
                   30, f"handoff of {body['PodName']} done")  # fmt: skip
+            ext.wait_no_pending_handoffs()
     trainer = decode_assignment(annotations(get_pod(core, ns, "trainer-2gpu"))[ANN_ASSIGNMENT])
     shares = trainer.containers["train"]
     assert len(shares) == 2 and all(s.exclusive and s.mem_mib == H100_MIB for s in shares)
@@ -315,12 +316,18 @@ def test_watch_resumes_and_relists_after_410(cluster, ns, sfx, start_extender, p
     probe = create_pod(cluster.core, pod_obj("probe", [container("c", 1, 10)]), ns)
     filt = lambda node=n1: ext.post("filter", {"Pod": probe, "NodeNames": [node]}).json()  # noqa: E731
 
+    from extender.kube import ASSIGNED_PODS
+
     def lists(path):
+        """The view's lists of `path`: not watches, and not the requeue pass's list of unbound pods,
+        which runs on its own thread once the view has synced."""
         return len(
             [
                 r
                 for r in proxy.requests
-                if r.path == path and not {"true", "1"} & set(r.query.get("watch", []))
+                if r.path == path
+                and not {"true", "1"} & set(r.query.get("watch", []))
+                and r.query.get("fieldSelector", [ASSIGNED_PODS]) == [ASSIGNED_PODS]
             ]
         )
 

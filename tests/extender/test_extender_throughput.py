@@ -86,10 +86,12 @@ def test_the_top_node_of_a_prioritized_pod_is_kept_for_it_until_its_bind(cluster
         until(
             lambda: annotations(get_pod(cluster.core, ns, "p")).get(ANN_HANDOFF) == HANDOFF_DONE, 30, "p done"
         )
+        ext.wait_no_pending_handoffs()
         assert ext.post("filter", filter_body(q, [a, b])).json()["NodeNames"] == [a, b]
-        # a pod prioritized but never bound (its scheduling cycle ended elsewhere) keeps nothing long
-        assert prioritize(ext, q, [a, b]) == {a: 10, b: 0}
+        # a pod prioritized but never bound (its scheduling cycle ended elsewhere) keeps nothing long;
+        # r exists before q's prioritize, so r's filter comes well within the time q's node is kept
         r = create_pod(cluster.core, small("r"), ns)
+        assert prioritize(ext, q, [a, b]) == {a: 10, b: 0}
         assert ext.post("filter", filter_body(r, [a, b])).json()["NodeNames"] == [b]
         until(lambda: ext.post("filter", filter_body(r, [a, b])).json()["NodeNames"] == [a, b], 10,
               "q's expected node released after a while")  # fmt: skip

@@ -107,6 +107,12 @@ def s(k8s: ControlPlane) -> Iterator[Setup]:
         except client.ApiException as e:
             return e.status in (403, 422) and FORBIDDEN in e.body
         k8s.core.delete_namespaced_pod("probe", ns, grace_period_seconds=0)
+        # each policy and binding is compiled on its own: the device plugin's scope too
+        try:
+            setup.plugin.patch_node(n2, {"spec": {"unschedulable": True}})
+        except client.ApiException as e:
+            return e.status in (403, 422) and "gpupack device plugin: may change only" in e.body
+        k8s.core.patch_node(n2, {"spec": {"unschedulable": None}})
         return False
 
     until(active, 30, "the ValidatingAdmissionPolicies to be enforced")

@@ -210,7 +210,8 @@ def test_a_huge_quantity_is_refused_at_once_with_the_reason(env: Env):
         t0 = time.perf_counter()
         out = env.filter(pod)
         took = time.perf_counter() - t0
-        assert took < 0.1, f"{bad[:10]}: {took:.3f} s"
+        # parsed in full, 1e300000 costs seconds; the bound leaves room for a busy machine's round trip
+        assert took < 0.5, f"{bad[:10]}: {took:.3f} s"
         assert why in out["FailedAndUnresolvableNodes"][env.node], out
 
 
