@@ -71,6 +71,12 @@ class Kube:
         self._ns_cache: dict[str, tuple[float, dict[str, str]]] = {}
         self._ns_lock = threading.Lock()
         self.ns_ttl_s = ns_ttl_s
+        # Namespace labels as a watch keeps them (name -> labels; None until a Sync lists them).
+        # With it a filter reads a pod's namespace from memory: a GET there stalled kube-scheduler's
+        # serial cycle once a minute per namespace (~170 ms in a 500-pod burst at 1,000 nodes, the
+        # API server busy with binds), and a class label changed on a namespace took up to a
+        # minute to count.
+        self._ns_watched: dict[str, dict[str, str]] | None = None
 
     # --- reads ----------------------------------------------------------------------------------
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
@@ -155,10 +161,17 @@ class Kube:
         )
 
     def namespace_labels(self, namespace: str) -> dict[str, str]:
-        """Labels of a namespace (cached briefly); {} when it does not exist. Any other failure
-        raises NamespaceUnreadable and is not cached: a namespace's labels set its pods' default
-        class, so "unknown" must never become "no labels" (an offline namespace's pod recorded
-        online)."""
+        """Labels of a namespace: from the namespace watch when one runs (see
+        :meth:`replace_namespace_pages`), else (and for a namespace the watch has not delivered
+        yet: created a moment ago) read and cached briefly; {} when it does not exist. Any other
+        failure raises NamespaceUnreadable and is not cached: a namespace's labels set its pods'
+        default class, so "unknown" must never become "no labels" (an offline namespace's pod
+        recorded online)."""
+        watched = self._ns_watched
+        if watched is not None:
+            hit_labels = watched.get(namespace)
+            if hit_labels is not None:
+                return hit_labels
         now = time.monotonic()
         with self._ns_lock:
             hit = self._ns_cache.get(namespace)
@@ -186,6 +199,37 @@ class Kube:
                 self._ns_cache.clear()
             self._ns_cache[namespace] = (now, labels)
         return labels
+
+    # The namespace watch (Sync runs it): what it delivers wins over a read of the same namespace,
+    # which is kept in the short-lived cache only, so an older read never overwrites a newer event.
+    def replace_namespace_pages(self, pages: Iterator[list[dict[str, Any]]]) -> None:
+        fresh: dict[str, dict[str, str]] = {}
+        for items in pages:
+            for obj in items:
+                meta = obj.get("metadata") or {}
+                if meta.get("name"):
+                    fresh[str(meta["name"])] = dict(meta.get("labels") or {})
+        self._ns_watched = fresh
+
+    def apply_namespace(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        if meta.get("name") and self._ns_watched is not None:
+            self._ns_watched[str(meta["name"])] = dict(meta.get("labels") or {})
+
+    def delete_namespace(self, obj: dict[str, Any]) -> None:
+        name = (obj.get("metadata") or {}).get("name")
+        if not name:
+            return
+        if self._ns_watched is not None:
+            self._ns_watched.pop(str(name), None)
+        with self._ns_lock:
+            self._ns_cache.pop(str(name), None)
+
+    def namespace_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        return self.pages(self.core.list_namespace)
+
+    def watch_namespaces(self, resource_version: str, timeout_s: int) -> Any:
+        return self._watch(self.core.list_namespace, resource_version, timeout_s)
 
     # --- writes ---------------------------------------------------------------------------------
     def patch_pod_metadata(

@@ -6,6 +6,8 @@ the write that binds it (the Binding sets both), so this is every pod that holds
 others the view keeps (with `track_host`) only key, uid, node and CPU/memory request, for each
 node's CPU and memory in use. The field selection is exact (a pod's node never changes once
 set), so a pod leaving it has been deleted or has ended.
+Namespaces: their labels, which set a pod's default class (read by every filter; a namespace the
+watch has not delivered yet is read from the API server, see :meth:`Kube.namespace_labels`).
 Each loop resumes from the last resourceVersion (bookmarks included) and relists on 410 Gone; the
 view stays readable throughout.
 """
@@ -135,8 +137,8 @@ def _lines(resp: Any) -> Iterator[bytes]:
 
 
 class Sync:
-    """Runs the node and pod watchers in daemon threads (`pods` false: the node watcher only, as
-    the webhook needs); the view is `synced` once each listed fully."""
+    """Runs the node, pod and namespace watchers in daemon threads (`pods` false: the node
+    watcher only, as the webhook needs); the view is `synced` once each listed fully."""
 
     def __init__(
         self,
@@ -177,6 +179,19 @@ class Sync:
                     view.replace_assigned_pages,
                     view.apply_assigned,
                     view.delete_assigned,
+                    self.stop,
+                    watch_timeout_s,
+                )
+            )
+            # the pods' default class: read by every filter, so kept here, not read on the verb path
+            self.watchers.append(
+                Watcher(
+                    "namespaces",
+                    kube.namespace_pages,
+                    kube.watch_namespaces,
+                    kube.replace_namespace_pages,
+                    kube.apply_namespace,
+                    kube.delete_namespace,
                     self.stop,
                     watch_timeout_s,
                 )

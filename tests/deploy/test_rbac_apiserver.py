@@ -183,7 +183,6 @@ def flow(cluster: ControlPlane, tmp_path: Path):
 def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlPlane):
     ns, tmp = flow.ns, flow.tmp
     cluster.ensure_namespace(ns, {"gpupack.io/webhook": "skip"})
-    cluster.ensure_namespace(flow.work, {"gpupack.io/class": "offline"})
     shipped = deploy_objects.remap(
         [o for f in RBAC_FILES for o in deploy_objects.load(f)]
         + deploy_objects.load("scheduler/serviceaccount.yaml") + deploy_objects.load("deviceplugin/serviceaccount.yaml"),
@@ -261,6 +260,11 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     # 4. a GPU pod: the webhook completes it, kube-scheduler + extender place and bind it, the
     #    device plugin serves its Allocate. Its first Binding gets no answer: the extender fences it
     #    (a PATCH with its resourceVersion precondition) and kube-scheduler's retry binds it.
+    #    Its namespace is created while the extender's namespace watch is away (cut, its next
+    #    request held), so the extender reads that namespace once (its watch has the others).
+    flow.proxies["extender"].delay(r"^/api/v1/namespaces$", 15, method="GET")
+    assert flow.proxies["extender"].cut_watches() >= 1
+    cluster.ensure_namespace(flow.work, {"gpupack.io/class": "offline"})
     flow.proxies["extender"].fail_next("POST", rf"/namespaces/{flow.work}/pods/p/binding$", 503)
     cluster.core.create_namespaced_pod(flow.work, {"metadata": {"name": "p"}, "spec": {"containers": [
         {"name": "a", "image": "registry.invalid/x:1", "resources": {"limits": {"gpupack.io/gpu-mem": "1024"}}}]}})  # fmt: skip
@@ -270,6 +274,7 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     assert pod.metadata.annotations[ANN_HANDOFF] == "pending"
     # the namespace's class label is the pod's default
     assert decode_assignment(pod.metadata.annotations[ANN_ASSIGNMENT]).pod_class == "offline"
+    assert flow.proxies["extender"].count("GET", rf"^/api/v1/namespaces/{flow.work}$") == 1
     env = dp.allocate_one()
     assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
     until(lambda: cluster.core.read_namespaced_pod("p", flow.work).metadata.annotations[ANN_HANDOFF] == "done",

@@ -159,6 +159,10 @@ def test_a_pod_stripped_of_its_state_keeps_its_share_until_it_is_gone(env: Env, 
 
 def test_an_unreadable_namespace_is_an_error_to_retry_never_a_default_class(env: Env):
     ns = f"offline-{env.sfx}"
+    # the extender's namespace watch would have it: created while that watch is away (cut, its next
+    # request held), the namespace is one the extender must read, and the read fails
+    env.proxy.delay(r"^/api/v1/namespaces$", 20, method="GET")
+    assert env.proxy.cut_watches() >= 1
     env.cp.ensure_namespace(ns, {"gpupack.io/class": "offline"})
     p = env.pod(ns, "p", 1024)
     env.proxy.fail_next("GET", rf"/api/v1/namespaces/{ns}$", 500, times=2)
