@@ -24,7 +24,6 @@ policy's best node only and, as kube-scheduler does with one feasible node, no p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -45,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import realk8s  # noqa: E402
-from processes import ExtenderProcess, descendants  # noqa: E402
+from processes import ExtenderProcess, give_extender_cpus  # noqa: E402
 
 from gpupack.contract import (  # noqa: E402
     ANN_ASSIGNMENT,
@@ -185,36 +184,6 @@ class Extender(ExtenderProcess):
 
 def kubeconfig_in(tmp: Path, cluster: Cluster) -> Path:
     return cluster.cp.write_kubeconfig(tmp / "kubeconfig")
-
-
-_ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
-def _pin(pids: list[int], cpus: set[int]) -> None:
-    """Every thread of `pids`; threads started later inherit their creator's CPUs."""
-    for pid in pids:
-        try:
-            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
-        except OSError:
-            continue
-        for tid in tids:
-            with contextlib.suppress(OSError):  # the thread ended meanwhile
-                os.sched_setaffinity(tid, cpus)
-
-
-def give_extender_cpus(ext: ExtenderProcess, n: int) -> dict[str, list[int]]:
-    """The extender (gunicorn master and worker) on the last `n` CPUs, everything else this benchmark
-    started (the API server, etcd, the client threads) on the others: the extender's own latency,
-    binds and watch events included, without the run queue of a client and an API server that a
-    deployed extender does not share its CPUs with (a scheduler pod with CPUs of its own)."""
-    mine = _ALL_CPUS  # as the benchmark started: a second cluster size finds this process pinned
-    if not 0 < n < len(mine):
-        raise SystemExit(f"--extender-cpus must be 1..{len(mine) - 1} on this machine ({len(mine)} CPUs)")
-    theirs, rest = set(mine[-n:]), set(mine[:-n])
-    ext_tree = set(descendants(ext.proc.pid))
-    _pin([p for p in descendants(os.getpid()) if p not in ext_tree], rest)
-    _pin(sorted(ext_tree), theirs)
-    return {"extender": sorted(theirs), "others": sorted(rest)}
 
 
 def bench_scheduling(

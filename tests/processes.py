@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -135,3 +136,33 @@ class ExtenderProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+_ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of `pids`; threads started later inherit their creator's CPUs."""
+    for pid in pids:
+        try:
+            tids = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                os.sched_setaffinity(tid, cpus)
+
+
+def give_extender_cpus(ext: ExtenderProcess, n: int) -> dict[str, list[int]]:
+    """The extender (gunicorn master and worker) on the last `n` CPUs, everything else this benchmark
+    started (the API server, etcd, the client threads) on the others: the extender's own latency,
+    binds and watch events included, without the run queue of a client and an API server that a
+    deployed extender does not share its CPUs with (a scheduler pod with CPUs of its own)."""
+    mine = _ALL_CPUS  # as the benchmark started: a second cluster size finds this process pinned
+    if not 0 < n < len(mine):
+        raise SystemExit(f"--extender-cpus must be 1..{len(mine) - 1} on this machine ({len(mine)} CPUs)")
+    theirs, rest = set(mine[-n:]), set(mine[:-n])
+    ext_tree = set(descendants(ext.proc.pid))
+    _pin([p for p in descendants(os.getpid()) if p not in ext_tree], rest)
+    _pin(sorted(ext_tree), theirs)
+    return {"extender": sorted(theirs), "others": sorted(rest)}
