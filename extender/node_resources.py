@@ -45,6 +45,17 @@ def node_resources_fit(info: NodeInfo, want: HostUse) -> FitFailure | None:
     not: every resource short, joined, the first one's code for the metrics. Unresolvable when the
     pod asks for more than the node has at all (no pod leaving would help). A resource the pod
     does not request is not compared."""
+    alloc, used = info.allocatable, info.requested
+    # The common answer first, the same comparisons without building the reasons: this runs for
+    # every node the first time a pod shape is filtered (1,000 nodes on kube-scheduler's cycle).
+    if (
+        info.pods_allowed - info.pod_count >= 1
+        and (want.cpu_milli <= 0 or want.cpu_milli <= alloc.cpu_milli - used.cpu_milli)
+        and (want.mem_bytes <= 0 or want.mem_bytes <= alloc.mem_bytes - used.mem_bytes)
+        and (want.eph_bytes <= 0 or want.eph_bytes <= alloc.eph_bytes - used.eph_bytes)
+        and not want.other
+    ):
+        return None
     short: list[tuple[str, str]] = []
     never = False
 
