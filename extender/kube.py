@@ -225,6 +225,10 @@ class Kube:
         with self._ns_lock:
             self._ns_cache.pop(str(name), None)
 
+    def watched_namespaces(self) -> frozenset[str]:
+        """The namespaces the watch has delivered (empty while no watch has listed them)."""
+        return frozenset(self._ns_watched or ())
+
     def namespace_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
         return self.pages(self.core.list_namespace)
 

@@ -31,6 +31,7 @@ def test_namespace_labels_come_from_the_watch_and_a_namespace_it_has_not_deliver
         sync.start()
         try:
             assert sync.wait_ready(20)
+            assert first in kube.watched_namespaces()
             got = rf"^/api/v1/namespaces/{first}$"
             # listed: answered from memory, never read on the verb path
             assert kube.namespace_labels(first).get(LABEL_CLASS) == "offline"
@@ -56,7 +57,7 @@ def test_namespace_labels_come_from_the_watch_and_a_namespace_it_has_not_deliver
 
             # a deleted namespace is forgotten: a read of it answers that it is gone (no labels)
             core.delete_namespace(first)
-            until(lambda: first not in (kube._ns_watched or {}), 60, "the namespace's deletion watched")
+            until(lambda: first not in kube.watched_namespaces(), 60, "the namespace's deletion watched")
             assert kube.namespace_labels(first) == {}
         finally:
             sync.close()
