@@ -215,11 +215,14 @@ class Extender:
         # at 1,000 nodes: 150 of 620 binds failed so with 128 at once). The rest wait their turn,
         # within the same bind wait as for a pending handoff.
         self._bind_slots = threading.BoundedSemaphore(bind_concurrency) if bind_concurrency > 0 else None
-        # Bind threads take the view's lock one at a time, through this (see _bind_view). The
+        # A bind's short sections under the view's lock on its way (claim, in-flight marks, fit
+        # and assume, marking it bound) take a turn through this first (see _bind_view). The
         # Lease read that concurrent binds share wakes them all at once; each then queued on the
         # view's lock for its few lines, and a filter arriving behind 20 of them waited 7-22 ms
-        # (1,000 nodes, 500-pod burst), on kube-scheduler's serial cycle. Now at most one bind
-        # is ever queued there. Taken only outside the view's lock, never while waiting on it.
+        # (1,000 nodes, 500-pod burst), on kube-scheduler's serial cycle. Now those sections
+        # queue here, one bind at a time at the view's lock. Taken only outside the view's lock,
+        # and never around a wait on it (the handoff wait and the rare failure paths take the
+        # view's lock as before).
         self._bind_turn = threading.Lock()
         self.scheduler_name = scheduler_name
         self.view = view
