@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
+from .collector import VerbActivity
 from .framework import Extender
 from .metrics import Metrics
 from .view import ClusterView
@@ -129,7 +130,10 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flask:
+def create_extender_app(
+    ext: Extender, max_body: int = DEFAULT_MAX_BODY, activity: VerbActivity | None = None
+) -> Flask:
+    """The extender's verbs. `activity`: told when filter and prioritize run (IdleCollector)."""
     _freeze_startup_heap()
     app = Flask("gpupack-extender")
     _common(app, ext.view, ext.metrics, max_body)
@@ -171,7 +175,7 @@ def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flas
     def bind() -> Response:
         return _timed(ext.metrics, "bind", lambda: bind_verb(_body()))
 
-    app.wsgi_app = _verbs_first(app.wsgi_app, verbs, ext.metrics, max_body)  # type: ignore[method-assign]
+    app.wsgi_app = _verbs_first(app.wsgi_app, verbs, ext.metrics, max_body, activity)  # type: ignore[method-assign]
     return app
 
 
@@ -184,6 +188,7 @@ def _verbs_first(
     verbs: dict[str, tuple[str, Callable[[Any], Any]]],
     metrics: Metrics,
     max_body: int,
+    activity: VerbActivity | None = None,
 ) -> Callable[..., Any]:
     """The WSGI app, with the three verbs answered straight from WSGI: the same functions, JSON
     and answers (errors too) as their Flask routes, without Flask's request and response objects
@@ -205,6 +210,9 @@ def _verbs_first(
         verb, run = route
         t0 = time.perf_counter()
         headers = [("Content-Type", "application/json")]
+        watched = activity is not None and verb != "bind"
+        if watched:
+            activity.enter()  # type: ignore[union-attr]
         try:
             data = environ["wsgi.input"].read(length) if length else b""
             if not data:
@@ -226,6 +234,9 @@ def _verbs_first(
         except Exception as e:
             log.exception("unhandled error on %s", environ.get("PATH_INFO"))
             status, text = 500, _encode({"Error": f"internal error: {type(e).__name__}: {e}"})
+        finally:
+            if watched:
+                activity.leave()  # type: ignore[union-attr]
         headers.append(("Content-Length", str(len(text))))
         start_response(_status(status), headers)
         return [text]

@@ -206,6 +206,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         from gpupack.kubeclient import KubeClient
 
         from .app import create_extender_app, only_probes_on
+        from .collector import IdleCollector, VerbActivity
         from .framework import Extender
         from .kube import Kube, api_client
         from .lease import LeaseFence
@@ -252,7 +253,9 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,
                  args.workload_file or "learnt from the pods seen")  # fmt: skip
-        app = create_extender_app(ext, args.max_body_bytes)
+        activity = VerbActivity()
+        IdleCollector(activity, on_collect=metrics.full_collection).install()
+        app = create_extender_app(ext, args.max_body_bytes, activity)
         return only_probes_on(app, args.metrics_port) if args.metrics_port else app
 
     return make

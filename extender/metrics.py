@@ -78,12 +78,23 @@ class Metrics:
             ["why"],
             registry=r,
         )
+        self.gc_full = Histogram(
+            "gpupack_extender_gc_full_seconds",
+            "Full garbage collections, run between verbs (extender/collector.py), by whether one was "
+            "overdue and ran while filters kept coming",
+            ["overdue"],
+            buckets=BUCKETS,
+            registry=r,
+        )
         self.admission = Counter(
             "gpupack_webhook_admission_total",
             "Admission reviews, by kind and result",
             ["kind", "result"],
             registry=r,
         )
+
+    def full_collection(self, seconds: float, overdue: bool) -> None:
+        self.gc_full.labels("true" if overdue else "false").observe(seconds)
 
     def attach_view(self, view: ClusterView, active: Callable[[], bool] = lambda: True) -> None:
         """`active`: whether this replica exports the cluster's gauges (the one whose scheduler

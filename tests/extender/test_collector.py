@@ -1,0 +1,136 @@
+"""Full garbage collections run between verbs (extender/collector.py): never while filter or
+prioritize is being answered unless overdue, and the verbs tell the collector when they run."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+from ext_helpers import container, node_obj, pod_obj
+
+from extender.app import create_extender_app
+from extender.collector import DUE_YOUNG_COLLECTIONS, NEVER, IdleCollector, VerbActivity
+from extender.framework import Extender
+from extender.metrics import Metrics
+from extender.view import ClusterView
+from gpupack.core.policies import DEFAULT_POLICY, get_policy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def collector(
+    clock: Clock, young: list[int], done: list[tuple[float, bool]]
+) -> tuple[IdleCollector, VerbActivity]:
+    activity = VerbActivity(clock)
+    calls: list[int] = []
+
+    def collect() -> int:
+        calls.append(1)
+        young[0] = 0  # as gc.collect() resets the count of young collections
+        return 0
+
+    c = IdleCollector(
+        activity, idle_s=1.0, max_gap_s=300.0, clock=clock, collect=collect,
+        young_count=lambda: young[0], on_collect=lambda s, o: done.append((s, o)),
+    )  # fmt: skip
+    return c, activity
+
+
+def test_collects_only_when_due_and_quiet() -> None:
+    clock, young, done = Clock(), [0], []
+    c, activity = collector(clock, young, done)
+    clock.t += 5
+    assert not c.step()  # quiet, but nothing promoted since the last full collection
+    young[0] = DUE_YOUNG_COLLECTIONS
+    activity.enter()
+    clock.t += 5
+    assert not c.step()  # due, but a filter is being answered
+    activity.leave()
+    clock.t += 0.5
+    assert not c.step()  # the filter ended only 0.5 s ago: the next may be on its way
+    clock.t += 0.6
+    assert c.step()
+    assert done == [(pytest.approx(done[0][0]), False)]
+    assert not c.step()  # collected: not due again
+
+
+def test_overdue_collects_however_busy() -> None:
+    clock, young, done = Clock(), [1], []
+    c, activity = collector(clock, young, done)
+    activity.enter()
+    clock.t += 299
+    assert not c.step()
+    clock.t += 2
+    assert c.step()  # cyclic garbage is not kept longer than max_gap_s
+    assert done[-1][1] is True
+    activity.leave()
+
+
+def test_overlapping_verbs_are_busy_until_the_last_ends() -> None:
+    clock = Clock()
+    a = VerbActivity(clock)
+    a.enter()
+    a.enter()
+    clock.t += 3
+    a.leave()
+    assert a.quiet_for() == 0.0
+    a.leave()
+    clock.t += 2
+    assert a.quiet_for() == 2.0
+
+
+def test_install_takes_full_collections_away_from_allocation() -> None:
+    before = gc.get_threshold()
+    c = IdleCollector(VerbActivity())
+    try:
+        c.install()
+        assert gc.get_threshold() == (before[0], before[1], NEVER)
+    finally:
+        c.stop.set()
+        gc.set_threshold(*before)
+
+
+def test_filter_and_prioritize_mark_the_activity_bind_does_not() -> None:
+    view = ClusterView()
+    view.replace_nodes([node_obj("n1")])
+    view.replace_pods([])
+    view.synced.set()
+    ext = Extender(view, get_policy(DEFAULT_POLICY), None, Metrics())
+    seen: list[float] = []
+
+    class Watching(VerbActivity):
+        def enter(self) -> None:
+            super().enter()
+            seen.append(self.quiet_for())
+
+    clock = Clock()
+    activity = Watching(clock)
+    app = create_extender_app(ext, activity=activity).test_client()
+    pod = pod_obj("p", [container("c", mem=1024)])
+    pod["metadata"]["uid"] = "uid-p"
+    body = json.dumps({"Pod": pod, "NodeNames": ["n1"], "Nodes": None})
+    for verb in ("filter", "prioritize"):
+        clock.t += 10
+        r = app.post(f"/{verb}", data=body, content_type="application/json")
+        assert r.status_code == 200, r.data
+    assert seen == [0.0, 0.0]  # busy while each ran
+    clock.t += 10
+    assert activity.quiet_for() == 10.0  # quiet since the last one ended
+    # a bind (one that fails at once: the pod is not in the API server) is not waited for
+    bad = json.dumps({"PodName": "x", "PodNamespace": "default", "PodUID": "u", "Node": "n1"})
+    app.post("/bind", data=bad, content_type="application/json")
+    assert seen == [0.0, 0.0]
+    assert activity.quiet_for() == 10.0
+    # a verb answered with an error leaves the activity quiet again
+    r = app.post("/filter", data=b"{not json", content_type="application/json")
+    assert r.status_code == 400
+    assert len(seen) == 3
+    clock.t += 1
+    assert activity.quiet_for() == 1.0
