@@ -30,7 +30,9 @@ def shape_of(pod: PodRequest) -> tuple:
 
 class FitCache(Generic[V]):
     """key -> node -> (node version, result V); a few recent keys only. The answer caches keep an
-    answer object per key in `data` instead and never call `table`."""
+    answer object per key in `data` instead and never call `table`. In the fit cache a node's Fit
+    may be that of another node in the same state, its placement naming that node
+    (Extender._fit_every_node); Extender.node_fit hands out the node's own."""
 
     def __init__(self, shapes: int = CACHE_SHAPES) -> None:
         self.shapes = shapes
