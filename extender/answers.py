@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections import Counter, OrderedDict
 from typing import Any, Generic, TypeVar
 
@@ -187,6 +188,27 @@ def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> li
     if steered:
         out = [MAX_SCORE if n in steered else s for n, s in zip(names, out, strict=True)]
     return out
+
+
+def sorted_index(
+    key_of: dict[str, tuple[bool, float, float]], scored: dict[str, float], ranked: list[str]
+) -> list[tuple[tuple[bool, float, float], str]]:
+    """sorted((key, n) for n, key in key_of.items()), the order of a new _BestIndex, built without
+    comparing those tuples: `ranked` (every node the policy ranked, by tie key then name) filtered
+    to key_of's nodes, nodes it has not ranked (tie key 2.0) after them by name, then a stable sort
+    on one float per node (its score negated; no score: after every score). After a learning flush
+    every pod shape builds one of ~1,000-5,000 nodes on kube-scheduler's serial cycle; the tuple
+    sort took ~0.7 ms at 1,000 nodes. A score that is not finite falls back to the tuple sort."""
+    if not all(math.isfinite(v) for v in scored.values()):
+        return sorted((k, n) for n, k in key_of.items())
+    members = [n for n in ranked if n in key_of]
+    if len(members) < len(key_of):
+        known = set(members)
+        members += sorted(n for n in key_of if n not in known)
+    last = math.inf
+    get = scored.get
+    members.sort(key=lambda n: -s if (s := get(n)) is not None else last)
+    return [(key_of[n], n) for n in members]
 
 
 class _BestIndex:

@@ -130,10 +130,8 @@ def _freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def create_extender_app(
-    ext: Extender, max_body: int = DEFAULT_MAX_BODY, activity: VerbActivity | None = None
-) -> Flask:
-    """The extender's verbs. `activity`: told when filter and prioritize run (IdleCollector)."""
+def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flask:
+    """The extender's verbs; filter and prioritize mark `ext.activity` while they run."""
     _freeze_startup_heap()
     app = Flask("gpupack-extender")
     _common(app, ext.view, ext.metrics, max_body)
@@ -175,7 +173,7 @@ def create_extender_app(
     def bind() -> Response:
         return _timed(ext.metrics, "bind", lambda: bind_verb(_body()))
 
-    app.wsgi_app = _verbs_first(app.wsgi_app, verbs, ext.metrics, max_body, activity)  # type: ignore[method-assign]
+    app.wsgi_app = _verbs_first(app.wsgi_app, verbs, ext.metrics, max_body, ext.activity)  # type: ignore[method-assign]
     return app
 
 

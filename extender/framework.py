@@ -55,7 +55,9 @@ from .answers import (
     _PriorityAnswer,
     _signature,
     shape_of,
+    sorted_index,
 )
+from .collector import VerbActivity
 from .kube import Kube, NamespaceUnreadable
 from .lease import BindError, LeaseFence
 from .metrics import Metrics
@@ -202,8 +204,12 @@ class Extender:
         bind_concurrency: int = 0,
         keep_best: int = 0,
         events: EventRecorder | None = None,
+        activity: VerbActivity | None = None,
     ) -> None:
         self.fence = fence
+        # filter and prioritize tell it when they run; bind threads stand aside for them at
+        # their next step (VerbActivity.wait_quiet: before the view's lock and each API call)
+        self.activity = activity or VerbActivity()
         # Events on pods for what their owners can act on and kube-scheduler cannot tell them
         # (a bind failure already reaches the pod as kube-scheduler's FailedScheduling event).
         self.events = events
@@ -251,6 +257,7 @@ class Extender:
         self.best: FitCache[Any] = FitCache()  # (shape, epoch) -> _BestIndex
         self._states: dict[str, tuple[int, int | None]] = {}
         self._last_names: tuple[list[str], set[str]] | None = None
+        self._ranked: tuple[int, list[str]] = (-1, [])  # _tie_ranked
         self._state_ids: dict[tuple, int] = {}
         self._state_seq = itertools.count()
         # uid -> the Pod kube-scheduler sent with its last filter: the bind that follows uses it
@@ -671,7 +678,7 @@ class Extender:
                     idx.set(n, (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0)))
             else:
                 idx.key_of = {n: (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0)) for n in todo}
-                idx.order = sorted((k, n) for n, k in idx.key_of.items())
+                idx.order = sorted_index(idx.key_of, scored, self._tie_ranked())
             idx.pos = pos
             want = passed if isinstance(passed, set) else set(passed)
             keep: list[str] = []
@@ -681,6 +688,14 @@ class Extender:
                     if len(keep) == self.keep_best:
                         break
         return keep
+
+    def _tie_ranked(self) -> list[str]:
+        """Every node the policy has ranked, in its tie order (ties of that order by name). The
+        ranking only ever grows, so its size says whether this list is still current."""
+        tie = self.policy.tie_key
+        if self._ranked[0] != len(tie):
+            self._ranked = (len(tie), sorted(tie, key=lambda n: (tie[n], n)))
+        return self._ranked[1]
 
     def _raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
         """The policy's raw score of each node in `names` the pod fits (view lock held); cached per
@@ -904,6 +919,7 @@ class Extender:
     def _get_pod(self, args: BindArgs) -> dict[str, Any]:
         assert self.kube is not None
         try:
+            self.activity.wait_quiet()
             pod = self.kube.get_pod(args.pod_namespace, args.pod_name)
         except ApiException as e:
             if e.status == 404:
@@ -930,7 +946,9 @@ class Extender:
 
     @contextlib.contextmanager
     def _bind_view(self) -> Iterator[None]:
-        """The view's lock, for a bind thread: behind the other binds, not among them."""
+        """The view's lock, for a bind thread: behind the other binds, not among them, and after
+        the verb being answered."""
+        self.activity.wait_quiet()
         with self._bind_turn, self.view.lock:
             yield
 
@@ -964,6 +982,7 @@ class Extender:
     def _bind_claimed(self, args: BindArgs, key: str, deadline: float) -> None:
         assert self.kube is not None
         if self.fence is not None:
+            self.activity.wait_quiet()
             self.fence.check(fresh=False)  # a standby's extender answers no bind at all
         # The pod before queueing: a missing pod is answered at once, not after the wait.
         # If it changes while we wait, the Binding's resourceVersion precondition catches it.
@@ -1083,6 +1102,7 @@ class Extender:
             if self.fence is not None:
                 # read afresh right before the write: a scheduler that shuts down releases its
                 # Lease at once (ReleaseOnCancel), so a read even 1 s old may name a holder no more
+                self.activity.wait_quiet()
                 self.fence.check()
             a = self._assume_fit(args, pod, req)
             rv = str((pod.get("metadata") or {}).get("resourceVersion") or "")

@@ -206,7 +206,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         from gpupack.kubeclient import KubeClient
 
         from .app import create_extender_app, only_probes_on
-        from .collector import IdleCollector, VerbActivity
+        from .collector import IdleCollector
         from .framework import Extender
         from .kube import Kube, api_client
         from .lease import LeaseFence
@@ -248,14 +248,13 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
             bind_concurrency=args.bind_concurrency, keep_best=args.filter_keep_best, events=events,
         )  # fmt: skip
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
-        Sync(view, kube, freeze_heap=True).start()
+        Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet).start()
         Janitor(ext, args.sweep_interval_s).start()
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,
                  args.workload_file or "learnt from the pods seen")  # fmt: skip
-        activity = VerbActivity()
-        IdleCollector(activity, on_collect=metrics.full_collection).install()
-        app = create_extender_app(ext, args.max_body_bytes, activity)
+        IdleCollector(ext.activity, on_collect=metrics.full_collection).install()
+        app = create_extender_app(ext, args.max_body_bytes)
         return only_probes_on(app, args.metrics_port) if args.metrics_port else app
 
     return make

@@ -47,8 +47,12 @@ class Watcher:
         stop: threading.Event,
         watch_timeout_s: int = 300,
         on_event: Callable[[str, str], None] | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> None:
         self.kind = kind
+        # called before each event is applied: the event waits while kube-scheduler waits for a
+        # verb (VerbActivity.wait_quiet), as its view update can
+        self.pause = pause
         self.list_fn, self.watch_fn = list_fn, watch_fn
         self.replace, self.apply, self.delete = replace, apply, delete
         self.stop = stop
@@ -80,6 +84,8 @@ class Watcher:
                     return
                 if not line.strip():
                     continue
+                if self.pause is not None:
+                    self.pause()
                 ev = orjson.loads(line)
                 typ, obj = ev.get("type"), ev.get("object") or {}
                 if typ == "ERROR":
@@ -147,6 +153,7 @@ class Sync:
         watch_timeout_s: int = 300,
         freeze_heap: bool = False,
         pods: bool = True,
+        pause: Callable[[], None] | None = None,
     ) -> None:
         # `freeze_heap`: once the first lists are in, move everything alive out of the garbage
         # collector's reach (gc.freeze) before the first verb is answered. A full collection walks
@@ -155,7 +162,7 @@ class Sync:
         # the stalls in verbs added up to a third to a half less (bench_extender, 5,000 nodes,
         # filter p99 19-28 ms against 34-41 ms). What is frozen is never collected as part of a
         # reference cycle, only freed by its last reference, which is how the view's nodes and
-        # pods (no cycles) go.
+        # pods (no cycles) go. `pause`: each watcher's, before every event.
         self.freeze_heap = freeze_heap
         self.view, self.kube = view, kube
         self.stop = threading.Event()
@@ -168,6 +175,7 @@ class Sync:
             lambda o: view.delete_node((o.get("metadata") or {}).get("name", "")),
             self.stop,
             watch_timeout_s,
+            pause=pause,
         )
         self.watchers = [self.nodes]
         if pods:
@@ -181,6 +189,7 @@ class Sync:
                     view.delete_assigned,
                     self.stop,
                     watch_timeout_s,
+                    pause=pause,
                 )
             )
             # the pods' default class: read by every filter, so kept here, not read on the verb path
@@ -194,6 +203,7 @@ class Sync:
                     kube.delete_namespace,
                     self.stop,
                     watch_timeout_s,
+                    pause=pause,
                 )
             )
         self.threads: list[threading.Thread] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
+import time
 
 import pytest
 from ext_helpers import container, node_obj, pod_obj
@@ -111,8 +113,8 @@ def test_filter_and_prioritize_mark_the_activity_bind_does_not() -> None:
             seen.append(self.quiet_for())
 
     clock = Clock()
-    activity = Watching(clock)
-    app = create_extender_app(ext, activity=activity).test_client()
+    activity = ext.activity = Watching(clock)
+    app = create_extender_app(ext).test_client()
     pod = pod_obj("p", [container("c", mem=1024)])
     pod["metadata"]["uid"] = "uid-p"
     body = json.dumps({"Pod": pod, "NodeNames": ["n1"], "Nodes": None})
@@ -134,3 +136,43 @@ def test_filter_and_prioritize_mark_the_activity_bind_does_not() -> None:
     assert len(seen) == 3
     clock.t += 1
     assert activity.quiet_for() == 1.0
+
+
+def test_wait_quiet_waits_for_the_verb_in_progress_and_no_longer() -> None:
+    a = VerbActivity()
+    a.enter()
+    done = threading.Event()
+
+    def bind_step() -> None:
+        a.wait_quiet(max_s=10.0)
+        done.set()
+
+    t = threading.Thread(target=bind_step)
+    t.start()
+    assert not done.wait(0.2)  # stands aside while the verb runs
+    a.leave()
+    assert done.wait(2.0)  # and goes on as soon as it ends, long before max_s
+    t.join()
+    assert a.waited == 1
+    a.wait_quiet(max_s=10.0)  # nothing running: no wait at all
+    assert a.waited == 1
+
+
+def test_wait_quiet_is_bounded_and_never_waits_for_its_own_verb() -> None:
+    a = VerbActivity()
+    a.enter()
+    t0 = time.monotonic()
+    a.wait_quiet(max_s=10.0)  # this thread answers the verb (filter cleaning a stale assignment)
+    assert time.monotonic() - t0 < 1.0
+    took: list[float] = []
+
+    def other() -> None:
+        t1 = time.monotonic()
+        a.wait_quiet(max_s=0.3)
+        took.append(time.monotonic() - t1)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(5)
+    assert 0.25 <= took[0] < 3.0  # a verb that hangs holds the others up for max_s only
+    a.leave()
