@@ -19,8 +19,9 @@ ending the GPU handoff (DevicePluginEmulator).
 Reported per phase: pods/s (creation of the first pod to the last Binding), creation -> bound
 (spec.nodeName written by the Binding, which also sets PodScheduled) and creation -> running p50/p99,
 and from kube-scheduler's /metrics its scheduling-algorithm and bind times. For gpupack also: the
-share of bind attempts that failed a fit filter had passed, the extender's verb latencies and
-bind waits (from its /metrics histograms, whose buckets are fine below 50 ms), how the pods spread
+share of bind attempts that failed a fit filter had passed, the extender's verb latencies (from
+the request's headers, and `*_from_body`: from its whole body in hand) and bind waits (from its
+/metrics histograms, whose buckets are fine below 50 ms), how the pods spread
 over the nodes, and a check of the result (over-committed GPUs, handoffs not done). And the CPU
 seconds each process used in the phase (`cpu_s`): every part shares this machine's cores, so a
 phase that uses them all is as fast as the sum allows.
@@ -377,6 +378,14 @@ def run_phase(
         h = diff(histogram(e1, "gpupack_extender_request_seconds", 'verb="filter"'),
                  histogram(e0, "gpupack_extender_request_seconds", 'verb="filter"'))  # fmt: skip
         lat["filter"]["buckets"] = {str(k): int(v) for k, v in sorted(h.items())}
+        # the same verbs from the whole request body in hand: without kube-scheduler's own time
+        # writing it (on a crowded CPU it can be descheduled between the headers and the body)
+        for verb in ("filter", "prioritize"):
+            h = diff(histogram(e1, "gpupack_extender_answer_seconds", f'verb="{verb}"'),
+                     histogram(e0, "gpupack_extender_answer_seconds", f'verb="{verb}"'))  # fmt: skip
+            lat[f"{verb}_from_body"] = {"n": int(h.get(float("inf"), 0)), "p50_ms": ms(hquantile(h, 0.5)),
+                                        "p99_ms": ms(hquantile(h, 0.99)),
+                                        "within_10ms": int(h.get(0.01, 0)), "within_50ms": int(h.get(0.05, 0))}  # fmt: skip
         ok = counter(e1, "gpupack_extender_binds_total") - counter(e0, "gpupack_extender_binds_total")
         fails: dict[str, int] = {}
         for m in re.finditer(r'^gpupack_extender_bind_failures_total{reason="([^"]+)"} (\S+)$', e1, re.M):

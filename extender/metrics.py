@@ -46,6 +46,15 @@ class Metrics:
             buckets=BUCKETS,
             registry=r,
         )
+        # request_seconds runs from the request's headers; a client still writing its body (a
+        # kube-scheduler waiting for a CPU on a busy control-plane node) counts there, not here
+        self.answer = Histogram(
+            "gpupack_extender_answer_seconds",
+            "Extender verb latency from the whole request body received to the answer, by verb",
+            ["verb"],
+            buckets=BUCKETS,
+            registry=r,
+        )
         self.rejections = Counter(
             "gpupack_extender_node_rejections_total",
             "Nodes rejected at filter, by reason",

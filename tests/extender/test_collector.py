@@ -136,6 +136,11 @@ def test_filter_and_prioritize_mark_the_activity_bind_does_not() -> None:
     assert len(seen) == 3
     clock.t += 1
     assert activity.quiet_for() == 1.0
+    # each answered verb is timed twice: from its headers, and from its whole body in hand
+    reg = ext.metrics.registry
+    for verb, answered in (("filter", 1), ("prioritize", 1)):
+        assert reg.get_sample_value("gpupack_extender_answer_seconds_count", {"verb": verb}) == answered
+    assert reg.get_sample_value("gpupack_extender_request_seconds_count", {"verb": "filter"}) == 2
 
 
 def test_wait_quiet_waits_for_the_verb_in_progress_and_no_longer() -> None:
