@@ -4,10 +4,11 @@ wait at their next step until the verb is answered; VerbActivity.wait_quiet).
 
 kube-scheduler's cycle is serial and waits for every filter. CPython runs a full collection from
 whatever allocation happens to cross its threshold, and a full collection walks every tracked
-object: the fit and score tables of a burst's pod shapes are ~100,000 objects a 1,000 nodes. One
-in a filter stalled it 15-26 ms at 1,000 nodes and 85-100 ms at 5,000 (an in-process run of the
-first filters of new pod shapes with `gc.callbacks` timing each collection), longer than the
-whole filter's budget. The young generations stay automatic (a collection of them takes ~1-3
+object: the cluster view and its answer caches after a 500-pod burst are ~110,000 of them at
+1,000 nodes, ~230,000 at 5,000 (in one process, the burst's pods on a fresh view). One in a
+filter stalled it 15-26 ms at 1,000 nodes and 85-100 ms at 5,000 (the first filters of new pod
+shapes in one process, `gc.callbacks` timing each collection), longer than the filter's whole
+budget. The young generations stay automatic (a collection of them takes ~1-3
 ms); full collections run from a thread of their own once filter and prioritize have been quiet
 for `idle_s`, or after `max_gap_s` without one whatever the traffic, so cyclic garbage is still
 freed within that. Objects freed by their last reference (most of the view's) never wait for it.

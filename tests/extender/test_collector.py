@@ -1,5 +1,6 @@
-"""Full garbage collections run between verbs (extender/collector.py): never while filter or
-prioritize is being answered unless overdue, and the verbs tell the collector when they run."""
+"""What stands aside for filter and prioritize (extender/collector.py): full garbage collections
+(never while a verb is answered unless overdue), binds and watch events (they wait for it, a
+bounded time); and the verbs say when they run."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import threading
 import time
 
 import pytest
-from ext_helpers import container, node_obj, pod_obj
+import realk8s
+from ext_helpers import bind_body, container, create_pod, gpu_node, node_obj, pod_obj
 
 from extender.app import create_extender_app
-from extender.collector import DUE_YOUNG_COLLECTIONS, NEVER, IdleCollector, VerbActivity
+from extender.collector import DUE_YOUNG_COLLECTIONS, NEVER, YIELD_MAX_S, IdleCollector, VerbActivity
 from extender.framework import Extender
+from extender.kube import Kube, api_client
 from extender.metrics import Metrics
+from extender.sync import Sync
 from extender.view import ClusterView
+from extender.wire import parse_bind_args
 from gpupack.core.policies import DEFAULT_POLICY, get_policy
+
+until = realk8s.until
 
 
 class Clock:
@@ -181,3 +188,42 @@ def test_wait_quiet_is_bounded_and_never_waits_for_its_own_verb() -> None:
     t.join(5)
     assert 0.25 <= took[0] < 3.0  # a verb that hangs holds the others up for max_s only
     a.leave()
+
+
+def test_binds_and_watch_events_stand_aside_while_a_verb_is_answered(cluster, ns, sfx, tmp_path) -> None:
+    """Against the real API server: a bind while a filter is being answered waits for it (at most
+    YIELD_MAX_S a step, so it still goes through), and one after it does not wait at all."""
+    node, other = f"quiet-{sfx}", f"quiet2-{sfx}"
+    gpu_node(cluster, node, n=2)
+    gpu_node(cluster, other, n=2)  # the second bind's: no kubelet here ends the first one's handoff
+    kube = Kube(api_client(str(cluster.write_kubeconfig(tmp_path / "kc"))))
+    view = ClusterView(track_host=True)
+    ext = Extender(view, get_policy(DEFAULT_POLICY), kube)
+    sync = Sync(view, kube, watch_timeout_s=30, pause=ext.activity.wait_quiet)
+    sync.start()
+    try:
+        assert sync.wait_ready(20)
+        until(lambda: other in view.nodes, 10, "the nodes listed")
+
+        def gpu_pod(name: str) -> dict:
+            p = pod_obj(name, [container("c", gpu=1, mem=1000, sm=20)], namespace=ns)
+            p["spec"]["schedulerName"] = "nobody"  # no scheduler here: the test binds it
+            return create_pod(cluster.core, p, ns)
+
+        first, second = gpu_pod("first"), gpu_pod("second")
+        out: dict[str, object] = {}
+        ext.activity.enter()  # a filter being answered, on this thread
+        t0 = time.monotonic()
+        t = threading.Thread(target=lambda: out.update(r=ext.bind(parse_bind_args(bind_body(first, node)))))
+        t.start()
+        t.join(20)
+        took = time.monotonic() - t0
+        assert out["r"] == {"Error": ""}
+        assert ext.activity.waited >= 1 and took >= YIELD_MAX_S
+        ext.activity.leave()
+        waited = ext.activity.waited
+        assert ext.bind(parse_bind_args(bind_body(second, other))) == {"Error": ""}
+        assert ext.activity.waited == waited  # nothing answered meanwhile: no wait
+        until(lambda: not view.pods[f"{ns}/second"].assumed, 10, "the watch confirms the binds")
+    finally:
+        sync.close()
