@@ -28,7 +28,8 @@ IDLE_S = 1.0  # filter and prioritize quiet this long: a full collection will no
 MAX_GAP_S = 300.0  # at most this long between full collections, however busy the scheduler is
 POLL_S = 0.25
 # the longest a bind or watch thread stands aside for one verb: a filter at 5,000 nodes takes up to
-# ~35 ms when it is a new pod shape's first
+# ~35 ms when it is a new pod shape's first. A bind may wait once between its Lease read and its
+# Binding (for the fit under the view's lock): far inside the fence's margin (API timeout + 1 s).
 YIELD_MAX_S = 0.05
 # count[2] (young collections since the last full one) past this: CPython's own default
 # threshold for a full collection, so one is due about as often as CPython would have run it

@@ -208,7 +208,8 @@ class Extender:
     ) -> None:
         self.fence = fence
         # filter and prioritize tell it when they run; bind threads stand aside for them at
-        # their next step (VerbActivity.wait_quiet: before the view's lock and each API call)
+        # their next step (VerbActivity.wait_quiet: before the view's lock, the pod read and the
+        # Lease reads; not between the Lease read and the Binding but for the fit under the lock)
         self.activity = activity or VerbActivity()
         # Events on pods for what their owners can act on and kube-scheduler cannot tell them
         # (a bind failure already reaches the pod as kube-scheduler's FailedScheduling event).
