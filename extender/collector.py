@@ -43,9 +43,10 @@ class VerbActivity:
 
     Threads whose work can wait (binds, watch events) call wait_quiet() between their steps, at
     points where they hold no lock a verb needs. On the extender's CPU they otherwise take turns at
-    the GIL with the thread answering kube-scheduler: in a 500-pod burst at 1,000 nodes the bind
-    threads ran 2-10 ms inside single filters (per-thread CPU time from /proc/self/task around
-    each filter), and the filter's own work was a third to a half of its time."""
+    the GIL with the thread answering kube-scheduler: in a 500-pod burst at 1,000 nodes the filters
+    spent 38-44 ms in all off their CPU inside the verb (wall time less the thread's CPU time; bind
+    threads ran 0.3-2 ms each inside single filters), 11-15 ms once these threads stood aside (two
+    alternating runs each, bench_scheduler.py --extender-cpus 1)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
