@@ -362,27 +362,25 @@ def run_phase(
                      for r in ("scheduled", "unschedulable", "error")},
     }  # fmt: skip
     if ext is not None:
+
+        def ext_hist(metric: str, match: str = "") -> dict[float, float]:
+            return diff(histogram(e1, metric, match), histogram(e0, metric, match))
+
         lat = {}
         for verb in ("filter", "prioritize", "bind"):
-            h = diff(histogram(e1, "gpupack_extender_request_seconds", f'verb="{verb}"'),
-                     histogram(e0, "gpupack_extender_request_seconds", f'verb="{verb}"'))  # fmt: skip
+            h = ext_hist("gpupack_extender_request_seconds", f'verb="{verb}"')
             lat[verb] = {"n": int(h.get(float("inf"), 0)), "p50_ms": ms(hquantile(h, 0.5)),
                          "p99_ms": ms(hquantile(h, 0.99))}  # fmt: skip
-        wait = diff(
-            histogram(e1, "gpupack_extender_bind_wait_seconds"),
-            histogram(e0, "gpupack_extender_bind_wait_seconds"),
-        )
+            if verb == "filter":
+                lat[verb]["buckets"] = {str(k): int(v) for k, v in sorted(h.items())}
+        wait = ext_hist("gpupack_extender_bind_wait_seconds")
         lat["bind_wait"] = {"n": int(wait.get(float("inf"), 0)), "p50_ms": ms(hquantile(wait, 0.5)),
                             "p99_ms": ms(hquantile(wait, 0.99)),
                             "over_10ms": int(wait.get(float("inf"), 0) - wait.get(0.01, 0))}  # fmt: skip
-        h = diff(histogram(e1, "gpupack_extender_request_seconds", 'verb="filter"'),
-                 histogram(e0, "gpupack_extender_request_seconds", 'verb="filter"'))  # fmt: skip
-        lat["filter"]["buckets"] = {str(k): int(v) for k, v in sorted(h.items())}
         # the same verbs from the whole request body in hand: without kube-scheduler's own time
         # writing it (on a crowded CPU it can be descheduled between the headers and the body)
         for verb in ("filter", "prioritize"):
-            h = diff(histogram(e1, "gpupack_extender_answer_seconds", f'verb="{verb}"'),
-                     histogram(e0, "gpupack_extender_answer_seconds", f'verb="{verb}"'))  # fmt: skip
+            h = ext_hist("gpupack_extender_answer_seconds", f'verb="{verb}"')
             lat[f"{verb}_from_body"] = {"n": int(h.get(float("inf"), 0)), "p50_ms": ms(hquantile(h, 0.5)),
                                         "p99_ms": ms(hquantile(h, 0.99)),
                                         "within_10ms": int(h.get(0.01, 0)), "within_50ms": int(h.get(0.05, 0))}  # fmt: skip

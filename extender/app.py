@@ -105,10 +105,13 @@ def _common(app: Flask, view: ClusterView, metrics: Metrics, max_body: int) -> N
         return Response(generate_latest(metrics.registry), mimetype=CONTENT_TYPE_LATEST)
 
 
-def _timed(metrics: Metrics, verb: str, fn: Callable[[Any], Any]) -> Response:
+def _timed(metrics: Metrics, activity: VerbActivity, verb: str, fn: Callable[[Any], Any]) -> Response:
     """Read the body and run a verb on it; its time goes to the histograms and, as
-    `Server-Timing`, to the caller."""
+    `Server-Timing`, to the caller. Filter and prioritize mark `activity` while they run."""
     t0 = time.perf_counter()
+    watched = verb != "bind"
+    if watched:
+        activity.enter()
     try:
         body = _body()
         t1 = time.perf_counter()
@@ -117,6 +120,9 @@ def _timed(metrics: Metrics, verb: str, fn: Callable[[Any], Any]) -> Response:
         metrics.bad_requests.labels(verb).inc()
         metrics.latency.labels(verb).observe(time.perf_counter() - t0)
         raise
+    finally:
+        if watched:
+            activity.leave()
     resp = _json_response(out)
     t2 = time.perf_counter()
     dt = t2 - t0
@@ -168,15 +174,15 @@ def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flas
 
     @app.post("/filter")
     def filter_() -> Response:
-        return _timed(ext.metrics, "filter", filter_verb)
+        return _timed(ext.metrics, ext.activity, "filter", filter_verb)
 
     @app.post("/prioritize")
     def prioritize() -> Response:
-        return _timed(ext.metrics, "prioritize", prioritize_verb)
+        return _timed(ext.metrics, ext.activity, "prioritize", prioritize_verb)
 
     @app.post("/bind")
     def bind() -> Response:
-        return _timed(ext.metrics, "bind", bind_verb)
+        return _timed(ext.metrics, ext.activity, "bind", bind_verb)
 
     app.wsgi_app = _verbs_first(app.wsgi_app, verbs, ext.metrics, max_body, ext.activity)  # type: ignore[method-assign]
     return app
@@ -191,7 +197,7 @@ def _verbs_first(
     verbs: dict[str, tuple[str, Callable[[Any], Any]]],
     metrics: Metrics,
     max_body: int,
-    activity: VerbActivity | None = None,
+    activity: VerbActivity,
 ) -> Callable[..., Any]:
     """The WSGI app, with the three verbs answered straight from WSGI: the same functions, JSON
     and answers (errors too) as their Flask routes, without Flask's request and response objects
@@ -213,9 +219,9 @@ def _verbs_first(
         verb, run = route
         t0 = time.perf_counter()
         headers = [("Content-Type", "application/json")]
-        watched = activity is not None and verb != "bind"
+        watched = verb != "bind"
         if watched:
-            activity.enter()  # type: ignore[union-attr]
+            activity.enter()
         try:
             data = environ["wsgi.input"].read(length) if length else b""
             t1 = time.perf_counter()
@@ -242,7 +248,7 @@ def _verbs_first(
             status, text = 500, _encode({"Error": f"internal error: {type(e).__name__}: {e}"})
         finally:
             if watched:
-                activity.leave()  # type: ignore[union-attr]
+                activity.leave()
         headers.append(("Content-Length", str(len(text))))
         start_response(_status(status), headers)
         return [text]

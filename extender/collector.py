@@ -112,7 +112,6 @@ class IdleCollector:
         self._on_collect = on_collect
         self._last = clock()
         self.stop = threading.Event()
-        self.collections = 0
 
     def install(self) -> None:
         """Take full collections away from allocation (this process) and start the thread."""
@@ -131,7 +130,6 @@ class IdleCollector:
         self._collect()
         took = time.perf_counter() - t0
         self._last = self._clock()
-        self.collections += 1
         if self._on_collect is not None:
             self._on_collect(took, overdue)
         if overdue and took > 0.01:

@@ -154,6 +154,11 @@ def host_fit(node: Node, pod: PodRequest) -> Fit | FitFailure:
     return Fit(Placement(node.name, {}), {})
 
 
+def _fit_on(f: Fit, node: str) -> Fit:
+    """`f` (a fit on another node in the same state: the same GPUs) as a fit on `node`."""
+    return Fit(Placement(node, f.placement.containers), f.charged)
+
+
 def assignment_from_fit(
     node: Node,
     pod: PodRequest,
@@ -382,9 +387,8 @@ class Extender:
                 hit = table.get(name)
                 if hit is not None and hit[0] == info.version:
                     f = hit[1]
-                    if f.__class__ is Fit and f.placement.node != name:  # type: ignore[union-attr]
-                        # a node in the same state's (_fit_every_node): the same GPUs, here
-                        f = Fit(Placement(name, f.placement.containers), f.charged)  # type: ignore[union-attr]
+                    if isinstance(f, Fit) and f.placement.node != name:
+                        f = _fit_on(f, name)  # a node in the same state's (_fit_every_node)
                     return f, None
             r: Fit | FitFailure | None = None
             if memo is not None:
@@ -392,7 +396,7 @@ class Extender:
                 sig = self._state(name, info)
                 hit_r = memo.get(sig)
                 if isinstance(hit_r, Fit):
-                    r = Fit(Placement(name, hit_r.placement.containers), hit_r.charged)
+                    r = _fit_on(hit_r, name)
                 elif hit_r is not None and hit_r.reason.find(hit_r.node) < 0:
                     r = hit_r.failure
             if r is None:
@@ -481,7 +485,7 @@ class Extender:
         nodes = self.view.nodes
         states = self._states
         host = pod.host if self.view.track_host and isinstance(pod, HostedPodRequest) else None
-        by_state: dict[int, tuple[Fit | FitFailure, str]] = {}
+        by_state: dict[int, Fit | _MemoFailure] = {}  # as node_fit's memo keeps them
         ok, failed, unresolvable = st.ok, st.failed, st.unresolvable
         code_of, codes = st.code_of, st.codes
         for n in names:
@@ -502,21 +506,17 @@ class Extender:
             sh = states.get(n)
             state = sh[1] if sh is not None and sh[0] == info.version else self._state(n, info)
             known = by_state.get(state) if state is not None else None
-            if known is None:
+            if known is None or (known.__class__ is _MemoFailure and known.reason.find(known.node) >= 0):
                 r, _ = self.node_fit(n, pod, now, table)
-                if state is not None:
-                    by_state[state] = (r, n)
+                if state is not None and known is None:
+                    by_state[state] = r if isinstance(r, Fit) else _MemoFailure(r, n)
                 st.update(n, r, None)
                 continue
-            r, first = known
-            if r.__class__ is Fit:
-                ok.add(n)  # the table keeps the first node's Fit: node_fit hands out this node's
+            if isinstance(known, Fit):
+                r = known  # the table keeps the first node's Fit: node_fit hands out this node's
+                ok.add(n)
             else:
-                assert isinstance(r, FitFailure)
-                if r.reason.find(first) >= 0:
-                    r, _ = self.node_fit(n, pod, now, table)
-                    st.update(n, r, None)
-                    continue
+                r = known.failure
                 (unresolvable if r.unresolvable else failed)[n] = r.reason
                 code_of[n] = r.code
                 codes[r.code] += 1

@@ -66,7 +66,6 @@ def node_resources_fit(info: NodeInfo, want: HostUse) -> FitFailure | None:
             never = never or need > have
 
     check(1, info.pods_allowed, info.pod_count, TOO_MANY_PODS, "pods")
-    alloc, used = info.allocatable, info.requested
     check(want.cpu_milli, alloc.cpu_milli, used.cpu_milli, "Insufficient cpu", "cpu")
     check(want.mem_bytes, alloc.mem_bytes, used.mem_bytes, "Insufficient memory", "ram")
     check(

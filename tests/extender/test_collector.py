@@ -148,6 +148,16 @@ def test_filter_and_prioritize_mark_the_activity_bind_does_not() -> None:
     for verb, answered in (("filter", 1), ("prioritize", 1)):
         assert reg.get_sample_value("gpupack_extender_answer_seconds_count", {"verb": verb}) == answered
     assert reg.get_sample_value("gpupack_extender_request_seconds_count", {"verb": "filter"}) == 2
+    # a body without Content-Length (chunked) goes through Flask's route: marked and timed the same
+    r = app.post(
+        "/filter", data=body, content_type="application/json",
+        environ_overrides={"CONTENT_LENGTH": "", "wsgi.input_terminated": True},
+    )  # fmt: skip
+    assert r.status_code == 200, r.data
+    assert seen[3:] == [0.0]
+    assert reg.get_sample_value("gpupack_extender_answer_seconds_count", {"verb": "filter"}) == 2
+    clock.t += 1
+    assert activity.quiet_for() == 1.0
 
 
 def test_wait_quiet_waits_for_the_verb_in_progress_and_no_longer() -> None:
