@@ -31,6 +31,13 @@ place each pod where that grows least. gpupack generalises and extends it:
    much of the GPU it lands on will end up wasted once typical pods fill it (`waste_table`), at
    half the weight of the fragmentation term: on the GPU-sharing-heavy openb variants this pairs
    pods into GPUs they fill (gpushare60: 8.35% → 8.22%, seeds 42–43).
+7. **Packing cost.** Both look-aheads above assume an unlimited supply of every pod size. The
+   workload's shares, packed as a cutting-stock problem, price each size by what it is worth in
+   the best packing (`gpupack.core.share_prices`); a share is charged what its placement loses
+   against that packing (`SharePrices.cost`, zero where it fits one) at `PRICE_WEIGHT`, so a 320
+   goes next to a 650 or onto an idle GPU rather than into the 530 a 470 leaves, whose remaining
+   210 only scarce small pods could fill (openb, seeds 42–51: gpushare80 10.37% → 9.58%,
+   gpushare60 8.20% → 7.57%, default 4.08% → 3.78%).
 
 The workload (pod shapes and their popularity) is either given (the trace replay passes the
 trace's shapes, as FGD gets them) or learnt from the pods the scheduler is shown (`observe`).
@@ -40,12 +47,13 @@ Everything is integer arithmetic so the replay's vectorised fast path
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gpupack.core.fgd import FragCache, NodeFrag, Shape, Workload, shape_of, sigmoid_score
 from gpupack.core.fit import Fit, FitFailure, fit
 from gpupack.core.model import FULL, GPU, Node, PodRequest
 from gpupack.core.policy_base import Policy
+from gpupack.core.share_prices import SharePrices, share_prices
 
 # One GPU as the policy sees it: (free milli, free memory MiB, memory size MiB, class or None, usable)
 GpuView = tuple[int, int, int, "str | None", bool]
@@ -182,6 +190,39 @@ def waste_gain(phi: Sequence[float], weight: int, before: int, after: int) -> fl
     return WASTE_WEIGHT * weight * (phi[before] - phi[after])
 
 
+# The packing cost of a share (`SharePrices.cost`, micro-GPUs) weighs ten milli of fragmentation per
+# milli-GPU lost: at that weight it decides wherever it is not zero, and the other terms choose
+# among the placements that lose nothing (docs/simulate.md: 0.25 to 20 and lexicographic compared;
+# from 5 up alike).
+PRICE_WEIGHT = 10
+
+
+def price_loss(weight: int, cost: int) -> int:
+    """`weight`-scaled fragmentation equivalent of a share's packing cost of `cost` micro-GPUs."""
+    return PRICE_WEIGHT * weight * cost // 1000
+
+
+def share_size(milli: int, mem_mib: int, gpu_mem_mib: int) -> int:
+    """What a share of `milli` SM and `mem_mib` memory takes from an idle GPU of `gpu_mem_mib`, as
+    `_amount` counts it: the scarcer of the two."""
+    if gpu_mem_mib <= 0:
+        return milli
+    return FULL - min(FULL - milli, (gpu_mem_mib - mem_mib) * FULL // gpu_mem_mib)
+
+
+def share_counts(counts: Mapping[Shape, int], pod_class: str | None, gpu_mem_mib: int) -> dict[int, int]:
+    """Share size on a GPU of `gpu_mem_mib` -> GPUs' worth of pods asking for it, over the shapes a
+    `pod_class` GPU can hold (that class's and classless ones)."""
+    out: dict[int, int] = {}
+    for s, n in counts.items():
+        if not s.gpus or s.milli >= FULL or (s.pod_class is not None and s.pod_class != pod_class):
+            continue
+        size = share_size(s.milli, s.mem_mib, gpu_mem_mib)
+        if 0 < size < FULL:
+            out[size] = out.get(size, 0) + n * s.gpus
+    return out
+
+
 class _Prepared:
     """What the policy derives from one workload version, once: the workload's weight, the CPU-per-GPU
     ratio, the fragmentation of the node states seen, and `rewards_unstranding` per kind of node."""
@@ -263,6 +304,31 @@ class GpupackPolicy(Policy):
             self._waste_at, self._waste = (id(wl), wl._version), waste_table(*wl.typical())
         return self._waste
 
+    def prices(self, pod_class: str | None, gpu_mem_mib: int) -> SharePrices:
+        """The share prices for a `pod_class` pod on a GPU of `gpu_mem_mib` (`share_prices`).
+
+        Solved from a copy of the workload's counts taken when the tables were last reset: the
+        prices of a learnt workload move little (the same on every openb variant), and one solve
+        is ~20-30 ms, so they follow it once it has grown by 1/16 since."""
+        wl = self.workload
+        at = getattr(self, "_prices_at", None)
+        if at is None or at[0] != id(wl) or wl._version - at[1] > max(16, wl.total // 16):
+            self._prices_at = (id(wl), wl._version)
+            self._prices_counts: dict[Shape, int] = dict(wl.counts)
+            self._prices: dict[tuple[str | None, int], SharePrices] = {}
+            self._prices_solved: dict[tuple[tuple[int, int], ...], SharePrices] = {}
+        key = (pod_class, gpu_mem_mib)
+        hit = self._prices.get(key)
+        if hit is None:
+            counts = share_counts(self._prices_counts, pod_class, gpu_mem_mib)
+            # GPUs of another memory size give the same sizes for shapes without a memory request
+            same = tuple(sorted(counts.items()))
+            hit = self._prices_solved.get(same)
+            if hit is None:
+                hit = self._prices_solved[same] = share_prices(counts)
+            self._prices[key] = hit
+        return hit
+
     def _state(self, views: Sequence[GpuView], cpu_left: int | None, model: str) -> tuple[int, int]:
         """(fragmentation, stranded milli) of a node state. Memoised: many nodes share a state."""
         prep = self._prepared()
@@ -273,17 +339,17 @@ class GpupackPolicy(Policy):
         total: int,
         before: tuple[int, int],
         after: tuple[int, int],
-        shares: Sequence[tuple[int, int]],
+        shares: Sequence[tuple[int, int, SharePrices]],
         reward: bool,
     ) -> int:
-        """`total`: the workload's weight; `shares`: (free amount before, after) of each GPU the pod
-        shares (not whole GPUs); `reward`: whether removed stranding counts on this node
-        (`rewards_unstranding`)."""
+        """`total`: the workload's weight; `shares`: (free amount before, after, the share prices
+        for that GPU) of each GPU the pod shares (not whole GPUs); `reward`: whether removed
+        stranding counts on this node (`rewards_unstranding`)."""
         dec = gain(before, after, total, reward)
         # The waste table is read only for a share, as it always was: reading it may rebuild it,
         # and when it is rebuilt decides the table later scores use.
-        for a0, a1 in shares:
-            dec += int(waste_gain(self.waste, total, a0, a1))
+        for a0, a1, prices in shares:
+            dec += int(waste_gain(self.waste, total, a0, a1)) - price_loss(total, prices.cost(a0, a1))
         return sigmoid_score(dec, total)
 
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
@@ -315,8 +381,11 @@ class GpupackPolicy(Policy):
             t = _take(v, mem, milli, cls)
             after = prep.trial(nf, ((v, t),), cpu_after)
             total = prep.total
-            dec = gain(before, after, total, reward) + int(
-                waste_gain(waste, total, nf.amounts[g.index], _amount(t))
+            a0, a1 = nf.amounts[g.index], _amount(t)
+            dec = (
+                gain(before, after, total, reward)
+                + int(waste_gain(waste, total, a0, a1))
+                - price_loss(total, self.prices(cls, v[2]).cost(a0, a1))
             )
             return -sigmoid_score(dec, total)
 
@@ -335,7 +404,7 @@ class GpupackPolicy(Policy):
             t = (0, 0, v[2], cls, v[4]) if ex else _take(v, mem, milli, cls)
             changes.append((v, t))
             if not ex:
-                shares.append((nf.amounts[idx], _amount(t)))
+                shares.append((nf.amounts[idx], _amount(t), self.prices(cls, v[2])))
         cpu_after = None if cpu is None else cpu - pod.cpu_milli
         return self._score(
             prep.total,

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 
 from gpupack.core.fgd import SIGMOID_STEPS
-from gpupack.core.gpupack_policy import WASTE_WEIGHT, GpupackPolicy, rewards_unstranding
-from gpupack.core.model import FULL
+from gpupack.core.gpupack_policy import PRICE_WEIGHT, WASTE_WEIGHT, GpupackPolicy, rewards_unstranding
+from gpupack.core.model import FULL, PodRequest
+from gpupack.core.share_prices import SharePrices
+from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB
 
 # policy -> ((cluster, workload, version), `rewards_unstranding` per node of the replay's cluster)
 _REWARD_MASKS: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[int, int, int], np.ndarray]] = (
@@ -22,6 +24,12 @@ _REWARD_MASKS: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[int, int, in
 _WASTE: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[float, ...], np.ndarray]] = (
     weakref.WeakKeyDictionary()
 )
+# policy -> (its share prices, their value table as an array)
+_PRICES: weakref.WeakKeyDictionary[GpupackPolicy, tuple[SharePrices, np.ndarray]] = (
+    weakref.WeakKeyDictionary()
+)
+# The class the replay's pods have (gpupack.simulate.replay.pod_request leaves the default).
+_OPENB_CLASS = PodRequest("openb").pod_class
 
 
 def _waste(policy: GpupackPolicy) -> np.ndarray:
@@ -30,6 +38,15 @@ def _waste(policy: GpupackPolicy) -> np.ndarray:
     if hit is None or hit[0] is not table:
         hit = _WASTE[policy] = (table, np.array(table, np.float64))
     return hit[1]
+
+
+def _prices(policy: GpupackPolicy) -> tuple[SharePrices, np.ndarray]:
+    # openb shapes ask for no GPU memory, so every GPU size gives these prices (share_counts)
+    prices = policy.prices(_OPENB_CLASS, DEFAULT_GPU_MEM_MIB)
+    hit = _PRICES.get(policy)
+    if hit is None or hit[0] is not prices:
+        hit = _PRICES[policy] = (prices, np.array(prices.value, np.int64))
+    return hit
 
 
 def gpupack_scores(
@@ -55,6 +72,10 @@ def gpupack_scores(
     )
     if f is not None:  # a sharing pod: the eventual waste of the GPU it takes a share of
         dec = dec + (WASTE_WEIGHT * w * (_waste(policy)[f] - _waste(policy)[f - milli])).astype(np.int64)
+        # and its packing cost, as SharePrices.cost and price_loss
+        prices, value = _prices(policy)
+        cost = value[f] - value[f - milli] - prices.of(milli)
+        dec = dec - PRICE_WEIGHT * w * np.where(cost > 2, cost, 0) // 1000
     if w <= 0:
         return np.full(len(idx), 50, np.int64)
     return np.searchsorted(SIGMOID_STEPS, dec / (w * 1000), side="right").astype(np.int64)

@@ -24,14 +24,17 @@ from gpupack.core.gpupack_policy import (
     GpupackPolicy,
     cpu_gpu_ratio,
     gain,
+    price_loss,
     reserved_models,
     rewards_unstranding,
+    share_counts,
     waste_gain,
     waste_table,
 )
 from gpupack.core.model import FULL, GPU, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import get_policy
 from gpupack.core.policy_base import Policy
+from gpupack.core.share_prices import SharePrices, share_prices
 
 # --- the reference: the algorithms as they were ------------------------------------------------
 
@@ -127,10 +130,22 @@ class RefGpupack(Policy):
         self._ratio = (0, 0)
         self._reserved_key: tuple[int, int] | None = None
         self._reserved: frozenset[str] = frozenset()
+        self._prices_at: tuple[int, int] | None = None
+        self._prices: dict[tuple[str | None, int], SharePrices] = {}
+        self._prices_counts: dict[Shape, int] = {}
 
     def observe(self, pod: PodRequest) -> None:
         if self.learn:
             self.workload.add(shape_of(pod))
+
+    def prices(self, cls: str | None, gpu_mem: int) -> SharePrices:
+        wl = self.workload
+        last = self._prices_at
+        if last is None or last[0] != id(wl) or wl._version - last[1] > max(16, ref_total(wl) // 16):
+            self._prices_at, self._prices, self._prices_counts = (id(wl), wl._version), {}, dict(wl.counts)
+        if (cls, gpu_mem) not in self._prices:  # solved once per GPU size, not shared between sizes
+            self._prices[(cls, gpu_mem)] = share_prices(share_counts(self._prices_counts, cls, gpu_mem))
+        return self._prices[(cls, gpu_mem)]
 
     @property
     def ratio(self) -> tuple[int, int]:
@@ -173,12 +188,16 @@ class RefGpupack(Policy):
         return out
 
     def _score(
-        self, before: tuple[int, int], after: tuple[int, int], shares: list[tuple[int, int]], reward: bool
+        self,
+        before: tuple[int, int],
+        after: tuple[int, int],
+        shares: list[tuple[int, int, SharePrices]],
+        reward: bool,
     ) -> int:
         w = ref_total(self.workload)
         dec = gain(before, after, w, reward)
-        for a0, a1 in shares:
-            dec += int(waste_gain(self.waste, w, a0, a1))
+        for a0, a1, prices in shares:
+            dec += int(waste_gain(self.waste, w, a0, a1)) - price_loss(w, prices.cost(a0, a1))
         return sigmoid_score(dec, w)
 
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
@@ -193,7 +212,11 @@ class RefGpupack(Policy):
                 return g.index
             trial = list(views)
             trial[g.index] = ref_take(views[g.index], mem, milli, pod.pod_class)
-            share = (ref_amount(views[g.index]), ref_amount(trial[g.index]))
+            share = (
+                ref_amount(views[g.index]),
+                ref_amount(trial[g.index]),
+                self.prices(pod.pod_class, views[g.index][2]),
+            )
             return -self._score(before, self._state(trial, cpu_after, n.model), [share], reward)
 
         return fit(node, pod, rank)
@@ -208,7 +231,7 @@ class RefGpupack(Policy):
             v = aft[idx]
             aft[idx] = (0, 0, v[2], pod.pod_class, v[4]) if ex else ref_take(v, mem, milli, pod.pod_class)
             if not ex:
-                shares.append((ref_amount(v), ref_amount(aft[idx])))
+                shares.append((ref_amount(v), ref_amount(aft[idx]), self.prices(pod.pod_class, v[2])))
         cpu_after = None if cpu is None else cpu - pod.cpu_milli
         return self._score(before, self._state(aft, cpu_after, node.model), shares, self._rewards(node, cpu))
 
