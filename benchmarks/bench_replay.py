@@ -7,7 +7,8 @@ Throughput is arrivals (pods offered) and pods placed per second of CPU time and
 one replay of the default trace (1,213 nodes, ~10,800 arrivals). Peak memory is the replay's peak
 traced allocation (Python + numpy, tracemalloc, from an extra untimed replay) and the process's peak RSS, each policy measured in
 a fresh process. `--mixes` resamples the default trace with other proportions of GPU-sharing and
-multi-GPU pods (gpupack.simulate.mixes) and compares fgd with gpupack on each.
+multi-GPU pods (gpupack.simulate.mixes) and compares fgd with gpupack on each; four more mixes
+also draw every share size anew (`reshape_shares`: shapes the policy was never tuned on).
 
 Reads the trace from ../shared/data/openb (or $GPUPACK_SHARED/data/openb); skips with a message
 when it is absent. Results on that trace: Weng et al., "Beware of Fragmentation: Scheduling
@@ -75,7 +76,7 @@ def one(policy: str, seeds: list[int]) -> dict:
 
 
 def mixes(seeds: list[int]) -> dict:
-    from gpupack.simulate.mixes import proportions, resample
+    from gpupack.simulate.mixes import proportions, resample, reshape_shares
     from gpupack.simulate.openb import read_nodes, read_pods
     from gpupack.simulate.replay import replay
 
@@ -85,17 +86,22 @@ def mixes(seeds: list[int]) -> dict:
     prop = proportions(base)
     grid = [(0.10, 0.05), (0.30, 0.20), (0.50, 0.10), (0.60, 0.30), (0.20, 0.40)]
     out = {"default_proportions": {k: round(v, 3) for k, v in prop.items()}, "mixes": []}
-    for i, (share, multi) in enumerate(grid):
+    # The grid's mixes, then share-heavy mixes whose share sizes are drawn anew (reshape_shares)
+    variants = [(share, multi, None) for share, multi in grid] + [(0.5, 0.1, 2000 + k) for k in range(4)]
+    for i, (share, multi, reshaped) in enumerate(variants):
         pods = resample(base, share, multi, seed=1000 + i)
-        row = {"share": share, "multi": multi, "pods": len(pods)}
+        if reshaped is not None:
+            pods = reshape_shares(pods, reshaped)
+        row = {"share": share, "multi": multi, "reshaped_seed": reshaped, "pods": len(pods)}
         for policy in ("fgd", "gpupack"):
             vals = [replay(nodes, pods, policy, s).unallocated_pct_at_100 for s in seeds]
             row[policy] = round(sum(vals) / len(vals), 3)
             row[f"{policy}_per_seed"] = [round(v, 3) for v in vals]
         row["gpupack_wins"] = row["gpupack"] < row["fgd"]
         out["mixes"].append(row)
+        shapes = "" if reshaped is None else f" share sizes drawn anew (seed {reshaped})"
         print(
-            f"mix share={share:.2f} multi={multi:.2f}: fgd {row['fgd']:.2f}%  gpupack {row['gpupack']:.2f}%",
+            f"mix share={share:.2f} multi={multi:.2f}{shapes}: fgd {row['fgd']:.2f}%  gpupack {row['gpupack']:.2f}%",
             file=sys.stderr,
         )
     return out
@@ -127,9 +133,12 @@ def main() -> int:
             print(json.dumps(res))
         else:
             print(f"default trace GPU request split: {res['default_proportions']}")
-            print(f"{'sharing':>8} {'multi-GPU':>10} {'fgd':>8} {'gpupack':>8}")
+            print(f"{'sharing':>8} {'multi-GPU':>10} {'share sizes':>12} {'fgd':>8} {'gpupack':>8}")
             for r in res["mixes"]:
-                print(f"{r['share']:>8.2f} {r['multi']:>10.2f} {r['fgd']:>7.2f}% {r['gpupack']:>7.2f}%")
+                sizes = "trace" if r["reshaped_seed"] is None else f"seed {r['reshaped_seed']}"
+                print(
+                    f"{r['share']:>8.2f} {r['multi']:>10.2f} {sizes:>12} {r['fgd']:>7.2f}% {r['gpupack']:>7.2f}%"
+                )
         return 0
     results = []
     for policy in args.policy or ["fgd", "gpupack"]:

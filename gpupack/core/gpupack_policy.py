@@ -192,8 +192,8 @@ def waste_gain(phi: Sequence[float], weight: int, before: int, after: int) -> fl
 
 # The packing cost of a share (`SharePrices.cost`, micro-GPUs) weighs ten milli of fragmentation per
 # milli-GPU lost: at that weight it decides wherever it is not zero, and the other terms choose
-# among the placements that lose nothing (docs/simulate.md: 0.25 to 20 and lexicographic compared;
-# from 5 up alike).
+# among the placements that lose nothing (docs/simulate.md: 0.25 to 20 and ordering by the cost
+# first compared; the gain grows up to 10, and 10, 20 and cost-first are alike).
 PRICE_WEIGHT = 10
 
 
@@ -364,6 +364,7 @@ class GpupackPolicy(Policy):
         cpu_after: int | None = None
         reward = False
         waste: tuple[float, ...] = ()
+        prices: dict[int, SharePrices] = {}  # by GPU memory size: the workload holds during a fit
 
         def rank(n: Node, g: GPU, mem: int, milli: int) -> float:
             nonlocal views, nf, before, cpu_after, reward, waste
@@ -382,11 +383,15 @@ class GpupackPolicy(Policy):
             after = prep.trial(nf, ((v, t),), cpu_after)
             total = prep.total
             a0, a1 = nf.amounts[g.index], _amount(t)
-            dec = (
-                gain(before, after, total, reward)
-                + int(waste_gain(waste, total, a0, a1))
-                - price_loss(total, self.prices(cls, v[2]).cost(a0, a1))
-            )
+            p = prices.get(v[2])
+            if p is None:
+                p = prices[v[2]] = self.prices(cls, v[2])
+            # SharePrices.cost inlined (0 <= a1 <= a0 <= FULL here): this runs per GPU tried
+            pv, pp = p.value, p.price.get(a0 - a1)
+            c = pv[a0] - pv[a1] - (pv[a0 - a1] if pp is None else pp)
+            dec = gain(before, after, total, reward) + int(waste_gain(waste, total, a0, a1))
+            if c > 2:
+                dec -= price_loss(total, c)
             return -sigmoid_score(dec, total)
 
         return fit(node, pod, rank)

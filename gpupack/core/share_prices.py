@@ -49,9 +49,12 @@ class SharePrices:
 
     def cost(self, before: int, after: int) -> int:
         """Micro-GPUs lost by taking `before − after` from a GPU with `before` free (≥ 0)."""
-        before = min(max(before, 0), FULL)
-        after = min(max(after, 0), before)
-        c = self.value[before] - self.value[after] - self.of(before - after)
+        if not 0 <= after <= before <= FULL:
+            before = min(max(before, 0), FULL)
+            after = min(max(after, 0), before)
+        value = self.value
+        p = self.price.get(before - after)
+        c = value[before] - value[after] - (value[before - after] if p is None else p)
         return c if c > 2 else 0  # rounding of three independently rounded terms
 
 

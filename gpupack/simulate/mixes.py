@@ -3,6 +3,8 @@
 A policy tuned to five files could overfit them; these mixes keep the trace's pods (their CPU,
 RAM and GPU shapes) but change how the GPU request splits between GPU-sharing pods, multi-GPU pods
 and whole single-GPU pods, as the published trace variants do (gpushare40, multigpu20).
+`reshape_shares` goes further from the trace: each share size becomes another, drawn at random,
+so a policy cannot lean on openb's particular sizes (810, 470, 320 ...) either.
 """
 
 from __future__ import annotations
@@ -55,4 +57,20 @@ def resample(pods: PodList, share: float, multi: float, seed: int) -> PodList:
     idx = np.concatenate(picked)
     out = pods.take(idx)
     out.names = [f"mix-{i:05d}" for i in range(len(idx))]
+    return out
+
+
+def reshape_shares(pods: PodList, seed: int, step: int = 10) -> PodList:
+    """Every share size (0 < milli < FULL) replaced by another drawn uniformly from multiples of
+    `step` in [5 %, 95 %] of a GPU, the same for every pod of that size, so the sizes' popularity
+    is kept and their values are not."""
+    rng = np.random.default_rng(seed)
+    milli = pods.gpu_milli.copy()
+    share = (pods.num_gpu == 1) & (milli > 0) & (milli < FULL)
+    sizes = np.unique(milli[share])
+    lo, hi = FULL // 20 // step, FULL * 19 // 20 // step
+    new = dict(zip(sizes.tolist(), (rng.integers(lo, hi + 1, len(sizes)) * step).tolist(), strict=True))
+    milli[share] = [new[int(m)] for m in milli[share]]
+    out = pods.take(np.arange(len(pods)))
+    out.gpu_milli = milli
     return out
