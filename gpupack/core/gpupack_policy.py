@@ -211,8 +211,9 @@ def share_size(milli: int, mem_mib: int, gpu_mem_mib: int) -> int:
 
 
 def share_counts(counts: Mapping[Shape, int], pod_class: str | None, gpu_mem_mib: int) -> dict[int, int]:
-    """Share size on a GPU of `gpu_mem_mib` -> GPUs' worth of pods asking for it, over the shapes a
-    `pod_class` GPU can hold (that class's and classless ones)."""
+    """Share size on a GPU of `gpu_mem_mib` -> how many shares of that size the workload's pods ask
+    for, over the shapes a `pod_class` GPU can hold (that class's and classless ones); a share too
+    big for that GPU is left out."""
     out: dict[int, int] = {}
     for s, n in counts.items():
         if not s.gpus or s.milli >= FULL or (s.pod_class is not None and s.pod_class != pod_class):
@@ -387,8 +388,8 @@ class GpupackPolicy(Policy):
             if p is None:
                 p = prices[v[2]] = self.prices(cls, v[2])
             # SharePrices.cost inlined (0 <= a1 <= a0 <= FULL here): this runs per GPU tried
-            pv, pp = p.value, p.price.get(a0 - a1)
-            c = pv[a0] - pv[a1] - (pv[a0 - a1] if pp is None else pp)
+            pv = p.value
+            c = pv[a0] - pv[a1 + 1 if a1 < a0 else a1] - p.near[a0 - a1]
             dec = gain(before, after, total, reward) + int(waste_gain(waste, total, a0, a1))
             if c > 2:
                 dec -= price_loss(total, c)

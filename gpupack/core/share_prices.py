@@ -23,7 +23,7 @@ Integers throughout (micro-GPUs), so every code path that reads the tables decid
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpupack.core.model import FULL
 
@@ -36,25 +36,41 @@ _EPS = 1e-9
 
 @dataclass(frozen=True)
 class SharePrices:
-    """`value[v]`, v = 0..FULL: what `v` free milli can still absorb; `price`: per LP size."""
+    """`value[v]`, v = 0..FULL: what `v` free milli can still absorb; `price`: per LP size;
+    `near[d]`: what a share taking `d` is priced at (`cost`)."""
 
     value: tuple[int, ...]
     price: Mapping[int, int]
     gpus: float  # the linear program's optimum: GPUs the shares need, fractionally
+    near: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # A GPU's free amount is its scarcer resource normalised to milli, floored, so a share
+        # asking for memory takes d ± 1 milli of it depending on what the GPU already holds: a share
+        # of d is priced as the dearest program size within one milli of d, and a size outside the
+        # program at what the program's sizes fitting in d + 1 are worth.
+        v, p = self.value, self.price
+        near = []
+        for d in range(FULL + 1):
+            ps = [p[s] for s in (d - 1, d, d + 1) if s in p]
+            near.append(max(ps) if ps else v[min(d + 1, FULL)])
+        object.__setattr__(self, "near", tuple(near))
 
     def of(self, size: int) -> int:
-        """Price of a share of `size` milli (a size outside the program: the value it holds)."""
-        p = self.price.get(size)
-        return self.value[min(max(size, 0), FULL)] if p is None else p
+        """Price of a share of `size` milli (`near`)."""
+        return self.near[min(max(size, 0), FULL)]
 
     def cost(self, before: int, after: int) -> int:
-        """Micro-GPUs lost by taking `before − after` from a GPU with `before` free (≥ 0)."""
+        """Micro-GPUs lost by taking `before − after` from a GPU with `before` free (≥ 0).
+
+        What is left is read with the same milli of slack as `near`: ``value[after + 1]``. On
+        whole-milli shares (sizes and free amounts multiples of 10, as in openb) neither slack
+        changes anything."""
         if not 0 <= after <= before <= FULL:
             before = min(max(before, 0), FULL)
             after = min(max(after, 0), before)
         value = self.value
-        p = self.price.get(before - after)
-        c = value[before] - value[after] - (value[before - after] if p is None else p)
+        c = value[before] - value[after + 1 if after < before else after] - self.near[before - after]
         return c if c > 2 else 0  # rounding of three independently rounded terms
 
 

@@ -74,7 +74,7 @@ def gpupack_scores(
         dec = dec + (WASTE_WEIGHT * w * (_waste(policy)[f] - _waste(policy)[f - milli])).astype(np.int64)
         # and its packing cost, as SharePrices.cost and price_loss
         prices, value = _prices(policy)
-        cost = value[f] - value[f - milli] - prices.of(milli)
+        cost = value[f] - value[np.minimum(f, f - milli + 1)] - prices.of(milli)
         dec = dec - PRICE_WEIGHT * w * np.where(cost > 2, cost, 0) // 1000
     if w <= 0:
         return np.full(len(idx), 50, np.int64)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupack.core.fgd import Shape, Workload
-from gpupack.core.gpupack_policy import GpupackPolicy, share_counts, share_size
+from gpupack.core.gpupack_policy import GpupackPolicy, _amount, _take, share_counts, share_size
 from gpupack.core.model import FULL, GPU, ContainerRequest, Node, PodRequest
 from gpupack.core.share_prices import MAX_SIZES, NO_PRICES, SCALE, share_prices
 
@@ -44,7 +44,7 @@ def test_a_size_outside_the_program_is_priced_by_what_it_holds():
     p = share_prices(counts)
     assert len(p.price) == MAX_SIZES
     rare = 10 * (MAX_SIZES + 3)
-    assert rare not in p.price and p.of(rare) == p.value[rare]
+    assert rare not in p.price and p.of(rare) == p.value[rare + 1]
 
 
 def test_no_shares_no_prices():
@@ -154,3 +154,21 @@ def test_learnt_prices_follow_the_workload():
         policy.observe(PodRequest("p", "online", (ContainerRequest("c", 1, None, 300),)))
     later = policy.prices("online", 24576)
     assert set(later.price) == {300, 500}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(256, 40000), st.integers(8000, 96000), st.sampled_from([0, 50, 100, 250]))
+def test_a_workload_of_one_memory_share_packs_at_no_cost(mem, gpu_mem, milli):
+    """Free amounts normalised from memory are floored, so the k-th share of M MiB takes one milli
+    more or less than the first: each share that still fits must cost nothing all the same."""
+    shape = Shape(0, 1, milli, mem)
+    size = share_size(milli, mem, gpu_mem)
+    if not 0 < size < FULL:
+        return
+    policy = GpupackPolicy(workload=Workload.of([shape] * 40))
+    prices = policy.prices("online", gpu_mem)
+    v = (FULL, gpu_mem, gpu_mem, None, True)
+    while v[0] >= milli and v[1] >= mem:
+        t = _take(v, mem, milli, "online")
+        assert prices.cost(_amount(v), _amount(t)) == 0, (v, t)
+        v = t
