@@ -9,15 +9,17 @@ packing — and from those the value `value[v]` of `v` free milli: the most a GP
 still absorb, ``max Σ price over shares fitting in v``.
 
 A placement that takes `s` from a GPU with `before` free leaves `after`; its cost
-``value[before] − value[after] − price[s]`` is never negative, and zero exactly when the share
-fits in a best packing: a 320-milli pod next to a 650 costs nothing, the same pod in the 530
+``value[before] − value[after] − price[s]`` is never negative, and zero when the share fits
+in a best packing: a 320-milli pod next to a 650 costs nothing, the same pod in the 530
 left by a 470 costs a sixth of a GPU (that hole is worth a 470's price, a 320 and the 210 it
 leaves behind less). FGD and the eventual-waste table look one GPU ahead with an unlimited
 supply of every size; the prices know which sizes are scarce (on openb gpushare80 there are
 fourteen 810-milli pods for every 160 that could fill their holes, so a 210 hole is worth
 nothing).
 
-Integers throughout (micro-GPUs), so every code path that reads the tables decides alike.
+Integers throughout (micro-GPUs), so every code path that reads the tables decides alike; read
+with one milli of slack (`SharePrices.near`, `SharePrices.cost`), since a GPU's free amount is
+floored from its free memory.
 """
 
 from __future__ import annotations
@@ -63,9 +65,8 @@ class SharePrices:
     def cost(self, before: int, after: int) -> int:
         """Micro-GPUs lost by taking `before − after` from a GPU with `before` free (≥ 0).
 
-        What is left is read with the same milli of slack as `near`: ``value[after + 1]``. On
-        whole-milli shares (sizes and free amounts multiples of 10, as in openb) neither slack
-        changes anything."""
+        What is left is read with the same milli of slack as `near`: ``value[after + 1]``. Where
+        sizes and free amounts are multiples of 10 milli (openb) neither slack changes anything."""
         if not 0 <= after <= before <= FULL:
             before = min(max(before, 0), FULL)
             after = min(max(after, 0), before)
