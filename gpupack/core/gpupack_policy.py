@@ -205,9 +205,8 @@ def price_loss(weight: int, cost: int) -> int:
 def share_size(milli: int, mem_mib: int, gpu_mem_mib: int) -> int:
     """What a share of `milli` SM and `mem_mib` memory takes from an idle GPU of `gpu_mem_mib`, as
     `_amount` counts it: the scarcer of the two."""
-    if gpu_mem_mib <= 0:
-        return milli
-    return FULL - min(FULL - milli, (gpu_mem_mib - mem_mib) * FULL // gpu_mem_mib)
+    idle: GpuView = (FULL, gpu_mem_mib, gpu_mem_mib, None, True)
+    return FULL - _amount(_take(idle, mem_mib, milli, ""))
 
 
 def share_counts(counts: Mapping[Shape, int], pod_class: str | None, gpu_mem_mib: int) -> dict[int, int]:
@@ -387,12 +386,11 @@ class GpupackPolicy(Policy):
             p = prices.get(v[2])
             if p is None:
                 p = prices[v[2]] = self.prices(cls, v[2])
-            # SharePrices.cost inlined (0 <= a1 <= a0 <= FULL here): this runs per GPU tried
-            pv = p.value
-            c = pv[a0] - pv[a1 + 1 if a1 < a0 else a1] - p.near[a0 - a1]
-            dec = gain(before, after, total, reward) + int(waste_gain(waste, total, a0, a1))
-            if c > 2:
-                dec -= price_loss(total, c)
+            dec = (
+                gain(before, after, total, reward)
+                + int(waste_gain(waste, total, a0, a1))
+                - price_loss(total, p.cost(a0, a1))
+            )
             return -sigmoid_score(dec, total)
 
         return fit(node, pod, rank)
