@@ -223,6 +223,12 @@ def share_counts(counts: Mapping[Shape, int], pod_class: str | None, gpu_mem_mib
     return out
 
 
+def _outgrown(at: tuple[int, int] | None, workload: Workload, part: int) -> bool:
+    """Whether a table built at `at` = (workload id, version) is due again: another workload, or
+    this one grown by more than 1/`part` (and 16 pods) since."""
+    return at is None or at[0] != id(workload) or workload._version - at[1] > max(16, workload.total // part)
+
+
 class _Prepared:
     """What the policy derives from one workload version, once: the workload's weight, the CPU-per-GPU
     ratio, the fragmentation of the node states seen, and `rewards_unstranding` per kind of node."""
@@ -299,8 +305,7 @@ class GpupackPolicy(Policy):
         # A learnt workload changes with every pod; the table (a few ms to build) follows it once
         # the workload has grown by 1/64 since, which moves its popularity weights very little.
         wl = self.workload
-        last = getattr(self, "_waste_at", None)
-        if last is None or last[0] != id(wl) or wl._version - last[1] > max(16, wl.total // 64):
+        if _outgrown(getattr(self, "_waste_at", None), wl, 64):
             self._waste_at, self._waste = (id(wl), wl._version), waste_table(*wl.typical())
         return self._waste
 
@@ -311,8 +316,7 @@ class GpupackPolicy(Policy):
         prices of a learnt workload move little (the same on every openb variant), and one solve
         is ~20-30 ms, so they follow it once it has grown by 1/16 since."""
         wl = self.workload
-        at = getattr(self, "_prices_at", None)
-        if at is None or at[0] != id(wl) or wl._version - at[1] > max(16, wl.total // 16):
+        if _outgrown(getattr(self, "_prices_at", None), wl, 16):
             self._prices_at = (id(wl), wl._version)
             self._prices_counts: dict[Shape, int] = dict(wl.counts)
             self._prices: dict[tuple[str | None, int], SharePrices] = {}
