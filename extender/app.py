@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
-from .collector import VerbActivity
+from .collector import LATENCY_VERBS, VerbActivity
 from .framework import Extender
 from .metrics import Metrics
 from .view import ClusterView
@@ -109,7 +109,7 @@ def _timed(metrics: Metrics, activity: VerbActivity, verb: str, fn: Callable[[An
     """Read the body and run a verb on it; its time goes to the histograms and, as
     `Server-Timing`, to the caller. Filter and prioritize mark `activity` while they run."""
     t0 = time.perf_counter()
-    watched = verb != "bind"
+    watched = verb in LATENCY_VERBS
     if watched:
         activity.enter()
     try:
@@ -219,7 +219,7 @@ def _verbs_first(
         verb, run = route
         t0 = time.perf_counter()
         headers = [("Content-Type", "application/json")]
-        watched = verb != "bind"
+        watched = verb in LATENCY_VERBS
         if watched:
             activity.enter()
         try:

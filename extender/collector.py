@@ -35,6 +35,8 @@ YIELD_MAX_S = 0.05
 # threshold for a full collection, so one is due about as often as CPython would have run it
 DUE_YOUNG_COLLECTIONS = 10
 NEVER = 2**31 - 1  # a full-collection threshold the count never reaches
+# the verbs kube-scheduler's serial cycle waits for: they mark VerbActivity (bind does not)
+LATENCY_VERBS = frozenset({"filter", "prioritize"})
 
 
 class VerbActivity:
