@@ -91,8 +91,14 @@ def test_cost_is_never_negative_and_value_grows(counts, before, take):
     assert p.value[0] == 0
     assert all(a <= b for a, b in zip(p.value, p.value[1:], strict=False))
     after = max(0, before - take)
-    assert p.cost(before, after) >= 0
+    assert p.cost(before, after) >= 0  # clamped; what makes it so without the clamp, below
     assert p.cost(before, before) == 0
+    # value is superadditive (two GPUs' worth of free milli fit in their sum), so taking a program
+    # size costs no less than zero before rounding: value[before] >= value[after] + price
+    d = before - after
+    assert p.value[before] >= p.value[after] + p.value[d] - 2
+    if d in p.price:
+        assert p.value[before] >= p.value[after] + p.price[d] - 3
 
 
 def test_share_counts_by_class_and_gpu_memory():
