@@ -64,6 +64,8 @@ def reshape_shares(pods: PodList, seed: int, step: int = 10) -> PodList:
     """Every share size (0 < milli < FULL) replaced by another drawn uniformly from multiples of
     `step` in [5 %, 95 %] of a GPU, the same for every pod of that size, so the sizes' popularity
     is kept and their values are not."""
+    if not 0 < step <= FULL // 20:
+        raise ValueError(f"step is milli between 1 and {FULL // 20}, not {step}")
     rng = np.random.default_rng(seed)
     milli = pods.gpu_milli.copy()
     share = (pods.num_gpu == 1) & (milli > 0) & (milli < FULL)

@@ -38,3 +38,10 @@ def test_reshape_shares_draws_new_sizes_and_keeps_the_rest(openb):
     assert set(new.tolist()) != set(base.gpu_milli[share].tolist())
     assert (reshape_shares(base, seed=3).gpu_milli == out.gpu_milli).all()
     assert (read_pods(openb / "openb_pod_list_default.csv").gpu_milli == base.gpu_milli).all()  # input kept
+
+
+@pytest.mark.parametrize("step", [0, -10, 51])
+def test_reshape_shares_rejects_a_step_that_cannot_make_shares(openb, step):
+    base = read_pods(openb / "openb_pod_list_default.csv")
+    with pytest.raises(ValueError, match="step is milli between 1 and 50"):
+        reshape_shares(base, seed=1, step=step)
