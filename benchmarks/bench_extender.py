@@ -342,8 +342,9 @@ def bench_inproc(
     `drop`: each filter is asked about every node but `drop` random ones, as when kube-scheduler's
     own filters leave out nodes (their CPU taken, say) that change from pod to pod."""
     from extender.app import _encode
+    from extender.binding import assignment_from_fit
+    from extender.config import ExtenderConfig
     from extender.framework import Extender as Ext
-    from extender.framework import assignment_from_fit
     from extender.view import ClusterView
     from extender.wire import parse_extender_args
     from gpupack.core.policies import get_policy
@@ -352,7 +353,7 @@ def bench_inproc(
     view = ClusterView()
     view.replace_nodes([node_obj(f"node-{i:05d}") for i in range(n_nodes)])
     view.synced.set()
-    ext = Ext(view, get_policy("gpupack"), None, keep_best=keep_best)
+    ext = Ext(view, get_policy("gpupack"), None, ExtenderConfig(keep_best=keep_best))
     names = list(view.nodes)
     t: dict[str, list[float]] = {"filter": [], "prioritize": [], "filter_plus_prioritize": []}
     for i in range(n_pods):
@@ -383,7 +384,7 @@ def bench_inproc(
         best = min((h for h, s in zip(hosts, scores, strict=True) if s == top), key=lambda _: rng.random())
         req = ext.pod_request(p)
         with view.lock:
-            f, _ = ext.node_fit(best, req, ext.clock(), None)
+            f, _ = ext.fitter.node_fit(best, req, ext.clock(), None)
             a = assignment_from_fit(
                 view.state.nodes[best], req, f, ext.clock(), "", view.nodes[best].gpu_indexes
             )

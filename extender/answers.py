@@ -1,6 +1,7 @@
-"""The extender's answer caches: per pod shape and node version, the filter and prioritize answers and
-the policy's node order, kept up to date node by node (only nodes whose state changed are fitted
-or scored again)."""
+"""The extender's caches, as public types that keep themselves current: per-node results by node
+version (`VersionedTable`, `Tables`), and per pod shape the filter and prioritize answers and the
+policy's node order (`AnswerCache` of `FilterAnswer`, `PriorityAnswer`, `BestIndex`), updated node
+by node from the view's journal: only nodes whose state changed are fitted or scored again."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import bisect
 import logging
 import math
 from collections import Counter, OrderedDict
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Collection
+from typing import Generic, Protocol, TypeVar
 
 from gpupack.contract import (
     Reservation,
@@ -29,28 +31,126 @@ def shape_of(pod: PodRequest) -> tuple:
             getattr(pod, "host", None))  # fmt: skip
 
 
-class FitCache(Generic[V]):
-    """key -> node -> (node version, result V); a few recent keys only. The answer caches keep an
-    answer object per key in `data` instead and never call `table`. In the fit cache a node's Fit
-    may be that of another node in the same state, its placement naming that node
-    (Extender._fit_every_node); Extender.node_fit hands out the node's own."""
+class VersionedTable(dict[str, tuple[int, V]]):
+    """node -> (node version, result): a result holds while the node's version is the one it was
+    computed at (versions never repeat, see ClusterView.journal)."""
 
-    def __init__(self, shapes: int = CACHE_SHAPES) -> None:
-        self.shapes = shapes
-        self.data: OrderedDict[tuple, Any] = OrderedDict()
+    def fresh(self, node: str, version: int) -> tuple[int, V] | None:
+        """The entry for `node` if it was computed at `version` (its result is entry[1]), else None."""
+        hit = self.get(node)
+        return hit if hit is not None and hit[0] == version else None
 
-    def table(self, shape: tuple) -> dict[str, tuple[int, V]]:
-        t = self.data.get(shape)
+    def put(self, node: str, version: int, result: V) -> None:
+        self[node] = (version, result)
+
+
+class Tables(Generic[V]):
+    """A VersionedTable per key (a pod shape, or shape and learning epoch), the most recent
+    `keys` only. In the fit tables a node's Fit may be that of another node in the same state, its
+    placement naming that node (fitting.Fitter.fit_every_node); Fitter.node_fit hands out the
+    node's own."""
+
+    def __init__(self, keys: int = CACHE_SHAPES) -> None:
+        self.keys = keys
+        self.data: OrderedDict[tuple, VersionedTable[V]] = OrderedDict()
+
+    def table(self, key: tuple) -> VersionedTable[V]:
+        t = self.data.get(key)
         if t is None:
-            t = self.data[shape] = {}
-            while len(self.data) > self.shapes:
+            t = self.data[key] = VersionedTable()
+            while len(self.data) > self.keys:
                 self.data.popitem(last=False)
         else:
-            self.data.move_to_end(shape)
+            self.data.move_to_end(key)
         return t
 
 
-def _signature(node: Node) -> tuple:
+class Journal(Protocol):
+    """What an answer cache reads of the cluster view (ClusterView): the nodes changed since a
+    position in its journal, and the nodes whose answers depend on the time."""
+
+    reserved: set[str]
+
+    def changed_since(self, pos: int) -> list[str] | None: ...
+
+
+class Answer(Protocol):
+    names: list[str]
+    name_set: set[str]
+    pos: int
+
+    def reorder(self, names: list[str]) -> None: ...
+
+    def forget(self, n: str) -> None: ...
+
+
+A = TypeVar("A", bound=Answer)
+
+
+class NameSets:
+    """set(names) of the last request's node list, built once per list: filter asks two answer
+    caches (its own and the best-node index) about the same list."""
+
+    def __init__(self) -> None:
+        self._last: tuple[list[str], set[str]] | None = None
+
+    def of(self, names: list[str]) -> set[str]:
+        last = self._last
+        if last is not None and last[0] is names:
+            return last[1]
+        asked = set(names)
+        self._last = (names, asked)
+        return asked
+
+
+class AnswerCache(Generic[A]):
+    """The last answer per key (a pod shape, or shape and epoch), the `keys` most recent."""
+
+    def __init__(
+        self, factory: Callable[[list[str]], A], names: NameSets | None = None, keys: int = CACHE_SHAPES
+    ) -> None:
+        self.factory = factory
+        self.names = names or NameSets()
+        self.keys = keys
+        self.data: OrderedDict[tuple, A] = OrderedDict()
+
+    def current(self, key: tuple, names: list[str], journal: Journal) -> tuple[A, Collection[str]]:
+        """The last answer for `key` and the nodes it must look at again: those changed since (or
+        holding reservations, whose answer depends on the time), and those not asked about last
+        time; nodes no longer asked about are dropped from it. A fresh answer and every node (the
+        list `names` itself) when there is none, or the journal no longer reaches back to it. The
+        caller updates those nodes and sets the answer's `pos`. View lock held."""
+        st = self.data.get(key)
+        added: set[str] = set()
+        if st is not None and st.names != names:
+            # kube-scheduler's list of the nodes that passed its own filters starts where its last
+            # search stopped and is filled in parallel, so with percentageOfNodesToScore: 100 it is
+            # the same set in a new order almost every time; and a node its own filters now refuse
+            # (its CPU is taken, say) leaves it, without changing the answer for any other node.
+            asked = self.names.of(names)
+            if asked != st.name_set:
+                for n in st.name_set - asked:
+                    st.forget(n)
+                added = asked - st.name_set
+                st.name_set = set(asked)
+            st.reorder(names)
+        if st is not None:
+            self.data.move_to_end(key)
+            changed = journal.changed_since(st.pos)
+            if changed is not None:
+                todo = set(changed)
+                todo.update(journal.reserved)
+                todo &= st.name_set
+                todo |= added
+                return st, todo
+        st = self.factory(names)
+        self.data[key] = st
+        while len(self.data) > self.keys:
+            self.data.popitem(last=False)
+        return st, names
+
+
+def signature(node: Node) -> tuple:
     """What a fit or a score may depend on: every GPU's state, the node's CPU/RAM and
     schedulability, not its name."""
     return (
@@ -75,7 +175,7 @@ def _signature(node: Node) -> tuple:
     )
 
 
-class _MemoFailure:
+class MemoFailure:
     """A FitFailure remembered with the node it came from (its reason may name that node)."""
 
     __slots__ = ("failure", "node", "reason")
@@ -84,7 +184,7 @@ class _MemoFailure:
         self.failure, self.node, self.reason = failure, node, failure.reason
 
 
-class _FilterAnswer:
+class FilterAnswer:
     """A filter answer kept up to date node by node."""
 
     __slots__ = (
@@ -151,7 +251,7 @@ class _FilterAnswer:
             self.codes[r.code] += 1
 
 
-class _PriorityAnswer:
+class PriorityAnswer:
     """Raw scores of a prioritize answer kept up to date node by node, and its last result."""
 
     __slots__ = ("names", "name_set", "pos", "raw", "steered", "out")
@@ -175,7 +275,7 @@ class _PriorityAnswer:
         self.out = None
 
 
-def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
+def normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
     """Raw scores to 0..MAX_SCORE over the lowest..highest; no fit 0; steered nodes MAX_SCORE."""
     lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
     span = hi - lo
@@ -193,7 +293,7 @@ def _normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> li
 def sorted_index(
     key_of: dict[str, tuple[bool, float, float]], scored: dict[str, float], ranked: list[str]
 ) -> list[tuple[tuple[bool, float, float], str]]:
-    """sorted((key, n) for n, key in key_of.items()), the order of a new _BestIndex, built without
+    """sorted((key, n) for n, key in key_of.items()), the order of a new BestIndex, built without
     comparing those tuples: `ranked` (every node the policy ranked, by tie key then name) filtered
     to key_of's nodes, nodes it has not ranked (tie key 2.0) after them by name, then a stable sort
     on one float per node (its score negated; no score: after every score). After a learning flush
@@ -211,8 +311,8 @@ def sorted_index(
     return [(key_of[n], n) for n in members]
 
 
-class _BestIndex:
-    """A request's nodes in the order :meth:`Extender._keep_best` takes them, for one (shape,
+class BestIndex:
+    """A request's nodes in the order :meth:`scoring.Scorer.keep_best` takes them, for one (shape,
     epoch), kept up to date node by node: each node's sort key, and (key, node) sorted."""
 
     __slots__ = ("names", "name_set", "pos", "key_of", "order")

@@ -207,6 +207,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
         from .app import create_extender_app, only_probes_on
         from .collector import IdleCollector
+        from .config import ExtenderConfig
         from .framework import Extender
         from .kube import Kube, api_client
         from .lease import LeaseFence
@@ -242,11 +243,14 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
             metrics.attach_view(view, active=lambda: not leading(fresh=False))
         else:
             metrics.attach_view(view)
-        ext = Extender(
-            view, policy, kube, metrics, args.bind_wait_s, args.stale_handoff_s, fence=fence,
+        config = ExtenderConfig(
+            bind_wait_s=args.bind_wait_s,
+            stale_handoff_s=args.stale_handoff_s,
             scheduler_name=args.scheduler_name,
-            bind_concurrency=args.bind_concurrency, keep_best=args.filter_keep_best, events=events,
-        )  # fmt: skip
+            bind_concurrency=args.bind_concurrency,
+            keep_best=args.filter_keep_best,
+        )
+        ext = Extender(view, policy, kube, config, metrics=metrics, fence=fence, events=events)
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet).start()
         Janitor(ext, args.sweep_interval_s).start()

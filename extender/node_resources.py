@@ -17,7 +17,8 @@ from dataclasses import dataclass, fields
 from gpupack.core.fit import FitFailure
 from gpupack.core.model import PodRequest
 
-from .view import NO_HOST_USE, HostUse, NodeInfo, ram_mib
+from .hostuse import NO_HOST_USE, HostUse, ram_mib
+from .records import NodeInfo
 
 # kube-scheduler's reason strings (pkg/scheduler/framework/plugins/noderesources/fit.go), so that
 # kubectl describe reads as it does without gpupack and equal reasons aggregate in its event

@@ -18,10 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime
-from decimal import ROUND_CEILING, ROUND_FLOOR
-from typing import Any, NamedTuple, TypeGuard
+from typing import Any, TypeGuard
 
 from gpupack import handoff
 from gpupack.contract import (
@@ -30,354 +29,45 @@ from gpupack.contract import (
     ANN_INVENTORY,
     ANN_RESERVATIONS,
     HANDOFF_PENDING,
-    RES_GPU,
     Assignment,
     ContractError,
-    NodeInventory,
     Reservation,
     decode_assignment,
     decode_inventory,
     decode_reservations,
-    parse_quantity,
 )
-from gpupack.core.fit import holds, pod_charge
-from gpupack.core.model import FULL, GPU, ClusterState, Node, Placement, PlacementError, PodRequest, Share
-from gpupack.handoff import PodView
+from gpupack.core.model import FULL, ClusterState, Node, Placement, PlacementError, PodRequest
 
 from . import reservations as resv
+from .hostuse import (
+    MIB,
+    NO_HOST_USE,
+    HostPod,
+    HostUse,
+    allocatable_host,
+    grew,
+    host_plus,
+    pod_host_request,
+    ram_mib,
+)
+from .records import (
+    NodeInfo,
+    PodInfo,
+    allocatable_slots,
+    blocking_taints,
+    charged_from_assignment,
+    init_names,
+    node_from_inventory,
+    node_ready,
+    pod_slots,
+    room_grew,
+)
 
 log = logging.getLogger("gpupack.extender.view")
 
+
 TERMINAL = ("Succeeded", "Failed")
 JOURNAL_MAX = 200_000
-MIB = 1024 * 1024
-
-
-class HostUse(NamedTuple):
-    """Host resources a pod requests (or a node has allocatable), as kube-scheduler's
-    NodeResourcesFit counts them: CPU (milli), memory and ephemeral storage (bytes), and every
-    other resource it checks (hugepages-*, extended resources outside gpupack.io) by name, sorted,
-    as whole units (Quantity.Value(), rounded up)."""
-
-    cpu_milli: int = 0
-    mem_bytes: int = 0
-    eph_bytes: int = 0
-    other: tuple[tuple[str, int], ...] = ()
-
-
-class HostPod(NamedTuple):
-    """What the extender keeps of an assigned pod (any pod, gpupack's or not) for its node's host
-    resources: a 50,000-pod cluster costs a few MiB, not its full Pod objects."""
-
-    uid: str
-    node: str
-    use: HostUse
-
-
-NO_HOST_USE = HostUse()
-# Resources the container API names without a domain that NodeResourcesFit checks as scalars.
-_HUGEPAGES = "hugepages-"
-_GPUPACK_GROUP = RES_GPU.split("/", 1)[0] + "/"
-
-
-def _amount(raw: Any, scale: int, rounding: str) -> int:
-    """A quantity times `scale`, rounded as kube-scheduler does (requests: MilliValue rounds up);
-    an unreadable one counts 0 (the API server validated it, so none should be)."""
-    if raw is None:
-        return 0
-    try:
-        q = parse_quantity(raw, "quantity")
-    except ContractError:
-        return 0
-    return max(0, int((q * scale).to_integral_value(rounding=rounding)))
-
-
-def _counted_other(name: str) -> bool:
-    """Whether NodeResourcesFit checks `name` as a scalar resource for gpupack's profile: hugepages
-    and every resource with a domain (extended resources) except gpupack's own, which its
-    ignoredResourceGroups skips and the extender accounts per GPU."""
-    return name.startswith(_HUGEPAGES) or ("/" in name and not name.startswith(_GPUPACK_GROUP))
-
-
-def _resources_use(req: Any, lim: Any, rounding: str = ROUND_CEILING) -> HostUse:
-    """The host resources of one resource list pair (requests, limits): the API server defaults a
-    missing request to its limit, so a limit alone is read as it would have been."""
-    req = req if isinstance(req, dict) else {}
-    lim = lim if isinstance(lim, dict) else {}
-    cpu = req.get("cpu", lim.get("cpu"))
-    mem = req.get("memory", lim.get("memory"))
-    eph = req.get("ephemeral-storage", lim.get("ephemeral-storage"))
-    names = sorted(n for n in {*req, *lim} if isinstance(n, str) and _counted_other(n))
-    other = tuple((n, _amount(req.get(n, lim.get(n)), 1, rounding)) for n in names)
-    return HostUse(_amount(cpu, 1000, rounding), _amount(mem, 1, rounding), _amount(eph, 1, rounding), other)
-
-
-def _container_use(c: Any) -> HostUse:
-    if not isinstance(c, dict):
-        return NO_HOST_USE
-    res = c.get("resources") or {}
-    if not isinstance(res, dict):
-        return NO_HOST_USE
-    return _resources_use(res.get("requests"), res.get("limits"))
-
-
-def _merge_other(
-    a: tuple[tuple[str, int], ...], b: tuple[tuple[str, int], ...], add: bool
-) -> tuple[tuple[str, int], ...]:
-    if not b:
-        return a
-    if not a:
-        return b
-    d = dict(a)
-    for k, v in b:
-        d[k] = d.get(k, 0) + v if add else max(d.get(k, 0), v)
-    return tuple(sorted(d.items()))
-
-
-def _host_plus(a: HostUse, b: HostUse) -> HostUse:
-    return HostUse(a.cpu_milli + b.cpu_milli, a.mem_bytes + b.mem_bytes, a.eph_bytes + b.eph_bytes,
-                   _merge_other(a.other, b.other, True))  # fmt: skip
-
-
-def _host_max(a: HostUse, b: HostUse) -> HostUse:
-    return HostUse(max(a.cpu_milli, b.cpu_milli), max(a.mem_bytes, b.mem_bytes), max(a.eph_bytes, b.eph_bytes),
-                   _merge_other(a.other, b.other, False))  # fmt: skip
-
-
-def pod_host_request(obj: Any) -> HostUse:
-    """A pod's host resource request as kube-scheduler computes it (k8s.io/component-helpers
-    resource.PodRequests): per resource, max(sum of app containers plus restartable (sidecar) init
-    containers, the largest init container plus the sidecars started before it), plus the pod's
-    overhead."""
-    spec = (obj.get("spec") or {}) if isinstance(obj, dict) else {}
-    if not isinstance(spec, dict):
-        return NO_HOST_USE
-    app = NO_HOST_USE
-    for c in spec.get("containers") or []:
-        app = _host_plus(app, _container_use(c))
-    side = init = NO_HOST_USE
-    for c in spec.get("initContainers") or []:
-        u = _container_use(c)
-        if isinstance(c, dict) and c.get("restartPolicy") == "Always":
-            side = _host_plus(side, u)
-            init = _host_max(init, side)
-        else:
-            init = _host_max(init, _host_plus(u, side))
-    use = _host_max(_host_plus(app, side), init)
-    over = spec.get("overhead")
-    if isinstance(over, dict) and over:
-        use = _host_plus(use, _resources_use(over, None))
-    return use
-
-
-def ram_mib(mem_bytes: int) -> int:
-    """Requested bytes as the core's whole MiB, rounded up (never less than is asked)."""
-    return -(-mem_bytes // MIB)
-
-
-def _grew(before: HostUse, after: HostUse) -> bool:
-    """Whether any resource of `after` exceeds `before`'s."""
-    if (
-        after.cpu_milli > before.cpu_milli
-        or after.mem_bytes > before.mem_bytes
-        or after.eph_bytes > before.eph_bytes
-    ):
-        return True
-    had = dict(before.other)
-    return any(v > had.get(k, 0) for k, v in after.other)
-
-
-def _allocatable_host(obj: dict[str, Any]) -> tuple[HostUse, int]:
-    """A node's allocatable host resources and how many pods it allows (status.allocatable)."""
-    alloc = (obj.get("status") or {}).get("allocatable") or {}
-    return _resources_use(alloc, None, ROUND_FLOOR), _amount(alloc.get("pods"), 1, ROUND_FLOOR)
-
-
-@dataclass
-class NodeInfo:
-    name: str
-    inventory_raw: str | None = None
-    inventory_error: str = ""
-    reservations_raw: str | None = None
-    reservations: tuple[Reservation, ...] = ()
-    reservations_error: str = ""
-    unschedulable: bool = False
-    labels: dict[str, str] = field(default_factory=dict)
-    gpu_indexes: list[int] = field(default_factory=list)  # position in Node.gpus -> NVML index
-    # `gpupack.io/gpu` slots the kubelet offers (status.allocatable): 0 when the device plugin is
-    # not registered there (never started, or gone), whatever the inventory annotation says.
-    slots: int = 0
-    version: int = 0  # bumped on every change that can change a fit on this node
-    # What kube-scheduler's own filters read and gpupack's fit does not: watched only so that a
-    # change that lets waiting pods on (see ClusterView.on_room) is noticed.
-    taints: frozenset[tuple[str, str, str]] = frozenset()
-    ready: bool = False
-    allocatable: HostUse = HostUse()  # status.allocatable cpu (milli), memory (bytes), ...
-    pods_allowed: int = 0  # status.allocatable pods
-    # (with track_host) what every pod on the node requests, and how many pods there are: what
-    # kube-scheduler's NodeResourcesFit compares with allocatable (see node_resources.py)
-    requested: HostUse = HostUse()
-    pod_count: int = 0
-
-
-@dataclass
-class PodInfo:
-    key: str
-    uid: str
-    node: str  # the assignment's node (spec.nodeName may still be empty right after bind)
-    assignment: Assignment
-    assignment_raw: str
-    init_names: frozenset[str]
-    handoff: str
-    deleting: bool
-    assumed: bool = False
-    bound_node: str = ""  # spec.nodeName
-    slots: int = 0  # `gpupack.io/gpu` slots the kubelet charges the pod (see pod_slots)
-    resource_version: str = ""
-    host: HostUse = HostUse()  # its CPU/memory request, charged on `node` (see ClusterView.host_pods)
-
-    @property
-    def pending(self) -> bool:
-        # a bound pod being deleted may still be mid-admission on its node: it keeps the lock until
-        # gone or terminal (handoff.is_pending_handoff), or until the stale-handoff limit resolves it
-        return self.handoff == HANDOFF_PENDING and (not self.deleting or bool(self.bound_node))
-
-    def pod_view(self) -> PodView:  # not handoff.PodView: the class has a field named handoff
-        ns, name = self.key.split("/", 1)
-        return handoff.PodView(
-            namespace=ns,
-            name=name,
-            uid=self.uid,
-            node_name=self.bound_node or self.node,
-            phase="Pending",
-            deleting=self.deleting,
-            annotations={ANN_ASSIGNMENT: self.assignment_raw, ANN_HANDOFF: self.handoff},
-        )
-
-
-def node_from_inventory(
-    name: str, inv: NodeInventory | None, unschedulable: bool, labels: dict[str, str]
-) -> Node:
-    """The packing core's Node. Its GPU `index` is the position in the list (the core indexes
-    GPUs by position); the device's own index is kept in NodeInfo.gpu_indexes."""
-    gpus = []
-    if inv is not None:
-        for pos, g in enumerate(sorted(inv.gpus, key=lambda g: g.index)):
-            gpus.append(GPU(g.uuid, pos, g.model, g.mem_mib, g.sm_count, g.healthy))
-    return Node(name, gpus, labels=labels, schedulable=not unschedulable)
-
-
-def charged_from_assignment(
-    node: Node, a: Assignment, init_names: frozenset[str]
-) -> tuple[Placement, dict[int, tuple[int, int, bool]], list[str]]:
-    """Placement and per-GPU charge an assignment stands for, plus problems (unknown GPUs).
-
-    App containers add up per GPU; an init container whose GPUs all carry app containers runs
-    before them and is charged max(init, app) there (see gpupack.core.fit), otherwise it adds up.
-    The bind path uses this too, so a live extender and a restarted one charge the same.
-    """
-    pos = {g.uuid: i for i, g in enumerate(node.gpus)}
-    problems: list[str] = []
-    containers: dict[str, tuple[Share, ...]] = {}
-    for cname, shares in a.containers.items():
-        out = []
-        for s in shares:
-            i = pos.get(s.uuid)
-            if i is None:
-                problems.append(f"GPU {s.uuid} of container {cname} is not in node {node.name}'s inventory")
-                continue
-            g = node.gpus[i]
-            mem, milli = (g.mem_mib, FULL) if s.exclusive else (s.mem_mib, s.sm_pct * 10)
-            out.append(Share(i, mem, milli, s.exclusive))
-        containers[cname] = tuple(out)
-    charged = pod_charge(
-        [holds(shares) for cname, shares in containers.items() if cname not in init_names],
-        [holds(shares) for cname, shares in containers.items() if cname in init_names],
-    )
-    return Placement(node.name, containers), charged, problems
-
-
-def pod_slots(obj: Any) -> int:
-    """`gpupack.io/gpu` slots the kubelet charges a pod: init containers run one at a time before
-    the app containers, so max(sum over app containers, largest init container)."""
-    try:
-        cs = handoff.pod_view(obj).containers
-        app = sum(c.gpu_count() for c in cs if not c.init)
-        init = max((c.gpu_count() for c in cs if c.init), default=0)
-    except ContractError:
-        return 0
-    return max(app, init)
-
-
-def _allocatable_slots(obj: dict[str, Any]) -> int:
-    raw = ((obj.get("status") or {}).get("allocatable") or {}).get(RES_GPU)
-    if raw is None:
-        return 0
-    try:
-        return int(str(raw))
-    except ValueError:
-        return 0
-
-
-def _blocking_taints(obj: dict[str, Any]) -> frozenset[tuple[str, str, str]]:
-    taints = (obj.get("spec") or {}).get("taints") or []
-    return frozenset(
-        (str(t.get("key", "")), str(t.get("value", "")), str(t.get("effect", "")))
-        for t in taints
-        if isinstance(t, dict) and t.get("effect") in ("NoSchedule", "NoExecute")
-    )
-
-
-def _ready(obj: dict[str, Any]) -> bool:
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if isinstance(c, dict) and c.get("type") == "Ready":
-            return c.get("status") == "True"
-    return False
-
-
-def _gpu_room(inv_raw: str | None) -> tuple[int, int, int]:
-    """Healthy GPUs, their MiB and the largest one's, as the inventory annotation says (0s when
-    it is absent or unreadable): what grows when a node can take more."""
-    if not inv_raw:
-        return 0, 0, 0
-    try:
-        inv = decode_inventory(inv_raw, "")
-    except ContractError:
-        return 0, 0, 0
-    mems = [g.mem_mib for g in inv.gpus if g.healthy]
-    return len(mems), sum(mems), max(mems, default=0)
-
-
-def room_grew(old: NodeInfo | None, new: NodeInfo, inv_raw: str | None, labels: dict[str, str]) -> str:
-    """Why a node's update may let pods on that did not fit before ("" if it cannot): kube-scheduler
-    v1.28 retries its parked pods on such node events only when a pre-check passes, and that
-    pre-check counts gpupack's resources as missing on every node, ignored by the profile or not (see
-    Requeuer in framework.py)."""
-    if old is None:
-        return "node-added"
-    if old.unschedulable and not new.unschedulable:
-        return "node-uncordoned"
-    if new.ready and not old.ready:
-        return "node-ready"
-    if old.taints - new.taints:
-        return "taint-removed"
-    if new.slots > old.slots:
-        return "slots-grew"
-    if inv_raw != old.inventory_raw:
-        before, after = _gpu_room(old.inventory_raw), _gpu_room(inv_raw)
-        if any(a > b for a, b in zip(after, before, strict=True)):
-            return "inventory-grew"
-    if any(old.labels.get(k) != v for k, v in labels.items()):
-        return "labels-changed"  # a pod's node selector or GPU model may match now
-    if old.reservations and new.reservations_raw != old.reservations_raw:
-        return "reservations-changed"
-    return ""
-
-
-def _init_names(pod: dict[str, Any]) -> frozenset[str]:
-    spec = pod.get("spec") or {}
-    inits = spec.get("initContainers") or [] if isinstance(spec, dict) else []
-    return frozenset(c.get("name", "") for c in inits if isinstance(c, dict))
 
 
 class ClusterView:
@@ -454,9 +144,9 @@ class ClusterView:
         unsched = bool((obj.get("spec") or {}).get("unschedulable"))
         inv_raw = ann.get(ANN_INVENTORY)
         res_raw = ann.get(ANN_RESERVATIONS)
-        slots = _allocatable_slots(obj)
-        taints, ready = _blocking_taints(obj), _ready(obj)
-        alloc, pods_allowed = _allocatable_host(obj)
+        slots = allocatable_slots(obj)
+        taints, ready = blocking_taints(obj), node_ready(obj)
+        alloc, pods_allowed = allocatable_host(obj)
         with self.lock:
             info = self.nodes.get(name)
             if (
@@ -487,7 +177,7 @@ class ClusterView:
             if (
                 not why
                 and self.track_host
-                and (_grew(info.allocatable, alloc) or pods_allowed > info.pods_allowed)
+                and (grew(info.allocatable, alloc) or pods_allowed > info.pods_allowed)
             ):
                 why = "allocatable-grew"
             info.unschedulable, info.labels, info.slots, info.allocatable = unsched, labels, slots, alloc
@@ -577,7 +267,7 @@ class ClusterView:
             uses.append(a.use)
         requested = NO_HOST_USE
         for u in uses:
-            requested = _host_plus(requested, u)
+            requested = host_plus(requested, u)
         changed = requested != info.requested or len(uses) != info.pod_count
         info.requested, info.pod_count = requested, len(uses)
         new = (
@@ -628,7 +318,7 @@ class ClusterView:
                 before, count = ni.requested, ni.pod_count
                 if self._host_recount(n):
                     self._bump(n)
-                    if ni.pod_count < count or _grew(ni.requested, before):
+                    if ni.pod_count < count or grew(ni.requested, before):
                         # kube-scheduler retries parked pods on a pod's deletion, but that retry can
                         # reach this extender before this watch has freed the CPU
                         self.on_room(n, "host-freed")
@@ -863,7 +553,7 @@ class ClusterView:
                 node=a.node,
                 assignment=a,
                 assignment_raw=raw,
-                init_names=_init_names(obj),
+                init_names=init_names(obj),
                 handoff=str(ann.get(ANN_HANDOFF, "")),
                 deleting=meta.get("deletionTimestamp") is not None,
                 bound_node=bound,

@@ -111,7 +111,7 @@ def test_filter_and_prioritize_mark_the_activity_bind_does_not() -> None:
     view.replace_nodes([node_obj("n1")])
     view.replace_pods([])
     view.synced.set()
-    ext = Extender(view, get_policy(DEFAULT_POLICY), None, Metrics())
+    ext = Extender(view, get_policy(DEFAULT_POLICY), None, metrics=Metrics())
     seen: list[float] = []
 
     class Watching(VerbActivity):

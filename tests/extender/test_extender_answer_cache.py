@@ -9,7 +9,9 @@ from datetime import UTC, datetime, timedelta
 
 from ext_helpers import container, node_obj, pod_obj
 
-from extender.framework import Extender, assignment_from_fit
+from extender.binding import assignment_from_fit
+from extender.config import ExtenderConfig
+from extender.framework import Extender
 from extender.view import ClusterView
 from extender.wire import parse_extender_args
 from gpupack.contract import GPUShare, Reservation
@@ -63,7 +65,7 @@ def _fresh(view: ClusterView, policy: GpupackPolicy) -> Extender:
 def _place(ext: Extender, view: ClusterView, pod: dict, node: str) -> bool:
     req = ext.pod_request(pod)
     with view.lock:
-        f, res = ext.node_fit(node, req, NOW, None)
+        f, res = ext.fitter.node_fit(node, req, NOW, None)
         if not f:
             return False
         a = assignment_from_fit(
@@ -178,7 +180,7 @@ def test_the_same_nodes_in_another_order_reuse_the_answer_and_follow_the_order()
     ext = _fresh(view, policy)
     pod = _pod(1, SHAPES[0])
     first = ext.filter(parse_extender_args({"Pod": pod, "NodeNames": names}))
-    ((shape, kept),) = ext.filters.data.items()
+    ((shape, kept),) = ext.filtering.answers.data.items()
     fits = 0
     real_fit = policy.fit
 
@@ -190,7 +192,7 @@ def test_the_same_nodes_in_another_order_reuse_the_answer_and_follow_the_order()
     policy.fit = counting_fit  # type: ignore[method-assign]
     backwards = list(reversed(names))
     again = ext.filter(parse_extender_args({"Pod": _pod(2, SHAPES[0]), "NodeNames": backwards}))
-    assert ext.filters.data[shape] is kept  # updated in place (no node changed), not started over
+    assert ext.filtering.answers.data[shape] is kept  # updated in place (no node changed), not started over
     assert fits == 0
     assert again["NodeNames"] == [n for n in backwards if n in first["NodeNames"]]
     assert len(again["NodeNames"]) > 1
@@ -199,7 +201,7 @@ def test_the_same_nodes_in_another_order_reuse_the_answer_and_follow_the_order()
 def test_answers_follow_every_change_with_the_nodes_in_a_new_order_each_time():
     for keep_best in (0, 1):
         view, policy, names = _setup(10)
-        ext = Extender(view, policy, None, clock=lambda: NOW, keep_best=keep_best)
+        ext = Extender(view, policy, None, clock=lambda: NOW, config=ExtenderConfig(keep_best=keep_best))
         rng = random.Random(11 + keep_best)
         placed: list[str] = []
         for step in range(300):
@@ -207,7 +209,9 @@ def test_answers_follow_every_change_with_the_nodes_in_a_new_order_each_time():
             asked = rng.sample(names, rng.choice([len(names)] * 6 + [len(names) - 1, len(names) - 2, 6]))
             args = parse_extender_args({"Pod": pod, "NodeNames": asked})
             out = ext.filter(args)
-            want = Extender(view, policy, None, clock=lambda: NOW, keep_best=keep_best).filter(args)
+            want = Extender(
+                view, policy, None, clock=lambda: NOW, config=ExtenderConfig(keep_best=keep_best)
+            ).filter(args)
             assert out == want, f"keep_best {keep_best}: filter differs at step {step}"
             if out["NodeNames"] and _place(ext, view, pod, out["NodeNames"][0]):
                 placed.append(f"prod/p{step}")

@@ -6,8 +6,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from ext_helpers import H100_MIB, container, node_obj, payloads, pod_obj
 
-from extender.framework import Extender, assignment_from_fit
-from extender.view import ClusterView, pod_host_request
+from extender.binding import assignment_from_fit
+from extender.framework import Extender
+from extender.hostuse import pod_host_request
+from extender.view import ClusterView
 from extender.wire import ExtenderArgs, WireError
 from gpupack.contract import (
     ANN_ASSIGNMENT,
@@ -327,11 +329,11 @@ def test_learning_batches_in_a_burst():
     """A burst of pods costs few learning flushes (each makes the next filter of every shape score
     all nodes again): the first pod at once, then batches of 3x what was learned, at least
     OBSERVE_MIN_GAP_S apart; every pod is learned once, and with a given workload nothing is."""
-    from extender import framework as fw
+    from extender import learning as fw
 
     _view, ext, _ = make([node_obj(f"n{i}", 2) for i in range(3)])
     t = [100.0]
-    ext._monotonic = lambda: t[0]
+    ext.learner.monotonic = lambda: t[0]
     learned = ext.policy.workload.counts  # type: ignore[attr-defined]
 
     def burst(start, k):
@@ -342,35 +344,34 @@ def test_learning_batches_in_a_burst():
             ext.prioritize(args(p, ["n0", "n1", "n2"]))  # the same pod: not learned twice
 
     burst(0, 50)  # within one instant: only the first pod is learned
-    assert ext.epoch == 1 and sum(learned.values()) == 1
+    assert ext.learner.epoch == 1 and sum(learned.values()) == 1
     t[0] += fw.OBSERVE_MIN_GAP_S
     burst(50, 1)  # batch (3) reached and the gap passed: the 50 waiting pods at once
-    assert ext.epoch == 2 and sum(learned.values()) == 51
+    assert ext.learner.epoch == 2 and sum(learned.values()) == 51
     t[0] += fw.OBSERVE_MIN_GAP_S
     burst(51, 100)  # 51 learned: the next batch is 3 x 51 pods
-    assert ext.epoch == 2 and sum(learned.values()) == 51
+    assert ext.learner.epoch == 2 and sum(learned.values()) == 51
     t[0] += fw.OBSERVE_FLUSH_S + 1
     burst(151, 1)  # ... or a minute
-    assert ext.epoch == 3 and sum(learned.values()) == 152
+    assert ext.learner.epoch == 3 and sum(learned.values()) == 152
 
     _view, fixed, _ = make([node_obj("m", 2)])
     fixed.policy.learn = False  # type: ignore[attr-defined]
-    fixed._monotonic = lambda: t[0]
+    fixed.learner.monotonic = lambda: t[0]
     before = dict(fixed.policy.workload.counts)  # type: ignore[attr-defined]
     for i in range(5):
         p = pod_obj(f"f{i}", [container("c", 1, 500, 10)])
         p["metadata"]["uid"] = f"uid-f{i}"
         fixed.filter(args(p, ["m"]))
         t[0] += fw.OBSERVE_FLUSH_S + 1
-    assert fixed.epoch == 0 and dict(fixed.policy.workload.counts) == before  # type: ignore[attr-defined]
+    assert fixed.learner.epoch == 0 and dict(fixed.policy.workload.counts) == before  # type: ignore[attr-defined]
 
     # a policy that learns nothing never flushes either (its scores never change)
-    _view, plain, _ = make([node_obj("b", 2)])
-    plain.policy = get_policy("bestfit")
-    plain._monotonic = lambda: t[0]
+    _view, plain, _ = make([node_obj("b", 2)], "bestfit")
+    plain.learner.monotonic = lambda: t[0]
     for i in range(5):
         p = pod_obj(f"g{i}", [container("c", 1, 500, 10)])
         p["metadata"]["uid"] = f"uid-g{i}"
         plain.filter(args(p, ["b"]))
         t[0] += fw.OBSERVE_FLUSH_S + 1
-    assert plain.epoch == 0
+    assert plain.learner.epoch == 0

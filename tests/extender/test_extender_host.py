@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 from ext_helpers import H100_MIB, container, node_obj, pod_obj
 
-from extender.framework import Extender, assignment_from_fit
+from extender.binding import assignment_from_fit
+from extender.config import ExtenderConfig
+from extender.framework import Extender
+from extender.hostuse import HostUse, pod_host_request
 from extender.main import build_parser, make_policy
-from extender.view import ClusterView, HostUse, pod_host_request
+from extender.view import ClusterView
 from extender.wire import ExtenderArgs
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE
 from gpupack.core.fgd import Shape, Workload, WorkloadError, workload_from_json, workload_to_json
@@ -265,7 +268,11 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
     view.replace_host_pod_pages([[host_pod(f"cpu{i}", f"n{rng.randrange(10):02d}", [res(str(rng.choice([4, 8, 12])))])
                                   for i in range(8 if not even else 3)]])  # fmt: skip
     ext = Extender(
-        view, get_policy("gpupack", seed=7, workload=WORKLOAD), None, clock=lambda: NOW, keep_best=1
+        view,
+        get_policy("gpupack", seed=7, workload=WORKLOAD),
+        None,
+        clock=lambda: NOW,
+        config=ExtenderConfig(keep_best=1),
     )
     sim = get_policy("gpupack", seed=7, workload=WORKLOAD)
     names = sorted(view.nodes)
@@ -275,7 +282,7 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
         pod = _random_pod(rng, i)
         req = ext.pod_request(pod)
         if even and i % 7 == 6:
-            ext.epoch += 1  # as after a learning flush: every node of every shape is scored again
+            ext.learner.epoch += 1  # as after a learning flush: every node of every shape is scored again
         want = schedule(view.state.clone(), req, sim, commit=False)
         out = ext.filter(ExtenderArgs(pod, names, None))
         if want.node is None:
@@ -286,7 +293,7 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
         reasons = {**out["FailedNodes"], **out["FailedAndUnresolvableNodes"]}
         assert set(reasons) == set(want.failures), (i, reasons, want.failures)
         # the bind fits again on the chosen node: the same GPUs as the simulator's
-        f, _ = ext.node_fit(want.node, req, NOW, None)
+        f, _ = ext.fitter.node_fit(want.node, req, NOW, None)
         assert isinstance(f, Fit) and want.fit is not None
         assert f.charged == want.fit.charged and f.placement.containers == want.fit.placement.containers
         a = assignment_from_fit(view.state.nodes[want.node], req, f, NOW)
@@ -311,16 +318,22 @@ def test_nodes_in_the_same_state_but_without_free_slots_never_pass():
     view = ClusterView(track_host=True)
     view.replace_nodes(nodes)
     names = [n["metadata"]["name"] for n in nodes]
-    ext = Extender(view, get_policy("gpupack", workload=WORKLOAD), None, clock=lambda: NOW, keep_best=1)
+    ext = Extender(
+        view,
+        get_policy("gpupack", workload=WORKLOAD),
+        None,
+        clock=lambda: NOW,
+        config=ExtenderConfig(keep_best=1),
+    )
     for i in range(4):
-        ext.epoch += i % 2  # the full rescoring path too
+        ext.learner.epoch += i % 2  # the full rescoring path too
         pod = pod_obj(f"g{i}", [container("c", gpu=1, mem=1000, sm=20)], namespace="h", uid=f"uid-g{i}")
         out = ext.filter(ExtenderArgs(pod, names, None))
         assert out["NodeNames"] and out["NodeNames"] != ["dry"], out
         assert "slot" in out["FailedNodes"]["dry"], out["FailedNodes"]
-        ext.keep_best = 0
+        ext.filtering.keep_best = 0
         assert "dry" not in ext.filter(ExtenderArgs(pod, names, None))["NodeNames"]
-        ext.keep_best = 1
+        ext.filtering.keep_best = 1
 
 
 @pytest.mark.parametrize("keep_best", [0, 1])
@@ -328,7 +341,11 @@ def test_filter_steers_the_next_pod_off_a_node_another_pod_is_being_bound_to(kee
     view = ClusterView(track_host=True)
     view.replace_nodes([sized_node("a"), sized_node("b")])
     ext = Extender(
-        view, get_policy("gpupack", workload=WORKLOAD), None, clock=lambda: NOW, keep_best=keep_best
+        view,
+        get_policy("gpupack", workload=WORKLOAD),
+        None,
+        clock=lambda: NOW,
+        config=ExtenderConfig(keep_best=keep_best),
     )
 
     def pod(i: int) -> dict:
@@ -354,7 +371,7 @@ def test_filter_keep_best_zero_passes_every_fitting_node():
     ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW)
     pod = pod_obj("g", [container("c", gpu=1, mem=1000, sm=20)], namespace="h", uid="uid-g")
     assert ext.filter(ExtenderArgs(pod, ["a", "b", "c"], None))["NodeNames"] == ["a", "b", "c"]
-    ext.keep_best = 2
+    ext.filtering.keep_best = 2
     out = ext.filter(ExtenderArgs(pod, ["a", "b", "c"], None))
     # the third fits too: it is left out, with no reason (kube-scheduler would never show it)
     assert len(out["NodeNames"]) == 2 and out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}

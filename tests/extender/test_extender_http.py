@@ -29,7 +29,7 @@ from ext_helpers import (
 )
 from faultproxy import FaultProxy
 
-from extender.framework import ANN_BIND_FENCED
+from extender.settling import ANN_BIND_FENCED
 from gpupack.contract import (
     ANN_ALLOCATED,
     ANN_ASSIGNMENT,

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from ext_helpers import container, node_obj, pod_obj
 
-from extender.framework import ANN_REQUEUED, Extender
+from extender.framework import Extender
 from extender.requeue import Requeuer
+from extender.upkeep import ANN_REQUEUED
 from extender.view import ClusterView
 from gpupack import handoff
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, Assignment, GPUShare

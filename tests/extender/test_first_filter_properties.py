@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extender.answers import shape_of
-from extender.framework import Extender, assignment_from_fit
+from extender.binding import assignment_from_fit
+from extender.config import ExtenderConfig
+from extender.framework import Extender
 from extender.view import ClusterView
 from extender.wire import ExtenderArgs, filter_result
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, RES_GPU, GPUShare, Reservation
@@ -69,14 +71,14 @@ def _cluster(specs: list[tuple[str, list]]) -> tuple[ClusterView, Extender, list
     view.replace_nodes([_node(n, kind) for n, (kind, _) in zip(names, specs, strict=True)])
     view.replace_pods([])
     view.synced.set()
-    ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, keep_best=0)
+    ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=0))
     running = []  # placed as the policy would, handed over to their kubelets (no node is locked)
     for n, (_kind, pods) in zip(names, specs, strict=True):
         for j, (shape, cls) in enumerate(pods):
             pod = _pod(f"{n}-{j}", shape, cls)
             req = ext.pod_request(pod)
             with view.lock:
-                f, _ = ext.node_fit(n, req, NOW, None)
+                f, _ = ext.fitter.node_fit(n, req, NOW, None)
                 if not f:
                     continue
                 a = assignment_from_fit(view.state.nodes[n], req, f, NOW, "", view.nodes[n].gpu_indexes)
@@ -102,19 +104,19 @@ def test_first_filter_answers_as_every_node_fitted_alone(specs, shape, cls, cpu)
     args = ExtenderArgs(pod, names, None)
     out = ext.filter(args)
     req = ext.pod_request(pod)
-    fresh = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, keep_best=0)
+    fresh = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=0))
     passed, failed, unresolvable = [], {}, {}
     with view.lock:
         for n in names:
-            r, _ = fresh.node_fit(n, req, NOW, None)  # no table, no memo: this node alone
+            r, _ = fresh.fitter.node_fit(n, req, NOW, None)  # no table, no memo: this node alone
             if r:
                 passed.append(n)
             else:
                 (unresolvable if r.unresolvable else failed)[n] = r.reason
     assert out == filter_result(args, passed, failed, unresolvable)
     # the fit table now holds one Fit per state; each node is still handed its own
-    table = ext.cache.table(shape_of(req))
+    table = ext.fitter.fits.table(shape_of(req))
     with view.lock:
         for n in passed:
-            f, _ = ext.node_fit(n, req, NOW, table)
+            f, _ = ext.fitter.node_fit(n, req, NOW, table)
             assert isinstance(f, Fit) and f.placement.node == n

@@ -13,7 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from extender.framework import Extender
-from extender.view import ClusterView, pod_host_request
+from extender.hostuse import pod_host_request
+from extender.view import ClusterView
 from extender.wire import ExtenderArgs
 from gpupack.core.policies import get_policy
 

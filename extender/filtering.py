@@ -1,0 +1,185 @@
+"""The filter verb: which of the nodes kube-scheduler asks about the pod fits, with a reason for
+each that does not, and (with keep_best N) only the policy's N best of those that do."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from gpupack.core.model import PodRequest
+
+from .answers import AnswerCache, FilterAnswer, shape_of
+from .fitting import FitMemo, Fitter
+from .kube import Kube, NamespaceUnreadable
+from .learning import Learner
+from .metrics import Metrics
+from .pod_requests import pod_request
+from .scoring import EXPECT_MAX_NODES, EXPECT_S, Scorer
+from .view import ClusterView
+from .wire import ExtenderArgs, PodRequestError, WireError, filter_result, unresolvable_result
+
+log = logging.getLogger("gpupack.extender")
+
+
+def busy_reason(node: str, key: str) -> str:
+    return f"node {node}: pod {key} is being bound there or waits for its kubelet (GPU handoff)"
+
+
+class Filter:
+    """Answers filter requests from the view, a pod shape's answer kept up to date node by node."""
+
+    def __init__(
+        self,
+        view: ClusterView,
+        kube: Kube | None,
+        fitter: Fitter,
+        scorer: Scorer,
+        learner: Learner,
+        metrics: Metrics,
+        clock: Callable[[], datetime],
+        keep_best: int,
+        on_pod: Callable[[dict[str, Any]], None] = lambda pod: None,
+    ) -> None:
+        self.view = view
+        self.kube = kube
+        self.fitter = fitter
+        self.scorer = scorer
+        self.learner = learner
+        self.metrics = metrics
+        self.clock = clock
+        # Filter passes only this many of the fitting nodes, the policy's best first (0: all of
+        # them, and kube-scheduler's own scores and random ties pick among them with prioritize's).
+        self.keep_best = keep_best
+        self.on_pod = on_pod  # told of each pod filtered that parsed (the binder's pod memory)
+        self.answers: AnswerCache[FilterAnswer] = AnswerCache(FilterAnswer, scorer.names)
+
+    def filter(self, args: ExtenderArgs) -> dict[str, Any]:
+        try:
+            pod = pod_request(args.pod, self.kube)
+        except PodRequestError as e:
+            log.info("filter: %s", e)
+            self.metrics.rejections.labels("invalid-request").inc(len(args.node_names))
+            return unresolvable_result(args, f"gpupack cannot place this pod: {e}")
+        except NamespaceUnreadable as e:
+            log.warning("filter: %s", e)
+            return filter_result(args, [], {}, {}, error=f"gpupack: {e}")
+        self.on_pod(args.pod)
+        now = self.clock()
+        names = args.node_names
+        with self.view.lock:
+            self.learner.observe(pod)
+            st = self._current(pod, names, now)
+            cand: set[str] | None = None
+            passed: list[str] = []
+            steered: list[str] | None = None
+            if self.keep_best > 0 and not st.steered:
+                # only the policy's best few of the nodes that pass are answered: which pass is
+                # wanted as a set, not as a list in the request's order (~1,000 nodes a pod)
+                cand = set(st.ok)
+            else:
+                if st.passed is None:
+                    ok = st.ok
+                    st.passed = [n for n in names if n in ok]
+                passed = list(st.passed)
+                steered = [n for n in passed if n in st.steered] if st.steered else None
+            failed = dict(st.failed)
+            unresolvable = dict(st.unresolvable)
+            codes = {c: k for c, k in st.codes.items() if k}
+            if steered:
+                target = steered[0]
+                steer = st.steered[target]
+                wanted = {n: st.steered[n] for n in steered}
+        if names and codes.get("unknown-node") == len(st.name_set):
+            shown = ", ".join(names[:5])
+            raise WireError(f"none of the {len(names)} node(s) is known to gpupack: {shown}")
+        if steered:
+            # A pod with its own defrag reservation goes there, not anywhere else.
+            for n in passed:
+                if n not in wanted:
+                    failed[n] = f"pod is steered to node {target} by defrag reservation {steer.id}"
+                    codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
+            passed = steered
+        locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        if cand is not None:
+            passed = self._best_of(pod, names, cand, locked, failed, codes, now)
+        elif locked and any(n in locked for n in passed):
+            free = [n for n in passed if n not in locked]
+            if free:
+                # A bind there would wait for the kubelet to admit the other pod first; another
+                # node that fits is better than a bind that waits and maybe fails into back-off.
+                for n in passed:
+                    if n in locked:
+                        failed[n] = busy_reason(n, locked[n])
+                        codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
+                passed = free
+        if cand is None and self.keep_best > 0 and len(passed) > self.keep_best:
+            # The others are left out of the answer without a reason: kube-scheduler reads reasons
+            # only when no node passes (and one always does here), and this one would only say that
+            # another node was chosen. At 1,000 nodes that was ~50 KB of JSON per pod to write here
+            # and to parse there, on the scheduler's serial cycle.
+            kept = self.scorer.best(pod, names, passed, now, self.keep_best)
+            codes["not-best"] = codes.get("not-best", 0) + len(passed) - len(kept)
+            passed = kept
+        if self.keep_best > 0 and passed and pod.uid:
+            # kube-scheduler binds there (one node: it skips prioritize, whose expectation this is):
+            # the next pod's filter may come before this pod's bind and must steer clear of it
+            self.view.expect(pod.uid, pod.key, tuple(passed[:EXPECT_MAX_NODES]), time.monotonic() + EXPECT_S)
+        for code, k in codes.items():
+            self.metrics.rejections.labels(code).inc(k)
+        return filter_result(args, passed, failed, unresolvable)
+
+    def _current(self, pod: PodRequest, names: list[str], now: datetime) -> FilterAnswer:
+        """The pod shape's answer, updated for the nodes changed since it was last given (all of
+        them for a new shape). View lock held."""
+        table = self.fitter.fits.table(shape_of(pod))
+        st, todo = self.answers.current(shape_of(pod), names, self.view)
+        pos = self.view.seq
+        nodes = self.view.nodes
+        if todo is names and pod.needs_gpu:
+            self.fitter.fit_every_node(st, names, pod, now, table)
+        else:
+            memo: FitMemo = {}
+            update = st.update
+            node_fit = self.fitter.node_fit
+            for n in todo:
+                info = nodes.get(n)
+                res = None
+                if info is not None and not info.reservations:
+                    hit = table.fresh(n, info.version)
+                    if hit is not None:
+                        r = hit[1]
+                    else:
+                        r, res = node_fit(n, pod, now, table, memo)
+                else:
+                    r, res = node_fit(n, pod, now, table, memo)
+                update(n, r, res)
+        st.pos = pos
+        return st
+
+    def _best_of(
+        self,
+        pod: PodRequest,
+        names: list[str],
+        cand: set[str],
+        locked: dict[str, str],
+        failed: dict[str, str],
+        codes: dict[str, int],
+        now: datetime,
+    ) -> list[str]:
+        """filter's answer with keep_best from `cand`, the nodes that pass (no defrag steering):
+        as filter would answer from them in the request's order, without that list. Nodes locked
+        by another pod's bind or handoff are left out (with the reason) while another passes."""
+        busy = [n for n in locked if n in cand]
+        if busy and len(busy) < len(cand):
+            for n in busy:
+                failed[n] = busy_reason(n, locked[n])
+            codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(busy)
+            cand.difference_update(busy)
+        if len(cand) > self.keep_best:
+            kept = self.scorer.best(pod, names, cand, now, self.keep_best)
+            codes["not-best"] = codes.get("not-best", 0) + len(cand) - len(kept)
+            return kept
+        return [n for n in names if n in cand]

@@ -1,0 +1,242 @@
+"""The policy's scores of the nodes a pod fits: prioritize's 0..10 answer, and the policy's best
+few nodes that filter keeps (keep_best), cached per (pod shape, learning epoch) and node version."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from datetime import datetime
+
+from gpupack.contract import Reservation
+from gpupack.core.fit import Fit
+from gpupack.core.model import PodRequest
+from gpupack.core.policies import Policy
+
+from .answers import (
+    AnswerCache,
+    BestIndex,
+    NameSets,
+    PriorityAnswer,
+    Tables,
+    VersionedTable,
+    normalise,
+    shape_of,
+    sorted_index,
+)
+from .fitting import FitMemo, FitTable, Fitter
+from .learning import Learner
+from .records import NodeInfo
+from .view import ClusterView
+
+# Prioritize expects the pod on its top-scored nodes when at most this many share the top score
+# (more: kube-scheduler's random pick among them rarely repeats), until its bind arrives or for
+# at most EXPECT_S.
+EXPECT_MAX_NODES = 4
+EXPECT_S = 2.0
+
+ScoreTable = VersionedTable[float | None]  # node -> (version, raw score or None: no fit)
+
+
+class Scorer:
+    """Raw policy scores per node, and the answers built from them."""
+
+    def __init__(
+        self,
+        view: ClusterView,
+        policy: Policy,
+        fitter: Fitter,
+        learner: Learner,
+        names: NameSets | None = None,
+    ) -> None:
+        self.view = view
+        self.policy = policy
+        self.fitter = fitter
+        self.learner = learner
+        self.scores: Tables[float | None] = Tables()  # (shape, epoch) -> node -> (version, raw score)
+        # the last prioritize answer per (shape, epoch), and the policy's node order per (shape,
+        # epoch) for keep_best, updated for the nodes changed since (the view's journal)
+        self.names = names or NameSets()
+        self.priorities: AnswerCache[PriorityAnswer] = AnswerCache(PriorityAnswer, self.names)
+        self.best_index: AnswerCache[BestIndex] = AnswerCache(BestIndex, self.names)
+        self._ranked: tuple[int, list[str]] = (-1, [])  # tie_ranked
+
+    # --- prioritize ------------------------------------------------------------------------------
+    def prioritize(self, pod: PodRequest, names: list[str], now: datetime) -> list[int]:
+        """Prioritize's scores 0..MAX_SCORE of `names`, in that order: the policy's, normalised;
+        nodes locked by another pod's bind or handoff score 0."""
+        with self.view.lock:
+            self.learner.observe(pod)
+            out = self._normalised(pod, names, now)
+        locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        if locked:
+            out = [0 if n in locked else v for n, v in zip(names, out, strict=True)]
+        self.expect(pod, names, out)
+        return out
+
+    def _normalised(self, pod: PodRequest, names: list[str], now: datetime) -> list[int]:
+        """The policy's scores of `names` normalised to 0..MAX_SCORE (view lock held)."""
+        shape = shape_of(pod)
+        fits = self.fitter.fits.table(shape)
+        key = (shape, self.learner.epoch)
+        table = self.scores.table(key)
+        st, todo = self.priorities.current(key, names, self.view)
+        pos = self.view.seq
+        nodes = self.view.nodes
+        raw, steered = st.raw, st.steered
+        memo: dict[tuple, float] = {}
+        fit_memo: FitMemo = {}
+        for n in todo:
+            st.out = None
+            steered.discard(n)
+            raw.pop(n, None)
+            info = nodes.get(n)
+            if info is None:
+                continue
+            score, res = self.raw_score(n, info, pod, now, fits, table, fit_memo, memo)
+            if score is None:
+                continue
+            if res is not None:
+                steered.add(n)  # the pod's own defrag reservation: it goes there
+            else:
+                raw[n] = score
+        st.pos = pos
+        if st.out is None:
+            st.out = normalise(names, raw, steered)
+        return st.out
+
+    def expect(self, pod: PodRequest, names: list[str], scores: list[int]) -> None:
+        """Note where kube-scheduler will most likely bind `pod` (see ClusterView.expected): the
+        extender's weight makes its top score decide among nodes that pass."""
+        if not pod.uid:
+            return
+        top = max(scores, default=0)
+        best: list[str] = []
+        if top > 0:
+            for n, v in zip(names, scores, strict=True):
+                if v == top:
+                    best.append(n)
+                    if len(best) > EXPECT_MAX_NODES:
+                        best = []
+                        break
+        self.view.expect(pod.uid, pod.key, tuple(best), time.monotonic() + EXPECT_S)
+
+    # --- raw scores ------------------------------------------------------------------------------
+    def raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
+        """The policy's raw score of each node in `names` the pod fits (view lock held); cached per
+        (shape, epoch) and node version like prioritize's."""
+        shape = shape_of(pod)
+        fits = self.fitter.fits.table(shape)
+        table = self.scores.table((shape, self.learner.epoch))
+        nodes = self.view.nodes
+        state_of = self.fitter.state
+        out: dict[str, float] = {}
+        # Nodes in the same state fit and score the same (a fresh or evenly filled cluster, and after
+        # the policy learned more pods, when every node is scored again), as in prioritize. Here
+        # only the score is wanted, so a node in a state already scored in this call costs two
+        # lookups: after a learning flush every node of every shape is scored again, ~1,000 nodes
+        # on kube-scheduler's serial cycle, mostly in a few dozen states.
+        memo: dict[tuple, float] = {}
+        fit_memo: FitMemo = {}
+        by_state: dict[int, float | None] = {}
+        for n in names:
+            info = nodes.get(n)
+            if info is None:
+                continue
+            if not info.reservations:
+                hit = table.fresh(n, info.version)
+                if hit is not None:
+                    if hit[1] is not None:
+                        out[n] = hit[1]
+                    continue
+                state = state_of(n, info)
+                if state is not None:
+                    if state in by_state:
+                        score = by_state[state]
+                        table.put(n, info.version, score)
+                    else:
+                        score = by_state[state] = self.raw_score(
+                            n, info, pod, now, fits, table, fit_memo, memo
+                        )[0]
+                    if score is not None:
+                        out[n] = score
+                    continue
+            score, _res = self.raw_score(n, info, pod, now, fits, table, fit_memo, memo)
+            if score is not None:
+                out[n] = score
+        return out
+
+    def raw_score(
+        self,
+        n: str,
+        info: NodeInfo,
+        pod: PodRequest,
+        now: datetime,
+        fits: FitTable,
+        table: ScoreTable,
+        fit_memo: FitMemo,
+        memo: dict[tuple, float],
+    ) -> tuple[float | None, Reservation | None]:
+        """The policy's raw score of node `n` (None: the pod does not fit there), cached in `table`
+        per node version unless the node holds defrag reservations (their answer depends on the
+        time), and the reservation the fit would use. Nodes in the same state score the same
+        (`memo`: a fresh or evenly filled cluster, common fill patterns). View lock held."""
+        if not info.reservations:
+            hit = table.fresh(n, info.version)
+            if hit is not None:
+                return hit[1], None
+        r, res = self.fitter.node_fit(n, pod, now, fits, fit_memo)
+        score = None
+        if isinstance(r, Fit):
+            node = self.view.state.nodes[n]
+            sig = (self.fitter.state(n, info), tuple(sorted(r.charged.items())))
+            score = memo.get(sig)
+            if score is None:
+                score = memo[sig] = self.policy.node_score(node, pod, r)
+        if not info.reservations:
+            table.put(n, info.version, score)
+        return score, res
+
+    # --- keep_best -------------------------------------------------------------------------------
+    def best(
+        self, pod: PodRequest, names: list[str], passed: Collection[str], now: datetime, keep: int
+    ) -> list[str]:
+        """The `keep` nodes the policy prefers among those that pass (`passed`, out of the
+        request's `names`). Order as :func:`gpupack.core.policies.schedule` picks: highest score,
+        ties to the node first in the policy's seeded node order (ranked over every node of the
+        view, in the order the view first saw them, as schedule() ranks its state's nodes). So for
+        the same state, the node kept first is schedule()'s, and the bind's fit there its GPUs. The
+        order of the request's nodes is kept per (shape, epoch) and only the nodes changed since
+        the last request are scored again."""
+        with self.view.lock:
+            tie = self.policy.tie_key
+            if not self.view.state.nodes.keys() <= tie.keys():
+                self.policy.rank_nodes(self.view.state.nodes)
+            idx, changed = self.best_index.current((shape_of(pod), self.learner.epoch), names, self.view)
+            pos = self.view.seq
+            todo = list(changed)
+            scored = self.raw_scores(pod, todo, now)
+            get = scored.get
+            # a node whose fit changed since (no score) stays a candidate only after every scored one
+            if idx.key_of:
+                for n in todo:
+                    idx.set(n, (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0)))
+            else:
+                idx.key_of = {n: (get(n) is None, -(get(n) or 0.0), tie.get(n, 2.0)) for n in todo}
+                idx.order = sorted_index(idx.key_of, scored, self._tie_ranked())
+            idx.pos = pos
+            want = passed if isinstance(passed, set) else set(passed)
+            kept: list[str] = []
+            for _key, n in idx.order:
+                if n in want:
+                    kept.append(n)
+                    if len(kept) == keep:
+                        break
+        return kept
+
+    def _tie_ranked(self) -> list[str]:
+        """Every node the policy has ranked, in its tie order (ties of that order by name). The
+        ranking only ever grows, so its size says whether this list is still current."""
+        tie = self.policy.tie_key
+        if self._ranked[0] != len(tie):
+            self._ranked = (len(tie), sorted(tie, key=lambda n: (tie[n], n)))
+        return self._ranked[1]
