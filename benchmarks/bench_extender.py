@@ -389,7 +389,7 @@ def bench_inproc(
                 view.state.nodes[best], req, f, ext.clock(), "", view.nodes[best].gpu_indexes
             )
             view.assume(req.key, req.uid, a, frozenset())
-        view.expect(req.uid, req.key, (), 0.0)  # its bind has come (ClusterView.claim drops it so)
+        view.locks.expect(req.uid, req.key, (), 0.0)  # its bind has come (BindLocks.claim drops it so)
     ms = lambda v: round(v * 1000, 2)  # noqa: E731
     return {"nodes": n_nodes, "pods": n_pods, "warmup_pods": warmup, "keep_best": keep_best, "drop": drop} | {
         k: {"p50": ms(pct(v, 50)), "p99": ms(pct(v, 99))} for k, v in t.items()

@@ -18,6 +18,8 @@ from gpupack.contract import (
 from gpupack.core.fit import Fit, FitFailure
 from gpupack.core.model import Node, PodRequest
 
+from .journal import Journal
+
 log = logging.getLogger("gpupack.extender")
 V = TypeVar("V")
 MAX_SCORE = 10
@@ -33,7 +35,7 @@ def shape_of(pod: PodRequest) -> tuple:
 
 class VersionedTable(dict[str, tuple[int, V]]):
     """node -> (node version, result): a result holds while the node's version is the one it was
-    computed at (versions never repeat, see ClusterView.journal)."""
+    computed at (versions never repeat, see journal.Journal)."""
 
     def fresh(self, node: str, version: int) -> tuple[int, V] | None:
         """The entry for `node` if it was computed at `version` (its result is entry[1]), else None."""
@@ -63,15 +65,6 @@ class Tables(Generic[V]):
         else:
             self.data.move_to_end(key)
         return t
-
-
-class Journal(Protocol):
-    """What an answer cache reads of the cluster view (ClusterView): the nodes changed since a
-    position in its journal, and the nodes whose answers depend on the time."""
-
-    reserved: set[str]
-
-    def changed_since(self, pos: int) -> list[str] | None: ...
 
 
 class Answer(Protocol):
@@ -114,10 +107,12 @@ class AnswerCache(Generic[A]):
         self.keys = keys
         self.data: OrderedDict[tuple, A] = OrderedDict()
 
-    def current(self, key: tuple, names: list[str], journal: Journal) -> tuple[A, Collection[str]]:
+    def current(
+        self, key: tuple, names: list[str], journal: Journal, reserved: set[str]
+    ) -> tuple[A, Collection[str]]:
         """The last answer for `key` and the nodes it must look at again: those changed since (or
         holding reservations, whose answer depends on the time), and those not asked about last
-        time; nodes no longer asked about are dropped from it. A fresh answer and every node (the
+        time, and the nodes in `reserved` (defrag reservations: their answer depends on the time); nodes no longer asked about are dropped from it. A fresh answer and every node (the
         list `names` itself) when there is none, or the journal no longer reaches back to it. The
         caller updates those nodes and sets the answer's `pos`. View lock held."""
         st = self.data.get(key)
@@ -139,7 +134,7 @@ class AnswerCache(Generic[A]):
             changed = journal.changed_since(st.pos)
             if changed is not None:
                 todo = set(changed)
-                todo.update(journal.reserved)
+                todo.update(reserved)
                 todo &= st.name_set
                 todo |= added
                 return st, todo

@@ -161,7 +161,7 @@ class Binder:
             # Claimed before anything slow: the scheduler's next pod is filtered while this bind
             # reads the pod, and must already be steered elsewhere (or it would queue behind this
             # handoff).
-            self.view.claim(args.node, key, args.pod_uid)
+            self.view.locks.claim(args.node, key, args.pod_uid)
         deadline = time.monotonic() + self.config.bind_wait_s
         try:
             slots = self._slots
@@ -176,7 +176,7 @@ class Binder:
                 slots.release()
         finally:
             with self._view():
-                self.view.unclaim(args.node, key)
+                self.view.locks.unclaim(args.node, key)
 
     def _bind_claimed(self, args: BindArgs, key: str, deadline: float) -> None:
         assert self.kube is not None
@@ -203,17 +203,17 @@ class Binder:
             if req is None:
                 return
             with self._view():
-                self.view.inflight.add(key)
+                self.view.locks.inflight.add(key)
             self._reserve_and_bind(args, pod, req)
         finally:
             with self._view():
-                self.view.inflight.discard(key)
+                self.view.locks.inflight.discard(key)
             lock.release()
 
     def _wait_handoff(self, node: str, uid: str, deadline: float) -> None:
         with self.view.changed:
             while True:
-                blocker = self.view.blocking_handoff(node, uid)
+                blocker = self.view.locks.blocking_handoff(node, uid)
                 if blocker is None:
                     return
                 left = deadline - time.monotonic()
@@ -257,12 +257,12 @@ class Binder:
             if isinstance(f, FitFailure):
                 raise fit_error(args.node, f)
             try:
-                self.view.assume_host(key, req.uid, args.node, req.host)
+                self.view.host.assume(key, req.uid, args.node, req.host)
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
         why = self.fence.problem() if self.fence is not None else ""
         if why:
-            self.view.unassume_host(key, req.uid)
+            self.view.host.unassume(key, req.uid)
             raise BindError(why, "not-leader")
         try:
             self.kube.bind(args.pod_namespace, args.pod_name, req.uid, args.node)
@@ -271,14 +271,14 @@ class Binder:
                 try:
                     again = self.kube.get_pod(args.pod_namespace, args.pod_name)
                     if (again.get("spec") or {}).get("nodeName") == args.node:
-                        self.view.host_bound(key, req.uid)
+                        self.view.host.bound(key, req.uid)
                         return  # our own earlier attempt went through
                 except ApiException:
                     pass
-            self.view.unassume_host(key, req.uid)
+            self.view.host.unassume(key, req.uid)
             why = f"Binding pod {key} to node {args.node} failed: {api_reason(e)}"
             raise BindError(why, "binding") from e
-        self.view.host_bound(key, req.uid)
+        self.view.host.bound(key, req.uid)
 
     def _already_bound(self, args: BindArgs, pod: dict[str, Any], bound: str) -> None:
         """A retried bind whose first attempt went through is a success; anything else is not."""

@@ -102,7 +102,7 @@ class Filter:
                     failed[n] = f"pod is steered to node {target} by defrag reservation {steer.id}"
                     codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
             passed = steered
-        locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
         if cand is not None:
             passed = self._best_of(pod, names, cand, locked, failed, codes, now)
         elif locked and any(n in locked for n in passed):
@@ -126,7 +126,9 @@ class Filter:
         if self.keep_best > 0 and passed and pod.uid:
             # kube-scheduler binds there (one node: it skips prioritize, whose expectation this is):
             # the next pod's filter may come before this pod's bind and must steer clear of it
-            self.view.expect(pod.uid, pod.key, tuple(passed[:EXPECT_MAX_NODES]), time.monotonic() + EXPECT_S)
+            self.view.locks.expect(
+                pod.uid, pod.key, tuple(passed[:EXPECT_MAX_NODES]), time.monotonic() + EXPECT_S
+            )
         for code, k in codes.items():
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
@@ -135,8 +137,8 @@ class Filter:
         """The pod shape's answer, updated for the nodes changed since it was last given (all of
         them for a new shape). View lock held."""
         table = self.fitter.fits.table(shape_of(pod))
-        st, todo = self.answers.current(shape_of(pod), names, self.view)
-        pos = self.view.seq
+        st, todo = self.answers.current(shape_of(pod), names, self.view.journal, self.view.reserved)
+        pos = self.view.journal.seq
         nodes = self.view.nodes
         if todo is names and pod.needs_gpu:
             self.fitter.fit_every_node(st, names, pod, now, table)

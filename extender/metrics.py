@@ -176,7 +176,7 @@ class ViewCollector(Collector):
                 for g in node.gpus
             ]
             pods = len(self.view.pods)
-            pending = sum(len(s) for s in self.view.pending_by_node.values())
+            pending = sum(len(s) for s in self.view.locks.pending.values())
         free_total = free_partial = 0
         for name, index, uuid, model, mem_used, mem_mib, milli_used, pod_class, healthy, free, held in gpus:
             lv = [name, uuid, str(index), model]

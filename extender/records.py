@@ -24,6 +24,8 @@ from gpupack.handoff import PodView
 
 from .hostuse import HostUse
 
+TERMINAL = ("Succeeded", "Failed")  # pod phases: the pod holds nothing any more
+
 
 @dataclass
 class NodeInfo:
@@ -66,7 +68,7 @@ class PodInfo:
     bound_node: str = ""  # spec.nodeName
     slots: int = 0  # `gpupack.io/gpu` slots the kubelet charges the pod (see pod_slots)
     resource_version: str = ""
-    host: HostUse = HostUse()  # its CPU/memory request, charged on `node` (see ClusterView.host_pods)
+    host: HostUse = HostUse()  # its CPU/memory request, charged on `node` (see HostLedger.pods)
 
     @property
     def pending(self) -> bool:

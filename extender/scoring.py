@@ -67,7 +67,7 @@ class Scorer:
         with self.view.lock:
             self.learner.observe(pod)
             out = self._normalised(pod, names, now)
-        locked = self.view.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
         if locked:
             out = [0 if n in locked else v for n, v in zip(names, out, strict=True)]
         self.expect(pod, names, out)
@@ -79,8 +79,8 @@ class Scorer:
         fits = self.fitter.fits.table(shape)
         key = (shape, self.learner.epoch)
         table = self.scores.table(key)
-        st, todo = self.priorities.current(key, names, self.view)
-        pos = self.view.seq
+        st, todo = self.priorities.current(key, names, self.view.journal, self.view.reserved)
+        pos = self.view.journal.seq
         nodes = self.view.nodes
         raw, steered = st.raw, st.steered
         memo: dict[tuple, float] = {}
@@ -105,7 +105,7 @@ class Scorer:
         return st.out
 
     def expect(self, pod: PodRequest, names: list[str], scores: list[int]) -> None:
-        """Note where kube-scheduler will most likely bind `pod` (see ClusterView.expected): the
+        """Note where kube-scheduler will most likely bind `pod` (see BindLocks.expected): the
         extender's weight makes its top score decide among nodes that pass."""
         if not pod.uid:
             return
@@ -118,7 +118,7 @@ class Scorer:
                     if len(best) > EXPECT_MAX_NODES:
                         best = []
                         break
-        self.view.expect(pod.uid, pod.key, tuple(best), time.monotonic() + EXPECT_S)
+        self.view.locks.expect(pod.uid, pod.key, tuple(best), time.monotonic() + EXPECT_S)
 
     # --- raw scores ------------------------------------------------------------------------------
     def raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
@@ -211,8 +211,10 @@ class Scorer:
             tie = self.policy.tie_key
             if not self.view.state.nodes.keys() <= tie.keys():
                 self.policy.rank_nodes(self.view.state.nodes)
-            idx, changed = self.best_index.current((shape_of(pod), self.learner.epoch), names, self.view)
-            pos = self.view.seq
+            idx, changed = self.best_index.current(
+                (shape_of(pod), self.learner.epoch), names, self.view.journal, self.view.reserved
+            )
+            pos = self.view.journal.seq
             todo = list(changed)
             scored = self.raw_scores(pod, todo, now)
             get = scored.get

@@ -57,7 +57,7 @@ class Settler:
             if conflict:  # refused: it never took effect
                 self.view.unassume(req.key, req.uid, a)
                 raise BindError(f"{why}; cannot read the pod again: {api_reason(e2)}", "binding") from err
-            self.view.hold_doubtful(req.key, req.uid, rv)
+            self.view.locks.hold_doubtful(req.key, req.uid, rv)
             raise BindError(f"{why}; its outcome is not known yet ({api_reason(e2)})", "binding") from err
         pod = self._judge(args, req, a, pod, why)
         if pod is None or conflict or (pod.get("spec") or {}).get("nodeName"):
@@ -114,7 +114,7 @@ class Settler:
         """Resolve assignments held for Bindings whose outcome was unknown (the janitor, each pass):
         keep the charge of a pod bound with it, release the others. The number resolved."""
         n = 0
-        for key, uid, rv in self.view.doubtful_items():
+        for key, uid, rv in self.view.locks.doubtful_items():
             try:
                 self._settle_doubt(key, uid, rv)
             except ApiException as e:
@@ -131,7 +131,7 @@ class Settler:
         """A pod whose earlier Binding's outcome is unknown is settled before it is bound again:
         otherwise that Binding could still land after this bind gave up, with no GPU charged."""
         with self.view.lock:
-            doubt = self.view.doubtful.get(req.key)
+            doubt = self.view.locks.doubtful.get(req.key)
         if doubt is None or doubt[0] != req.uid:
             return
         try:

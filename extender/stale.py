@@ -49,7 +49,7 @@ class StaleCleaner:
             return
         key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
         with self.view.lock:
-            if key in self.view.inflight:
+            if key in self.view.locks.inflight:
                 return
         if self.fence is not None and self.fence.problem():
             return

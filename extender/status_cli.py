@@ -56,7 +56,7 @@ def collect(view: ClusterView, only: set[str] | None = None, include_empty: bool
                         ],
                     }
                 )
-            pending = sorted(k for k in view.pending_by_node.get(name, ()) if k in view.pods)
+            pending = sorted(k for k in view.locks.pending.get(name, ()) if k in view.pods)
             nodes.append(
                 {
                     "node": name,

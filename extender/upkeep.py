@@ -67,7 +67,7 @@ class Upkeep:
             return done
         done["settled"] = self.settler.settle_doubtful()
         now = self.clock()
-        for p in self.view.pending_bound():
+        for p in self.view.locks.pending_bound():
             age = handoff.handoff_age_s(p.pod_view(), now)
             if age is None or age <= self.config.stale_handoff_s:
                 continue

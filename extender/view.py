@@ -22,52 +22,37 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeGuard
 
-from gpupack import handoff
 from gpupack.contract import (
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
-    ANN_INVENTORY,
-    ANN_RESERVATIONS,
     HANDOFF_PENDING,
     Assignment,
     ContractError,
     Reservation,
     decode_assignment,
-    decode_inventory,
-    decode_reservations,
 )
 from gpupack.core.model import FULL, ClusterState, Node, Placement, PlacementError, PodRequest
 
 from . import reservations as resv
+from .bind_locks import BindLocks
+from .host_ledger import HostLedger
 from .hostuse import (
-    MIB,
     NO_HOST_USE,
-    HostPod,
     HostUse,
-    allocatable_host,
-    grew,
-    host_plus,
     pod_host_request,
-    ram_mib,
 )
+from .journal import Journal
+from .node_book import NodeBook
 from .records import (
+    TERMINAL,
     NodeInfo,
     PodInfo,
-    allocatable_slots,
-    blocking_taints,
     charged_from_assignment,
     init_names,
-    node_from_inventory,
-    node_ready,
     pod_slots,
-    room_grew,
 )
 
 log = logging.getLogger("gpupack.extender.view")
-
-
-TERMINAL = ("Succeeded", "Failed")
-JOURNAL_MAX = 200_000
 
 
 class ClusterView:
@@ -82,20 +67,10 @@ class ClusterView:
         # Off, the core treats CPU and memory as not tracked and node_resources_fit is not run
         # (then kube-scheduler's NodeResourcesFit filter must be on).
         self.track_host = track_host
-        # Assigned pods of the whole cluster (a second, field-selected watch): pod key -> HostPod.
-        # A gpupack pod not in it yet (assumed, or its Binding not echoed) is charged from its
-        # PodInfo instead; by key and uid, never both (see _host_recount).
-        self.host_pods: dict[str, HostPod] = {}
-        self.host_by_node: dict[str, set[str]] = {}
-        # CPU-only pods this process binds (no assignment, so no PodInfo): pod key -> (HostPod, Binding
-        # posted), charged from assume_host until the assigned-pod watch shows them (then from there).
-        self.host_assumed: dict[str, tuple[HostPod, bool]] = {}
-        self.host_assumed_by_node: dict[str, set[str]] = {}
         self.changed = threading.Condition(self.lock)
         self.state = ClusterState()
         self.nodes: dict[str, NodeInfo] = {}
         self.pods: dict[str, PodInfo] = {}
-        self.pending_by_node: dict[str, set[str]] = {}
         self.consumed: dict[str, set[str]] = {}  # node -> reservation ids consumed by live pods
         self.synced = threading.Event()
         # (kind, message) for corrupt annotations and conflicts; the metrics layer counts them
@@ -104,230 +79,40 @@ class ClusterView:
         # lock from the watch and bind threads, so it must not block (the Requeuer only flags).
         self.on_room: Callable[[str, str], None] = lambda node, why: None
         self.problems: dict[str, str] = {}  # object -> last problem, for status and readiness
-        # Every change that can change a fit, in order: journal[i - journal_base] is the node
-        # changed at sequence number i. The extender's per-shape answers only re-examine the nodes
-        # named since their own position. A node's version is the sequence number of its last
-        # change, so versions never repeat, not even for a node deleted and created again.
-        self.journal: list[str] = []
-        self.journal_base = 0
+        self.journal = Journal()  # the order nodes changed in (their versions)
         self.reserved: set[str] = set()  # nodes with defrag reservations: their answers depend on time
         self.slot_use: dict[str, dict[str, int]] = {}  # node -> pod key -> `gpupack.io/gpu` slots
-        self.inflight: set[str] = set()  # pods this process is binding now (assumed, Binding not answered)
-        # Pods whose Binding got no answer and whose fate could not be found out yet: pod key ->
-        # (uid, the Binding's resourceVersion precondition, its assignment). It stays charged, and
-        # counts as a pending handoff, until the janitor settles them (Extender.settle_doubtful).
-        self.doubtful: dict[str, tuple[str, str, str]] = {}  # key -> (uid, rv, assignment held)
-        # node -> pod key -> uid of every bind request this process holds, from its arrival on (before
-        # it reads the pod, queues for the node or writes anything): filter steers the next pods
-        # away from these nodes at once, not only once the assignment is written.
-        self.claims: dict[str, dict[str, str]] = {}
-        # pod uid -> (until when, key, nodes): where kube-scheduler will most likely bind a pod this
-        # process has just prioritized (its top-scored nodes, when only a few share the top). The
-        # scheduler starts the bind and its next pod's filter at the same moment, so that filter
-        # can overtake the bind; it steers away from these nodes as from a bind in progress.
-        self.expected: dict[str, tuple[float, str, tuple[str, ...]]] = {}
+        self.host = HostLedger(self)  # host resources in use per node (with track_host)
+        self.locks = BindLocks(self)  # pending handoffs, binds in progress, expected binds, doubts
+        self.node_book = NodeBook(self)  # Node objects into `nodes` and `state.nodes`
 
     # --- nodes ---------------------------------------------------------------------------------
-    def _problem(self, kind: str, obj: str, msg: str) -> None:
+    def problem(self, kind: str, obj: str, msg: str) -> None:
         if self.problems.get(obj) != msg:
             log.warning("%s", msg)
         self.problems[obj] = msg
         self.on_problem(kind, msg)
 
     def apply_node(self, obj: dict[str, Any]) -> None:
-        meta = obj.get("metadata") or {}
-        name = meta.get("name")
-        if not isinstance(name, str) or not name:
-            return
-        ann = meta.get("annotations") or {}
-        labels = dict(meta.get("labels") or {})
-        unsched = bool((obj.get("spec") or {}).get("unschedulable"))
-        inv_raw = ann.get(ANN_INVENTORY)
-        res_raw = ann.get(ANN_RESERVATIONS)
-        slots = allocatable_slots(obj)
-        taints, ready = blocking_taints(obj), node_ready(obj)
-        alloc, pods_allowed = allocatable_host(obj)
-        with self.lock:
-            info = self.nodes.get(name)
-            if (
-                info is not None
-                and info.slots == slots
-                and info.inventory_raw == inv_raw
-                and info.reservations_raw == res_raw
-                and info.unschedulable == unsched
-                and info.labels == labels
-                and info.allocatable == alloc
-                and info.pods_allowed == pods_allowed
-            ):
-                # heartbeats and status updates: nothing gpupack's fit reads changed
-                if info.taints != taints or info.ready != ready:
-                    was = replace(info)
-                    info.taints, info.ready = taints, ready
-                    if why := room_grew(was, info, inv_raw, labels):
-                        self.on_room(name, why)
-                return
-            before = replace(info) if info is not None else None
-            if info is None:
-                info = NodeInfo(name)
-                self.nodes[name] = info
-            info.taints, info.ready = taints, ready
-            why = room_grew(before, replace(info, unschedulable=unsched, slots=slots, reservations_raw=res_raw),
-                            inv_raw, labels)  # fmt: skip
-            rebuild = inv_raw != info.inventory_raw or name not in self.state.nodes
-            if (
-                not why
-                and self.track_host
-                and (grew(info.allocatable, alloc) or pods_allowed > info.pods_allowed)
-            ):
-                why = "allocatable-grew"
-            info.unschedulable, info.labels, info.slots, info.allocatable = unsched, labels, slots, alloc
-            info.pods_allowed = pods_allowed
-            if rebuild:
-                info.inventory_raw = inv_raw
-                inv = None
-                info.inventory_error = ""
-                if inv_raw is not None:
-                    try:
-                        inv = decode_inventory(inv_raw, name)
-                        self.problems.pop(f"node/{name}/inventory", None)
-                    except ContractError as e:
-                        info.inventory_error = str(e)
-                        self._problem("corrupt-inventory", f"node/{name}/inventory", str(e))
-                info.gpu_indexes = [g.index for g in sorted(inv.gpus, key=lambda g: g.index)] if inv else []
-                self._rebuild_node(name, node_from_inventory(name, inv, unsched, labels))
-            else:
-                node = self.state.nodes[name]
-                node.schedulable, node.labels = not unsched, labels
-                self._host_recount(name)
-            if res_raw != info.reservations_raw:
-                info.reservations_raw = res_raw
-                info.reservations, info.reservations_error = (), ""
-                if res_raw:
-                    try:
-                        info.reservations = tuple(decode_reservations(res_raw, name))
-                        self.problems.pop(f"node/{name}/reservations", None)
-                    except ContractError as e:
-                        info.reservations_error = str(e)
-                        self._problem("corrupt-reservations", f"node/{name}/reservations", str(e))
-            if info.reservations:
-                self.reserved.add(name)
-            else:
-                self.reserved.discard(name)
-            self._touch(info)
-            if why:
-                self.on_room(name, why)
-            self.changed.notify_all()
+        self.node_book.apply(obj)
 
     def delete_node(self, name: str) -> None:
-        with self.lock:
-            info = self.nodes.pop(name, None)
-            if info is not None:
-                self._touch(info)
-            self.reserved.discard(name)
-            node = self.state.nodes.pop(name, None)
-            if node is not None:
-                for key in [k for k, (_, p, _) in self.state.pods.items() if p.node == name]:
-                    self.state.pods.pop(key, None)
-            self.changed.notify_all()
+        self.node_book.delete(name)
 
-    def _rebuild_node(self, name: str, node: Node) -> None:
-        for key in [k for k, (_, p, _) in self.state.pods.items() if p.node == name]:
-            self.state.pods.pop(key, None)
-        self.state.nodes[name] = node
-        for p in self.pods.values():
-            if p.node == name:
-                self._charge(p)
-        self._host_recount(name)
+    def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
+        self.node_book.replace(objs)
 
-    # --- host resources ---------------------------------------------------------------------------
-    def _host_recount(self, name: str) -> bool:
-        """Set the node's requested host resources and pod count (NodeInfo.requested, pod_count)
-        and the core Node's CPU/memory from its allocatable and the pods assigned to it; True when
-        any of them changed. A gpupack pod the assigned-pod watch shows already (same uid, same
-        node) is counted from there, else from its PodInfo: binds charge at assume time, before any
-        watch has seen them, and nothing is counted twice."""
-        node = self.state.nodes.get(name)
-        info = self.nodes.get(name)
-        if node is None or info is None or not self.track_host:
-            return False
-        uses: list[HostUse] = [self.host_pods[k].use for k in self.host_by_node.get(name, ())]
-        for k in self.slot_use.get(name, ()):
-            p = self.pods.get(k)
-            if p is None or p.node != name:
-                continue
-            hp = self.host_pods.get(k)
-            if hp is not None and hp.uid == p.uid and hp.node == name:
-                continue
-            uses.append(p.host)
-        for k in self.host_assumed_by_node.get(name, ()):
-            a = self.host_assumed[k][0]
-            hp = self.host_pods.get(k)
-            if hp is not None and hp.uid == a.uid and hp.node == name:
-                continue
-            uses.append(a.use)
-        requested = NO_HOST_USE
-        for u in uses:
-            requested = host_plus(requested, u)
-        changed = requested != info.requested or len(uses) != info.pod_count
-        info.requested, info.pod_count = requested, len(uses)
-        new = (
-            info.allocatable.cpu_milli,
-            info.allocatable.mem_bytes // MIB,
-            requested.cpu_milli,
-            ram_mib(requested.mem_bytes),
-        )
-        if new == (node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used):
-            return changed
-        node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used = new
-        return True
+    def replace_node_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        self.node_book.replace_pages(pages)
 
-    def apply_host_pod(self, obj: dict[str, Any], deleted: bool = False) -> None:
-        """An event of the assigned-pod watch (every pod with a node, not terminal)."""
-        meta = obj.get("metadata") or {}
-        name = meta.get("name")
-        if not isinstance(name, str) or not name:
-            return
-        key = f"{meta.get('namespace') or 'default'}/{name}"
-        node = str((obj.get("spec") or {}).get("nodeName") or "")
-        gone = deleted or not node or (obj.get("status") or {}).get("phase") in TERMINAL
-        new = None if gone else HostPod(str(meta.get("uid") or ""), node, pod_host_request(obj))
-        with self.lock:
-            old = self.host_pods.get(key)
-            if old == new:
-                return
-            if old is not None:
-                keys = self.host_by_node.get(old.node)
-                if keys is not None:
-                    keys.discard(key)
-                    if not keys:
-                        del self.host_by_node[old.node]
-                del self.host_pods[key]
-            if new is not None:
-                self.host_pods[key] = new
-                self.host_by_node.setdefault(new.node, set()).add(key)
-            touched = {x.node for x in (old, new) if x is not None}
-            assumed = self.host_assumed.get(key)
-            if assumed is not None and assumed[0].uid == str(meta.get("uid") or ""):
-                # the watch shows the pod now (or its end): its charge is counted from host_pods
-                touched.add(assumed[0].node)
-                self._drop_host_assumed(key)
-            for n in touched:
-                ni = self.nodes.get(n)
-                if ni is None:
-                    continue
-                before, count = ni.requested, ni.pod_count
-                if self._host_recount(n):
-                    self._bump(n)
-                    if ni.pod_count < count or grew(ni.requested, before):
-                        # kube-scheduler retries parked pods on a pod's deletion, but that retry can
-                        # reach this extender before this watch has freed the CPU
-                        self.on_room(n, "host-freed")
-            self.changed.notify_all()
+    def bump(self, node: str) -> None:
+        """A change on `node` that can change a fit there: it gets a new version."""
+        info = self.nodes.get(node)
+        if info is not None:
+            self.journal.touch(info)
 
-    def delete_host_pod(self, obj: dict[str, Any]) -> None:
-        self.apply_host_pod(obj, deleted=True)
-
-    def _apply_pod_pages(
+    # --- lists ----------------------------------------------------------------------------------
+    def apply_pod_pages(
         self, pages: Iterable[list[dict[str, Any]]], apply: Callable[[dict[str, Any]], None]
     ) -> set[str]:
         """Apply a list's pages, the lock held per page (the view stays usable between pages); the
@@ -341,72 +126,8 @@ class ClusterView:
                     apply(o)
         return seen
 
-    def replace_host_pod_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
-        """A fresh list of the assigned pods: apply it and drop the pods missing from it."""
-        seen = self._apply_pod_pages(pages, self.apply_host_pod)
-        with self.lock:
-            self._drop_unlisted_host(seen)
-            self.changed.notify_all()
-
-    def _drop_unlisted_host(self, seen: set[str]) -> None:
-        for key in [k for k in self.host_pods if k not in seen]:
-            ns, _, name = key.partition("/")
-            self.apply_host_pod({"metadata": {"namespace": ns, "name": name}}, deleted=True)
-        # a bound CPU-only pod missing from it has ended, or was bound after the list's snapshot
-        # (then the watch that resumes from it shows the pod, and charges it from host_pods)
-        for key in [k for k, (_, bound) in self.host_assumed.items() if bound and k not in seen]:
-            node = self.host_assumed[key][0].node
-            self._drop_host_assumed(key)
-            if self._host_recount(node):
-                self._bump(node)
-
-    # --- CPU-only pods this process binds ---------------------------------------------------------
-    def _drop_host_assumed(self, key: str) -> None:
-        hp, _ = self.host_assumed.pop(key)
-        keys = self.host_assumed_by_node.get(hp.node)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self.host_assumed_by_node[hp.node]
-
-    def assume_host(self, key: str, uid: str, node: str, use: HostUse) -> None:
-        """Charge a CPU-only pod's CPU/memory on `node` from now on, before its Binding is posted:
-        the next filter must see it before the assigned-pod watch does (see host_assumed)."""
-        with self.lock:
-            if node not in self.state.nodes:
-                raise PlacementError(f"node {node} is not known")
-            if key in self.host_assumed:
-                old = self.host_assumed[key][0].node
-                self._drop_host_assumed(key)
-                self._host_recount(old)
-                self._bump(old)
-            self.host_assumed[key] = (HostPod(uid, node, use), False)
-            self.host_assumed_by_node.setdefault(node, set()).add(key)
-            self._host_recount(node)
-            self._bump(node)
-            self.changed.notify_all()
-
-    def host_bound(self, key: str, uid: str) -> None:
-        """The Binding of a CPU-only pod charged by assume_host went through."""
-        with self.lock:
-            a = self.host_assumed.get(key)
-            if a is not None and a[0].uid == uid:
-                self.host_assumed[key] = (a[0], True)
-
-    def unassume_host(self, key: str, uid: str) -> None:
-        """Undo assume_host after a failed Binding (only if it is still this pod's)."""
-        with self.lock:
-            a = self.host_assumed.get(key)
-            if a is None or a[0].uid != uid:
-                return
-            self._drop_host_assumed(key)
-            if self._host_recount(a[0].node):
-                self.on_room(a[0].node, "host-freed")
-            self._bump(a[0].node)
-            self.changed.notify_all()
-
     # --- pods ----------------------------------------------------------------------------------
-    def _charge(self, p: PodInfo) -> None:
+    def charge(self, p: PodInfo) -> None:
         """Put a pod's assignment on its node; a conflict is reported and charged anyway."""
         self.slot_use.setdefault(p.node, {})[p.key] = p.slots
         node = self.state.nodes.get(p.node)
@@ -414,18 +135,18 @@ class ClusterView:
             return  # the node is not (yet) known; charged when it appears
         placement, charged, problems = charged_from_assignment(node, p.assignment, p.init_names)
         for msg in problems:
-            self._problem("assignment-gpu-missing", f"pod/{p.key}", f"pod {p.key}: {msg}")
+            self.problem("assignment-gpu-missing", f"pod/{p.key}", f"pod {p.key}: {msg}")
         req = PodRequest(key=p.key, pod_class=p.assignment.pod_class, uid=p.uid)
         try:
             self.state.place(req, placement, charged)
         except PlacementError as e:
             # Already on the GPU per the API: account for it, so nothing more lands there.
-            self._problem("conflict", f"pod/{p.key}", f"pod {p.key}: assignment conflicts with others: {e}")
+            self.problem("conflict", f"pod/{p.key}", f"pod {p.key}: assignment conflicts with others: {e}")
             self._force_place(node, req, placement, charged)
         if p.assignment.reservation:
             self.consumed.setdefault(p.node, set()).add(p.assignment.reservation)
-        self._host_recount(p.node)
-        self._bump(p.node)
+        self.host.recount(p.node)
+        self.bump(p.node)
 
     def _force_place(self, node: Node, req: PodRequest, placement: Placement, charged: dict) -> None:
         for idx, (mem, milli, ex) in charged.items():
@@ -439,33 +160,6 @@ class ClusterView:
             g.pod_class = g.pod_class or req.pod_class
             g.holders[req.key] = (g.mem_mib if ex else mem, FULL if ex else milli)
         self.state.pods[req.key] = (req, placement, charged)
-
-    def _touch(self, info: NodeInfo) -> None:
-        seq = self.journal_base + len(self.journal)
-        info.version = seq + 1
-        self.journal.append(info.name)
-        if len(self.journal) > JOURNAL_MAX:
-            # Readers further behind than what is kept start over from a full pass.
-            drop = len(self.journal) // 2
-            del self.journal[:drop]
-            self.journal_base += drop
-
-    def changed_since(self, pos: int) -> list[str] | None:
-        """Nodes changed from sequence number `pos` on (repeats possible); None when the journal
-        no longer reaches back that far."""
-        if pos < self.journal_base:
-            return None
-        return self.journal[pos - self.journal_base :]
-
-    @property
-    def seq(self) -> int:
-        """The sequence number the next change will get."""
-        return self.journal_base + len(self.journal)
-
-    def _bump(self, node: str) -> None:
-        info = self.nodes.get(node)
-        if info is not None:
-            self._touch(info)
 
     def _release(self, key: str, freed: bool = True) -> None:
         """Take a pod's charge off its node; `freed`: its GPUs are free for others now (not when
@@ -481,22 +175,13 @@ class ClusterView:
             ids = self.consumed.get(p.node)
             if ids is not None:
                 ids.discard(p.assignment.reservation)
-        pend = self.pending_by_node.get(p.node)
-        if pend is not None:
-            pend.discard(key)
-        self._host_recount(p.node)
-        self._bump(p.node)
+        self.locks.unindex(p.node, key)
+        self.host.recount(p.node)
+        self.bump(p.node)
         if freed:
             # kube-scheduler retries its parked pods on the pod's deletion itself, but that retry
             # can reach this extender before its watch has freed the GPUs, and is not repeated.
             self.on_room(p.node, "pod-left")
-
-    def _index_pending(self, p: PodInfo) -> None:
-        pend = self.pending_by_node.setdefault(p.node, set())
-        if p.pending:
-            pend.add(p.key)
-        else:
-            pend.discard(p.key)
 
     def apply_pod(self, obj: dict[str, Any], deleted: bool = False) -> None:
         meta = obj.get("metadata") or {}
@@ -520,7 +205,7 @@ class ClusterView:
                 a = decode_assignment(raw, key)
                 self.problems.pop(f"pod/{key}", None)
             except ContractError as e:
-                self._problem("corrupt-assignment", f"pod/{key}", str(e))
+                self.problem("corrupt-assignment", f"pod/{key}", str(e))
         with self.lock:
             old = self.pods.get(key)
             if a is None and old is None:
@@ -532,10 +217,10 @@ class ClusterView:
                 # it (admission), so keep the share until the pod ends rather than over-commit.
                 stripped = alive and raw is None and bool((obj.get("spec") or {}).get("nodeName"))
                 if stripped and old is not None and not old.assumed:
-                    self._problem("stripped-assignment", f"pod/{key}", f"pod {key} lost its {ANN_ASSIGNMENT} "
+                    self.problem("stripped-assignment", f"pod/{key}", f"pod {key} lost its {ANN_ASSIGNMENT} "
                                   "annotation while running; its share stays held until it ends")  # fmt: skip
                 if not (alive and old is not None and (old.assumed or stripped)):
-                    self.doubtful.pop(key, None)
+                    self.locks.doubtful.pop(key, None)
                     self._release(key)
                 self.changed.notify_all()
                 return
@@ -546,7 +231,7 @@ class ClusterView:
             if self._holds(old, uid, raw):  # charged since the check before decoding
                 self._refresh(old, obj)
                 return
-            self.doubtful.pop(key, None)  # the watch shows what the pod holds: no doubt left
+            self.locks.doubtful.pop(key, None)  # the watch shows what the pod holds: no doubt left
             info = PodInfo(
                 key=key,
                 uid=uid,
@@ -563,8 +248,8 @@ class ClusterView:
             )
             self._release(key, freed=False)
             self.pods[key] = info
-            self._charge(info)
-            self._index_pending(info)
+            self.charge(info)
+            self.locks.index_pending(info)
             self.changed.notify_all()
 
     def _holds(self, old: PodInfo | None, uid: str, raw: str) -> TypeGuard[PodInfo]:
@@ -575,12 +260,12 @@ class ClusterView:
         """An event of a pod with the assignment `old` holds: only its handoff, deletion, node and
         version can have changed (the rest of a pod's spec is immutable). View lock held."""
         meta = obj.get("metadata") or {}
-        self.doubtful.pop(old.key, None)  # the watch shows what the pod holds: no doubt left
+        self.locks.doubtful.pop(old.key, None)  # the watch shows what the pod holds: no doubt left
         old.handoff = str((meta.get("annotations") or {}).get(ANN_HANDOFF, ""))
         old.deleting, old.assumed = meta.get("deletionTimestamp") is not None, False
         old.bound_node = str((obj.get("spec") or {}).get("nodeName") or "") or old.bound_node
         old.resource_version = str(meta.get("resourceVersion") or "")
-        self._index_pending(old)
+        self.locks.index_pending(old)
         self.changed.notify_all()
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
@@ -588,7 +273,7 @@ class ClusterView:
 
     def replace_pods(self, objs: Iterable[dict[str, Any]]) -> None:
         """A fresh list: apply it and drop confirmed pods that are gone (assumed ones stay)."""
-        seen = self._apply_pod_pages([list(objs)], self.apply_pod)
+        seen = self.apply_pod_pages([list(objs)], self.apply_pod)
         with self.lock:
             self._drop_unlisted(seen)
             self.changed.notify_all()
@@ -603,38 +288,24 @@ class ClusterView:
         """An ADDED/MODIFIED event of the assigned-pod watch: the pod's assignment (a gpupack pod)
         and, with `track_host`, its CPU/memory on its node."""
         if self.track_host:
-            self.apply_host_pod(obj)
+            self.host.apply_pod(obj)
         self.apply_pod(obj)
 
     def delete_assigned(self, obj: dict[str, Any]) -> None:
         """A DELETED event: the pod was deleted or ended (Succeeded/Failed leave the selection). The
         watch selects on the node name, which never changes once set, so it means nothing else."""
         if self.track_host:
-            self.apply_host_pod(obj, deleted=True)
+            self.host.apply_pod(obj, deleted=True)
         self.apply_pod(obj, deleted=True)
 
     def replace_assigned_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
         """A fresh list of the assigned pods: apply it, and drop what is missing from it."""
-        seen = self._apply_pod_pages(pages, self.apply_assigned)
+        seen = self.apply_pod_pages(pages, self.apply_assigned)
         with self.lock:
             if self.track_host:
-                self._drop_unlisted_host(seen)
+                self.host.drop_unlisted(seen)
             self._drop_unlisted(seen)
             self.changed.notify_all()
-
-    def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
-        self.replace_node_pages([list(objs)])
-
-    def replace_node_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
-        seen: set[str] = set()
-        for page in pages:
-            with self.lock:
-                for o in page:
-                    seen.add((o.get("metadata") or {}).get("name") or "")
-                    self.apply_node(o)
-        with self.lock:
-            for name in [n for n in self.nodes if n not in seen]:
-                self.delete_node(name)
 
     # --- the bind step's reservation -------------------------------------------------------------
     def assume(
@@ -642,7 +313,7 @@ class ClusterView:
         host: HostUse = NO_HOST_USE,
     ) -> None:  # fmt: skip
         """Hold an assignment this process is about to write; PlacementError if it no longer fits.
-        `host`: the pod's CPU/memory request, charged on the node from now on (see _host_recount)."""
+        `host`: the pod's CPU/memory request, charged on the node from now on (see HostLedger.recount)."""
         with self.lock:
             node = self.state.nodes.get(a.node)
             if node is None:
@@ -661,12 +332,12 @@ class ClusterView:
             )  # fmt: skip
             self.pods[key] = info
             self.slot_use.setdefault(a.node, {})[key] = slots
-            self._host_recount(a.node)
-            self.inflight.add(key)  # until mark_bound, unassume or the bind's end
+            self.host.recount(a.node)
+            self.locks.inflight.add(key)  # until mark_bound, unassume or the bind's end
             if a.reservation:
                 self.consumed.setdefault(a.node, set()).add(a.reservation)
-            self._index_pending(info)
-            self._bump(a.node)
+            self.locks.index_pending(info)
+            self.bump(a.node)
             self.changed.notify_all()
 
     def unassume(self, key: str, uid: str, a: Assignment) -> None:
@@ -675,7 +346,7 @@ class ClusterView:
             p = self.pods.get(key)
             if p is not None and p.uid == uid and p.assignment_raw == a.to_json():
                 self._release(key)
-            self.inflight.discard(key)
+            self.locks.inflight.discard(key)
             self.changed.notify_all()
 
     def mark_bound(self, key: str, node: str) -> None:
@@ -683,7 +354,7 @@ class ClusterView:
             p = self.pods.get(key)
             if p is not None:
                 p.bound_node = node
-            self.inflight.discard(key)
+            self.locks.inflight.discard(key)
 
     # --- queries -------------------------------------------------------------------------------
     def version(self, node: str) -> int:
@@ -696,73 +367,6 @@ class ClusterView:
             return []
         return resv.active(info.reservations, now, self.consumed.get(node, set()))
 
-    def _may_be_admitted(self, p: PodInfo) -> bool:
-        """Whether the kubelet may admit this assigned pod on its node: bound there, or being bound
-        by this process, or its Binding's fate unknown. A pod with an assignment but no node (left
-        by an extender before the one-write Binding) never will, and locks nothing."""
-        return bool(p.bound_node) or p.key in self.inflight or p.key in self.doubtful
-
-    def blocking_handoff(self, node: str, exclude_uid: str) -> handoff.PodView | None:
-        """The pending handoff that keeps another pod off `node`. Only a pod the kubelet may admit
-        there counts (see _may_be_admitted)."""
-        with self.lock:
-            views = [
-                p.pod_view()
-                for k in self.pending_by_node.get(node, ())
-                if (p := self.pods.get(k)) is not None and self._may_be_admitted(p)
-            ]
-        return handoff.blocking_handoff(views, node, exclude_uid=exclude_uid)
-
-    def claim(self, node: str, key: str, uid: str) -> None:
-        """A bind of pod `key` to `node` has arrived (see `claims`)."""
-        with self.lock:
-            self.claims.setdefault(node, {})[key] = uid
-            self.expected.pop(uid, None)
-
-    def expect(self, uid: str, key: str, nodes: tuple[str, ...], until: float) -> None:
-        """Pod `uid` will most likely be bound to one of `nodes` before `until` (see `expected`)."""
-        with self.lock:
-            if nodes:
-                self.expected[uid] = (until, key, nodes)
-            else:
-                self.expected.pop(uid, None)
-
-    def unclaim(self, node: str, key: str) -> None:
-        with self.lock:
-            c = self.claims.get(node)
-            if c is not None:
-                c.pop(key, None)
-                if not c:
-                    del self.claims[node]
-
-    def locked_nodes(
-        self, exclude_uid: str, now: float | None = None, handoffs: bool = True
-    ) -> dict[str, str]:
-        """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff;
-        not with `handoffs` false: a CPU-only pod's bind never waits for one), of a bind that has
-        arrived for it and is still in progress (see `claims`), or of a pod expected to be bound
-        there any moment (see `expected`, with `now` on time.monotonic())."""
-        out: dict[str, str] = {}
-        with self.lock:
-            if self.expected and now is not None:
-                for uid, (until, key, nodes) in list(self.expected.items()):
-                    if until <= now:
-                        del self.expected[uid]
-                    elif uid != exclude_uid:
-                        out.update(dict.fromkeys(nodes, key))
-            for node, binds in self.claims.items():
-                for k, uid in binds.items():
-                    if uid != exclude_uid or not uid:
-                        out[node] = k
-                        break
-            for node, keys in self.pending_by_node.items() if handoffs else ():
-                for k in keys:
-                    p = self.pods.get(k)
-                    if p is not None and p.pending and p.uid != exclude_uid and self._may_be_admitted(p):
-                        out[node] = k
-                        break
-        return out
-
     def slots_free(self, node: str) -> int:
         info = self.nodes.get(node)
         if info is None:
@@ -770,27 +374,16 @@ class ClusterView:
         return info.slots - sum(self.slot_use.get(node, {}).values())
 
     # --- Bindings whose outcome is unknown ---------------------------------------------------------
-    def hold_doubtful(self, key: str, uid: str, rv: str) -> None:
-        """Keep the assumed assignment of `key` charged: its Binding may yet have taken effect."""
-        with self.lock:
-            p = self.pods.get(key)
-            if p is not None and p.uid == uid:
-                self.doubtful[key] = (uid, rv, p.assignment_raw)
-
-    def doubtful_items(self) -> list[tuple[str, str, str]]:
-        """(pod key, uid, the doubtful Binding's resourceVersion precondition) of each doubt held."""
-        with self.lock:
-            return [(k, uid, rv) for k, (uid, rv, _raw) in self.doubtful.items()]
 
     def resolve_doubtful(self, key: str, uid: str, pod: dict[str, Any] | None) -> None:
         """`pod`: the pod as found once no late Binding of it can land any more (None: gone). Bound
         with the assignment held for it: the charge stays (the watch confirms it); otherwise the
         held assignment is released, and what the pod holds instead (if bound) is charged."""
         with self.lock:
-            doubt = self.doubtful.get(key)
+            doubt = self.locks.doubtful.get(key)
             if doubt is None or doubt[0] != uid:
                 return
-            del self.doubtful[key]
+            del self.locks.doubtful[key]
             p = self.pods.get(key)
             meta = (pod or {}).get("metadata") or {}
             node = str(((pod or {}).get("spec") or {}).get("nodeName") or "")
@@ -798,22 +391,12 @@ class ClusterView:
             if p is not None and p.uid == uid and p.assumed and p.assignment_raw == doubt[2]:
                 if node and raw == p.assignment_raw:
                     p.bound_node = node
-                    self._index_pending(p)
+                    self.locks.index_pending(p)
                 else:
                     self._release(key)
             if pod is not None and node and raw and raw != doubt[2]:
                 self.apply_pod(pod)  # bound with another assignment: charge what it holds
             self.changed.notify_all()
-
-    def pending_bound(self) -> list[PodInfo]:
-        """Pods bound to a node whose handoff is still pending."""
-        with self.lock:
-            return [
-                replace(p)
-                for keys in self.pending_by_node.values()
-                for k in keys
-                if (p := self.pods.get(k)) is not None and p.pending and p.bound_node
-            ]
 
     def forget(self, key: str, uid: str) -> None:
         """Drop a pod's assignment from the view (its annotations were just removed by us)."""

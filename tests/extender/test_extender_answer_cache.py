@@ -155,9 +155,9 @@ def test_a_node_filled_between_filter_and_prioritize_is_seen():
 
 
 def test_a_journal_trimmed_past_an_answer_starts_over(monkeypatch):
-    import extender.view as view_mod
+    import extender.journal as journal_mod
 
-    monkeypatch.setattr(view_mod, "JOURNAL_MAX", 8)
+    monkeypatch.setattr(journal_mod, "JOURNAL_MAX", 8)
     view, policy, names = _setup(3)
     ext = _fresh(view, policy)
     pod = _pod(1, (1, 70000, 90))
@@ -168,7 +168,7 @@ def test_a_journal_trimmed_past_an_answer_starts_over(monkeypatch):
     for _ in range(20):
         view.apply_node({**node_obj("n0", n=4), "spec": {"unschedulable": True}})
         view.apply_node(node_obj("n0", n=4))
-    assert view.changed_since(0) is None
+    assert view.journal.changed_since(0) is None
     assert ext.filter(args) == _fresh(view, policy).filter(args)
     assert ext.filter(args)["NodeNames"] == ["n0", "n1"]
 

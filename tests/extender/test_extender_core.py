@@ -163,7 +163,7 @@ def test_cpu_only_pod_is_placed_by_cpu_and_memory_and_the_policy():
     scores = {h["Host"]: h["Score"] for h in ext.prioritize(args(cpu_pod("p", "40"), ["g", "plain"]))}
     # 40 of 64 CPUs on the GPU node would strand its GPU for GPU pods; the GPU-less node loses nothing
     assert scores["plain"] > scores["g"], scores
-    view.assume_host("default/p", "uid-p", "plain", pod_host_request(cpu_pod("p", "40")))
+    view.host.assume("default/p", "uid-p", "plain", pod_host_request(cpu_pod("p", "40")))
     out = ext.filter(args(cpu_pod("q", "40"), ["g", "plain"]))
     assert out["NodeNames"] == ["g"] and out["FailedNodes"]["plain"] == "Insufficient cpu", out
     out = ext.filter(args(cpu_pod("big", "65"), ["g", "plain"]))
@@ -171,11 +171,11 @@ def test_cpu_only_pod_is_placed_by_cpu_and_memory_and_the_policy():
     # the assigned-pod watch shows it: counted from there, not twice; a failed Binding frees it
     bound = cpu_pod("p", "40")
     bound["spec"]["nodeName"] = "plain"
-    view.apply_host_pod(bound)
-    assert view.state.nodes["plain"].cpu_used == 40_000 and not view.host_assumed
-    view.assume_host("default/r", "uid-r", "g", pod_host_request(cpu_pod("r", "10")))
+    view.host.apply_pod(bound)
+    assert view.state.nodes["plain"].cpu_used == 40_000 and not view.host.assumed
+    view.host.assume("default/r", "uid-r", "g", pod_host_request(cpu_pod("r", "10")))
     assert view.state.nodes["g"].cpu_used == 10_000
-    view.unassume_host("default/r", "uid-r")
+    view.host.unassume("default/r", "uid-r")
     assert view.state.nodes["g"].cpu_used == 0
     out = ext.filter(args(cpu_pod("s", "60"), ["g", "plain"]))
     assert out["NodeNames"] == ["g"], out
@@ -258,12 +258,12 @@ def test_assumed_pod_survives_stale_events():
     f = ext.policy.fit(view.state.nodes["n"], req)
     a = assignment_from_fit(view.state.nodes["n"], req, f, NOW)
     view.assume("default/p", "u1", a, frozenset())
-    assert view.blocking_handoff("n", "other") is not None
+    assert view.locks.blocking_handoff("n", "other") is not None
     view.apply_pod(pod)  # an event from before our PATCH: no assignment yet
     assert usage(view)[("n", 0)][0] == 1000
     view.unassume("default/p", "u1", a)
     assert usage(view) == {}
-    assert view.blocking_handoff("n", "other") is None
+    assert view.locks.blocking_handoff("n", "other") is None
 
 
 def _resv(node_gpu="GPU-n-0", mem=60000, minutes=5):

@@ -78,21 +78,21 @@ def test_node_cpu_and_memory_follow_every_assigned_pod():
     v0 = view.version("n1")
     a = host_pod("a", "n1", [res("2", "4Gi")], init=[res("5", "1Gi")])
     b = host_pod("b", "n1", [res("250m", "100Mi"), res("250m", "100Mi")])
-    view.replace_host_pod_pages([[a, b]])
+    view.host.replace_pages([[a, b]])
     assert (node.cpu_used, node.ram_used) == (5500, 4096 + 200)
     assert view.version("n1") > v0  # cached fits and scores of the node are stale now
     # status-only updates change nothing; a pod that ends, or goes, frees its share
     v1 = view.version("n1")
-    view.apply_host_pod(a)
+    view.host.apply_pod(a)
     assert view.version("n1") == v1
-    view.apply_host_pod({**a, "status": {"phase": "Succeeded"}})
+    view.host.apply_pod({**a, "status": {"phase": "Succeeded"}})
     assert (node.cpu_used, node.ram_used) == (500, 200)
-    view.delete_host_pod(b)
+    view.host.delete_pod(b)
     assert (node.cpu_used, node.ram_used) == (0, 0)
     # a relist drops what is missing from it; a pod on a node not known yet counts once it appears
-    view.apply_host_pod(b)
-    view.apply_host_pod(host_pod("c", "n2", [res("1")]))
-    view.replace_host_pod_pages([[host_pod("c", "n2", [res("1")])]])
+    view.host.apply_pod(b)
+    view.host.apply_pod(host_pod("c", "n2", [res("1")]))
+    view.host.replace_pages([[host_pod("c", "n2", [res("1")])]])
     assert node.cpu_used == 0
     view.apply_node(sized_node("n2", cpu="4"))
     assert view.state.nodes["n2"].cpu_used == 1000
@@ -119,11 +119,11 @@ def test_a_bound_gpupack_pod_is_charged_once_from_assume_to_deletion():
     assert (node.cpu_used, node.ram_used) == (3000, 2048)  # before any watch has seen it
     bound = json.loads(json.dumps(pod))
     bound["spec"]["nodeName"] = "n1"
-    view.apply_host_pod(bound)  # the assigned-pod watch shows it: still once
+    view.host.apply_pod(bound)  # the assigned-pod watch shows it: still once
     assert (node.cpu_used, node.ram_used) == (3000, 2048)
     view.apply_pod({**bound, "metadata": {**bound["metadata"], "annotations": {ANN_ASSIGNMENT: a.to_json()}}})
     assert node.cpu_used == 3000
-    view.delete_host_pod(bound)  # the assigned-pod watch first: the gpupack record still holds it
+    view.host.delete_pod(bound)  # the assigned-pod watch first: the gpupack record still holds it
     assert node.cpu_used == 3000
     view.delete_pod(bound)
     assert (node.cpu_used, node.ram_used) == (0, 0)
@@ -140,7 +140,7 @@ def test_filter_refuses_a_node_without_the_cpu_and_the_view_off_ignores_it():
     for track, passed in ((True, ["roomy"]), (False, ["busy", "roomy"])):
         view = ClusterView(track_host=track)
         view.replace_nodes([sized_node("busy", cpu="8"), sized_node("roomy", cpu="8")])
-        view.replace_host_pod_pages([[host_pod("hog", "busy", [res("6")])]])
+        view.host.replace_pages([[host_pod("hog", "busy", [res("6")])]])
         ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW)
         out = ext.filter(ExtenderArgs(pod, ["busy", "roomy"], None))
         assert out["NodeNames"] == passed, out
@@ -184,7 +184,7 @@ def test_filter_checks_what_kube_schedulers_node_resources_fit_would():
         [node_with("full", pods="2"), node_with("nic", **{"example.com/nic": "2"}), node_with("plain")]
     )
     cpu_only = {"resources": {"requests": {"cpu": "1"}}}
-    view.replace_host_pod_pages([[host_pod("a", "full", [{}]), host_pod("b", "full", [{}]),
+    view.host.replace_pages([[host_pod("a", "full", [{}]), host_pod("b", "full", [{}]),
                                   host_pod("c", "nic", [{"resources": {"requests": {"example.com/nic": "1"}}}])]])  # fmt: skip
     out = filter_on(view, host_pod("p", "", [cpu_only], uid="uid-p"), ["full", "nic", "plain"])
     # a pod that requests nothing still takes a pod slot
@@ -206,7 +206,7 @@ def test_filter_checks_what_kube_schedulers_node_resources_fit_would():
             node_with("plain", **{"ephemeral-storage": "50Gi"}),
         ]
     )
-    view.apply_host_pod(host_pod("d", "nic", [disk]))
+    view.host.apply_pod(host_pod("d", "nic", [disk]))
     out = filter_on(view, host_pod("r", "", [disk], uid="uid-r"), ["nic", "plain"])
     assert out["FailedNodes"] == {"nic": "Insufficient ephemeral-storage"}, out
     assert out["FailedAndUnresolvableNodes"] == {"plain": "Insufficient ephemeral-storage"}, out
@@ -220,9 +220,9 @@ def test_a_pod_that_requests_nothing_changes_the_answer_of_its_node():
     pod = host_pod("p", "", [{"resources": {"requests": {"cpu": "1"}}}], uid="uid-p")
     assert ext.filter(ExtenderArgs(pod, ["n"], None))["NodeNames"] == ["n"]
     other = host_pod("o", "n", [{}])
-    view.apply_host_pod(other)
+    view.host.apply_pod(other)
     assert ext.filter(ExtenderArgs(pod, ["n"], None))["FailedNodes"] == {"n": "Too many pods"}
-    view.delete_host_pod(other)
+    view.host.delete_pod(other)
     assert ext.filter(ExtenderArgs(pod, ["n"], None))["NodeNames"] == ["n"]
 
 
@@ -265,7 +265,7 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
     view.replace_nodes(_random_cluster(rng, even))
     view.replace_pods([])
     # CPU-only pods of other schedulers: the stranding term must see them
-    view.replace_host_pod_pages([[host_pod(f"cpu{i}", f"n{rng.randrange(10):02d}", [res(str(rng.choice([4, 8, 12])))])
+    view.host.replace_pages([[host_pod(f"cpu{i}", f"n{rng.randrange(10):02d}", [res(str(rng.choice([4, 8, 12])))])
                                   for i in range(8 if not even else 3)]])  # fmt: skip
     ext = Extender(
         view,
@@ -298,8 +298,8 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
         assert f.charged == want.fit.charged and f.placement.containers == want.fit.placement.containers
         a = assignment_from_fit(view.state.nodes[want.node], req, f, NOW)
         view.assume(req.key, req.uid, a, frozenset(), 1, pod_host_request(pod))
-        view.inflight.discard(req.key)
-        view.expected.clear()  # the bind has arrived (ClusterView.claim drops it)
+        view.locks.inflight.discard(req.key)
+        view.locks.expected.clear()  # the bind has arrived (BindLocks.claim drops it)
         bound = json.loads(json.dumps(pod))
         bound["spec"]["nodeName"] = want.node
         bound["metadata"]["annotations"] = {ANN_ASSIGNMENT: a.to_json(), ANN_HANDOFF: HANDOFF_DONE}
@@ -352,7 +352,7 @@ def test_filter_steers_the_next_pod_off_a_node_another_pod_is_being_bound_to(kee
         return pod_obj(f"g{i}", [container("c", gpu=1, mem=1000, sm=20)], namespace="h", uid=f"uid-g{i}")
 
     first = ext.filter(ExtenderArgs(pod(1), ["a", "b"], None))["NodeNames"]
-    view.claim(first[0], "h/g1", "uid-g1")  # its bind has come: the node is locked until it ends
+    view.locks.claim(first[0], "h/g1", "uid-g1")  # its bind has come: the node is locked until it ends
     out = ext.filter(ExtenderArgs(pod(2), ["a", "b"], None))
     other = "b" if first[0] == "a" else "a"
     assert out["NodeNames"] == [other], out
@@ -360,8 +360,8 @@ def test_filter_steers_the_next_pod_off_a_node_another_pod_is_being_bound_to(kee
     # with no other node that fits, the locked one is still answered (the bind waits its turn)
     out = ext.filter(ExtenderArgs(pod(3), [first[0]], None))
     assert out["NodeNames"] == [first[0]] and out["FailedNodes"] == {}, out
-    view.unclaim(first[0], "h/g1")
-    view.expected.clear()  # and the binds the filters above expect have come and gone
+    view.locks.unclaim(first[0], "h/g1")
+    view.locks.expected.clear()  # and the binds the filters above expect have come and gone
     assert first[0] in ext.filter(ExtenderArgs(pod(4), ["a", "b"], None))["NodeNames"]
 
 

@@ -136,7 +136,7 @@ def test_node_cpu_and_memory_from_real_pods(
         assert ext.bind(parse_bind_args(bind_body(g, node))) == {"Error": ""}
         assert n.cpu_used == 7750 + 2000  # at once: assumed before either watch shows it
         until(
-            lambda: view.host_pods.get(f"{ns}/gpu", (None, ""))[1] == node,
+            lambda: view.host.pods.get(f"{ns}/gpu", (None, ""))[1] == node,
             10,
             "the watch shows the bound pod",
         )
@@ -151,7 +151,7 @@ def test_node_cpu_and_memory_from_real_pods(
         until(lambda: n.cpu_used == 2000, 10, "the deleted pod's share freed")
         delete_now(core, ns, "gpu")
         until(lambda: (n.cpu_used, n.ram_used) == (0, 0), 10, "the gpupack pod's share freed")
-        assert f"{ns}/gpu" not in view.pods and not view.host_pods.get(f"{ns}/waiting")
+        assert f"{ns}/gpu" not in view.pods and not view.host.pods.get(f"{ns}/waiting")
     finally:
         sync.close()
 

@@ -3,7 +3,7 @@ that keeps a node's pods within its allocatable. Whatever pods arrive, leave and
 whatever order, a node never holds more pods, CPU, memory, ephemeral storage or extended resources
 than it has, and a node is refused only when the pod really does not fit there.
 
-Pods are placed as the bind does (filter, then view.assume_host / apply_host_pod for the watch),
+Pods are placed as the bind does (filter, then view.host.assume / view.host.apply_pod for the watch),
 over plain objects: no API server, the arithmetic and the caches are what is under test."""
 
 from datetime import UTC, datetime
@@ -60,8 +60,8 @@ def node(name: str) -> dict:
 def within(view: ClusterView, name: str, extra: dict | None = None) -> bool:
     """Whether the pods on `name` (plus `extra`, a pod) fit its allocatable, counted from scratch."""
     info = view.nodes[name]
-    pods = [hp.use for hp in view.host_pods.values() if hp.node == name]
-    pods += [a.use for a, _ in view.host_assumed.values() if a.node == name]
+    pods = [hp.use for hp in view.host.pods.values() if hp.node == name]
+    pods += [a.use for a, _ in view.host.assumed.values() if a.node == name]
     if extra is not None:
         pods.append(pod_host_request(extra))
     if len(pods) > info.pods_allowed:
@@ -95,15 +95,15 @@ FILL_LEAVE_REFILL = [("arrive", {"ephemeral-storage": "4Gi"}, None)] * 3 + [
 def test_no_node_is_ever_overcommitted_and_no_fitting_node_refused(steps, watch_echoes):
     view = ClusterView(track_host=True)
     view.replace_nodes([node(n) for n in NODES])
-    view.replace_host_pod_pages([[]])
+    view.host.replace_pages([[]])
     ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW)
     bound: list[dict] = []
     for i, (kind, what, init) in enumerate(steps):
         if kind == "leave":
             if bound:
                 gone = bound.pop(what % len(bound))
-                view.delete_host_pod(gone)
-                view.unassume_host(f"h/{gone['metadata']['name']}", gone["metadata"]["uid"])
+                view.host.delete_pod(gone)
+                view.host.unassume(f"h/{gone['metadata']['name']}", gone["metadata"]["uid"])
             continue
         c = {"name": "c", "image": "x", "resources": {"requests": dict(what)}}
         ic = [{"name": "i", "image": "x", "resources": {"requests": dict(init)}}] if init else None
@@ -116,10 +116,10 @@ def test_no_node_is_ever_overcommitted_and_no_fitting_node_refused(steps, watch_
             continue
         target = out["NodeNames"][0]
         # the bind charges it at once; the watch shows it later (or, here, at once)
-        view.assume_host(f"h/p{i}", f"uid-{i}", target, pod_host_request(pod))
+        view.host.assume(f"h/p{i}", f"uid-{i}", target, pod_host_request(pod))
         pod["spec"]["nodeName"] = target
         if watch_echoes:
-            view.apply_host_pod(pod)
+            view.host.apply_pod(pod)
         bound.append(pod)
         for name in NODES:
             assert within(view, name), (name, view.nodes[name])

@@ -1,0 +1,139 @@
+"""What keeps a node from taking another GPU pod right now: the pending GPU handoff of a pod the
+kubelet may admit there (one per node), a bind of this process in progress, or a pod
+kube-scheduler is about to bind there; and the Bindings whose outcome is not known yet."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from gpupack import handoff
+
+from .records import PodInfo
+
+if TYPE_CHECKING:
+    from .view import ClusterView
+
+
+class BindLocks:
+    """Part of the cluster view (ClusterView.locks); its lock guards it."""
+
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+        self.pending: dict[str, set[str]] = {}  # node -> keys of its pods whose handoff is pending
+        self.inflight: set[str] = set()  # pods this process is binding now (assumed, Binding not answered)
+        # Pods whose Binding got no answer and whose fate could not be found out yet: pod key ->
+        # (uid, the Binding's resourceVersion precondition, its assignment). It stays charged, and
+        # counts as a pending handoff, until the janitor settles them (Settler.settle_doubtful).
+        self.doubtful: dict[str, tuple[str, str, str]] = {}  # key -> (uid, rv, assignment held)
+        # node -> pod key -> uid of every bind request this process holds, from its arrival on (before
+        # it reads the pod, queues for the node or writes anything): filter steers the next pods
+        # away from these nodes at once, not only once the assignment is written.
+        self.claims: dict[str, dict[str, str]] = {}
+        # pod uid -> (until when, key, nodes): where kube-scheduler will most likely bind a pod this
+        # process has just prioritized (its top-scored nodes, when only a few share the top). The
+        # scheduler starts the bind and its next pod's filter at the same moment, so that filter
+        # can overtake the bind; it steers away from these nodes as from a bind in progress.
+        self.expected: dict[str, tuple[float, str, tuple[str, ...]]] = {}
+
+    def may_be_admitted(self, p: PodInfo) -> bool:
+        """Whether the kubelet may admit this assigned pod on its node: bound there, or being bound
+        by this process, or its Binding's fate unknown. A pod with an assignment but no node (left
+        by an extender before the one-write Binding) never will, and locks nothing."""
+        return bool(p.bound_node) or p.key in self.inflight or p.key in self.doubtful
+
+    def blocking_handoff(self, node: str, exclude_uid: str) -> handoff.PodView | None:
+        """The pending handoff that keeps another pod off `node`. Only a pod the kubelet may admit
+        there counts (see may_be_admitted)."""
+        with self.view.lock:
+            views = [
+                p.pod_view()
+                for k in self.pending.get(node, ())
+                if (p := self.view.pods.get(k)) is not None and self.may_be_admitted(p)
+            ]
+        return handoff.blocking_handoff(views, node, exclude_uid=exclude_uid)
+
+    def claim(self, node: str, key: str, uid: str) -> None:
+        """A bind of pod `key` to `node` has arrived (see `claims`)."""
+        with self.view.lock:
+            self.claims.setdefault(node, {})[key] = uid
+            self.expected.pop(uid, None)
+
+    def expect(self, uid: str, key: str, nodes: tuple[str, ...], until: float) -> None:
+        """Pod `uid` will most likely be bound to one of `nodes` before `until` (see `expected`)."""
+        with self.view.lock:
+            if nodes:
+                self.expected[uid] = (until, key, nodes)
+            else:
+                self.expected.pop(uid, None)
+
+    def unclaim(self, node: str, key: str) -> None:
+        with self.view.lock:
+            c = self.claims.get(node)
+            if c is not None:
+                c.pop(key, None)
+                if not c:
+                    del self.claims[node]
+
+    def locked_nodes(
+        self, exclude_uid: str, now: float | None = None, handoffs: bool = True
+    ) -> dict[str, str]:
+        """node -> key of the pod whose pending handoff blocks a bind there (see blocking_handoff;
+        not with `handoffs` false: a CPU-only pod's bind never waits for one), of a bind that has
+        arrived for it and is still in progress (see `claims`), or of a pod expected to be bound
+        there any moment (see `expected`, with `now` on time.monotonic())."""
+        out: dict[str, str] = {}
+        with self.view.lock:
+            if self.expected and now is not None:
+                for uid, (until, key, nodes) in list(self.expected.items()):
+                    if until <= now:
+                        del self.expected[uid]
+                    elif uid != exclude_uid:
+                        out.update(dict.fromkeys(nodes, key))
+            for node, binds in self.claims.items():
+                for k, uid in binds.items():
+                    if uid != exclude_uid or not uid:
+                        out[node] = k
+                        break
+            for node, keys in self.pending.items() if handoffs else ():
+                for k in keys:
+                    p = self.view.pods.get(k)
+                    if p is not None and p.pending and p.uid != exclude_uid and self.may_be_admitted(p):
+                        out[node] = k
+                        break
+        return out
+
+    def index_pending(self, p: PodInfo) -> None:
+        pend = self.pending.setdefault(p.node, set())
+        if p.pending:
+            pend.add(p.key)
+        else:
+            pend.discard(p.key)
+
+    def hold_doubtful(self, key: str, uid: str, rv: str) -> None:
+        """Keep the assumed assignment of `key` charged: its Binding may yet have taken effect."""
+        with self.view.lock:
+            p = self.view.pods.get(key)
+            if p is not None and p.uid == uid:
+                self.doubtful[key] = (uid, rv, p.assignment_raw)
+
+    def doubtful_items(self) -> list[tuple[str, str, str]]:
+        """(pod key, uid, the doubtful Binding's resourceVersion precondition) of each doubt held."""
+        with self.view.lock:
+            return [(k, uid, rv) for k, (uid, rv, _raw) in self.doubtful.items()]
+
+    def pending_bound(self) -> list[PodInfo]:
+        """Pods bound to a node whose handoff is still pending."""
+        with self.view.lock:
+            return [
+                replace(p)
+                for keys in self.pending.values()
+                for k in keys
+                if (p := self.view.pods.get(k)) is not None and p.pending and p.bound_node
+            ]
+
+    def unindex(self, node: str, key: str) -> None:
+        """A pod's record left `node` (its handoff no longer locks it)."""
+        pend = self.pending.get(node)
+        if pend is not None:
+            pend.discard(key)

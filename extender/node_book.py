@@ -1,0 +1,157 @@
+"""The view's nodes: each Node object's gpupack inventory, reservations, slots, host allocatable,
+labels and schedulability, as NodeInfo records and the packing core's Nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from gpupack.contract import (
+    ANN_INVENTORY,
+    ANN_RESERVATIONS,
+    ContractError,
+    decode_inventory,
+    decode_reservations,
+)
+from gpupack.core.model import Node
+
+from .hostuse import allocatable_host, grew
+from .records import (
+    NodeInfo,
+    allocatable_slots,
+    blocking_taints,
+    node_from_inventory,
+    node_ready,
+    room_grew,
+)
+
+if TYPE_CHECKING:
+    from .view import ClusterView
+
+
+class NodeBook:
+    """Part of the cluster view (ClusterView.node_book); its lock guards it. The records it keeps
+    are the view's `nodes`, and the core's Nodes its `state.nodes`."""
+
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        name = meta.get("name")
+        if not isinstance(name, str) or not name:
+            return
+        ann = meta.get("annotations") or {}
+        labels = dict(meta.get("labels") or {})
+        unsched = bool((obj.get("spec") or {}).get("unschedulable"))
+        inv_raw = ann.get(ANN_INVENTORY)
+        res_raw = ann.get(ANN_RESERVATIONS)
+        slots = allocatable_slots(obj)
+        taints, ready = blocking_taints(obj), node_ready(obj)
+        alloc, pods_allowed = allocatable_host(obj)
+        with self.view.lock:
+            info = self.view.nodes.get(name)
+            if (
+                info is not None
+                and info.slots == slots
+                and info.inventory_raw == inv_raw
+                and info.reservations_raw == res_raw
+                and info.unschedulable == unsched
+                and info.labels == labels
+                and info.allocatable == alloc
+                and info.pods_allowed == pods_allowed
+            ):
+                # heartbeats and status updates: nothing gpupack's fit reads changed
+                if info.taints != taints or info.ready != ready:
+                    was = replace(info)
+                    info.taints, info.ready = taints, ready
+                    if why := room_grew(was, info, inv_raw, labels):
+                        self.view.on_room(name, why)
+                return
+            before = replace(info) if info is not None else None
+            if info is None:
+                info = NodeInfo(name)
+                self.view.nodes[name] = info
+            info.taints, info.ready = taints, ready
+            why = room_grew(before, replace(info, unschedulable=unsched, slots=slots, reservations_raw=res_raw),
+                            inv_raw, labels)  # fmt: skip
+            rebuild = inv_raw != info.inventory_raw or name not in self.view.state.nodes
+            if (
+                not why
+                and self.view.track_host
+                and (grew(info.allocatable, alloc) or pods_allowed > info.pods_allowed)
+            ):
+                why = "allocatable-grew"
+            info.unschedulable, info.labels, info.slots, info.allocatable = unsched, labels, slots, alloc
+            info.pods_allowed = pods_allowed
+            if rebuild:
+                info.inventory_raw = inv_raw
+                inv = None
+                info.inventory_error = ""
+                if inv_raw is not None:
+                    try:
+                        inv = decode_inventory(inv_raw, name)
+                        self.view.problems.pop(f"node/{name}/inventory", None)
+                    except ContractError as e:
+                        info.inventory_error = str(e)
+                        self.view.problem("corrupt-inventory", f"node/{name}/inventory", str(e))
+                info.gpu_indexes = [g.index for g in sorted(inv.gpus, key=lambda g: g.index)] if inv else []
+                self._rebuild(name, node_from_inventory(name, inv, unsched, labels))
+            else:
+                node = self.view.state.nodes[name]
+                node.schedulable, node.labels = not unsched, labels
+                self.view.host.recount(name)
+            if res_raw != info.reservations_raw:
+                info.reservations_raw = res_raw
+                info.reservations, info.reservations_error = (), ""
+                if res_raw:
+                    try:
+                        info.reservations = tuple(decode_reservations(res_raw, name))
+                        self.view.problems.pop(f"node/{name}/reservations", None)
+                    except ContractError as e:
+                        info.reservations_error = str(e)
+                        self.view.problem("corrupt-reservations", f"node/{name}/reservations", str(e))
+            if info.reservations:
+                self.view.reserved.add(name)
+            else:
+                self.view.reserved.discard(name)
+            self.view.journal.touch(info)
+            if why:
+                self.view.on_room(name, why)
+            self.view.changed.notify_all()
+
+    def delete(self, name: str) -> None:
+        with self.view.lock:
+            info = self.view.nodes.pop(name, None)
+            if info is not None:
+                self.view.journal.touch(info)
+            self.view.reserved.discard(name)
+            node = self.view.state.nodes.pop(name, None)
+            if node is not None:
+                for key in [k for k, (_, p, _) in self.view.state.pods.items() if p.node == name]:
+                    self.view.state.pods.pop(key, None)
+            self.view.changed.notify_all()
+
+    def _rebuild(self, name: str, node: Node) -> None:
+        for key in [k for k, (_, p, _) in self.view.state.pods.items() if p.node == name]:
+            self.view.state.pods.pop(key, None)
+        self.view.state.nodes[name] = node
+        for p in self.view.pods.values():
+            if p.node == name:
+                self.view.charge(p)
+        self.view.host.recount(name)
+
+    def replace(self, objs: Iterable[dict[str, Any]]) -> None:
+        self.replace_pages([list(objs)])
+
+    def replace_pages(self, pages: Iterable[list[dict[str, Any]]]) -> None:
+        seen: set[str] = set()
+        for page in pages:
+            with self.view.lock:
+                for o in page:
+                    seen.add((o.get("metadata") or {}).get("name") or "")
+                    self.apply(o)
+        with self.view.lock:
+            for name in [n for n in self.view.nodes if n not in seen]:
+                self.delete(name)
