@@ -23,6 +23,7 @@ from deviceplugin.health import DeviceState
 from deviceplugin.kube import Kube
 from deviceplugin.metrics import Metrics
 from gpupack import handoff
+from gpupack.contract import ContractError
 from gpupack.handoff import HandoffError
 
 log = logging.getLogger("gpupack.deviceplugin.allocate")
@@ -160,7 +161,7 @@ class Allocator:
             nxt = handoff.next_container(pod)
             if nxt is not None:
                 want = [s.uuid for s in pod.assignment().containers.get(nxt.name, ())]
-        except (HandoffError, handoff.ContractError, ApiException, OSError):
+        except (HandoffError, ContractError, ApiException, OSError):
             want = []
         # one slot on each assigned GPU not yet covered by the IDs the kubelet must include (those
         # reused from an init container), in assignment order, then anything to make up the count

@@ -14,20 +14,28 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
-from wsgiref.simple_server import make_server
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from deviceplugin.health import DeviceState
 from gpupack import handoff
+from gpupack.contract import ANN_ASSIGNMENT, Assignment, ContractError
 from gpupack.core.fit import pod_charge
 
 log = logging.getLogger("gpupack.deviceplugin.metrics")
 
 MIB = 1 << 20
+
+
+class QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape (the kubelet's and Prometheus' probes would fill the log)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
 
 def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]]:
@@ -38,11 +46,11 @@ def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]
     """
     out: dict[str, tuple[int, int]] = {}
     for p in map(handoff.pod_view, pods):
-        if not p.live or handoff.ANN_ASSIGNMENT not in p.annotations:
+        if not p.live or ANN_ASSIGNMENT not in p.annotations:
             continue
         try:
             a = p.assignment()
-        except handoff.ContractError:
+        except ContractError:
             continue
         if a.node != node:
             continue
@@ -57,7 +65,7 @@ def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]
     return out
 
 
-def _holds(a: handoff.Assignment) -> dict[str, list[tuple[str, int, int, bool]]]:
+def _holds(a: Assignment) -> dict[str, list[tuple[str, int, int, bool]]]:
     return {
         cname: [(s.uuid, s.mem_mib, s.sm_pct, s.exclusive) for s in shares]
         for cname, shares in a.containers.items()
@@ -166,6 +174,6 @@ class Metrics:
                 return [(why or "ok").encode() + b"\n"]
             return metrics_app(environ, start_response)
 
-        server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=_SilentHandler)
+        server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=QuietHandler)
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server

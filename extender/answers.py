@@ -10,7 +10,7 @@ import logging
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from gpupack.contract import (
     Reservation,
@@ -22,11 +22,13 @@ from .journal import Journal
 
 log = logging.getLogger("gpupack.extender")
 V = TypeVar("V")
+# a cache key: a pod shape (shape_of), or a shape and the learning epoch
+Key = tuple[Any, ...]
 MAX_SCORE = 10
 CACHE_SHAPES = 32
 
 
-def shape_of(pod: PodRequest) -> tuple:
+def shape_of(pod: PodRequest) -> Key:
     # host CPU/memory decide fits (free CPU) and scores (the policy's CPU terms) once nodes carry them
     # (and every host resource kube-scheduler counts, which the extender checks: node_resources.py)
     return (pod.pod_class, pod.containers, pod.init_containers, pod.gpu_models, pod.cpu_milli, pod.ram_mib,
@@ -54,9 +56,9 @@ class Tables(Generic[V]):
 
     def __init__(self, keys: int = CACHE_SHAPES) -> None:
         self.keys = keys
-        self.data: OrderedDict[tuple, VersionedTable[V]] = OrderedDict()
+        self.data: OrderedDict[Key, VersionedTable[V]] = OrderedDict()
 
-    def table(self, key: tuple) -> VersionedTable[V]:
+    def table(self, key: Key) -> VersionedTable[V]:
         t = self.data.get(key)
         if t is None:
             t = self.data[key] = VersionedTable()
@@ -105,10 +107,10 @@ class AnswerCache(Generic[A]):
         self.factory = factory
         self.names = names or NameSets()
         self.keys = keys
-        self.data: OrderedDict[tuple, A] = OrderedDict()
+        self.data: OrderedDict[Key, A] = OrderedDict()
 
     def current(
-        self, key: tuple, names: list[str], journal: Journal, reserved: set[str]
+        self, key: Key, names: list[str], journal: Journal, reserved: set[str]
     ) -> tuple[A, Collection[str]]:
         """The last answer for `key` and the nodes it must look at again: those changed since (or
         holding reservations, whose answer depends on the time), and those not asked about last
@@ -145,7 +147,7 @@ class AnswerCache(Generic[A]):
         return st, names
 
 
-def signature(node: Node) -> tuple:
+def signature(node: Node) -> Key:
     """What a fit or a score may depend on: every GPU's state, the node's CPU/RAM and
     schedulability, not its name."""
     return (

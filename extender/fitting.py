@@ -13,7 +13,7 @@ from gpupack.core.model import Node, Placement, PodRequest
 from gpupack.core.policies import Policy
 
 from . import reservations as resv
-from .answers import FilterAnswer, MemoFailure, Tables, VersionedTable, signature
+from .answers import FilterAnswer, Key, MemoFailure, Tables, VersionedTable, signature
 from .node_resources import HostedPodRequest, node_resources_fit
 from .records import NodeInfo
 from .view import ClusterView
@@ -55,7 +55,7 @@ class Fitter:
         self.policy = policy
         self.fits: Tables[FitResult] = Tables()  # pod shape -> node -> (version, fit)
         self._states: VersionedTable[int | None] = VersionedTable()
-        self._state_ids: dict[tuple, int] = {}
+        self._state_ids: dict[Key, int] = {}
         self._state_seq = itertools.count()
 
     def node_fit(

@@ -10,7 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -55,6 +55,11 @@ def _json(resp: Any) -> Any:
     return json.loads(data) if data else None
 
 
+def _object(resp: Any) -> dict[str, Any]:
+    """An answer that is one object (a Pod, a Lease): typed as such, not checked."""
+    return cast(dict[str, Any], _json(resp))
+
+
 class Kube:
     def __init__(
         self,
@@ -80,14 +85,14 @@ class Kube:
 
     # --- reads ----------------------------------------------------------------------------------
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return _json(
+        return _object(
             _Bounded(self.core.read_namespaced_pod)(
                 name, namespace, _preload_content=False, _request_timeout=self.timeout_s
             )
         )
 
     def read_lease(self, namespace: str, name: str) -> dict[str, Any]:
-        return _json(
+        return _object(
             _Bounded(self.coordination.read_namespaced_lease)(
                 name, namespace, _preload_content=False, _request_timeout=self.timeout_s
             )
@@ -248,7 +253,7 @@ class Kube:
         meta: dict[str, Any] = {"annotations": annotations, "labels": labels}
         if resource_version:
             meta["resourceVersion"] = resource_version
-        return _json(
+        return _object(
             _Bounded(self.core.patch_namespaced_pod)(
                 name,
                 namespace,

@@ -15,6 +15,7 @@ from gpupack.core.policies import Policy
 from .answers import (
     AnswerCache,
     BestIndex,
+    Key,
     NameSets,
     PriorityAnswer,
     Tables,
@@ -83,7 +84,7 @@ class Scorer:
         pos = self.view.journal.seq
         nodes = self.view.nodes
         raw, steered = st.raw, st.steered
-        memo: dict[tuple, float] = {}
+        memo: dict[Key, float] = {}
         fit_memo: FitMemo = {}
         for n in todo:
             st.out = None
@@ -135,7 +136,7 @@ class Scorer:
         # only the score is wanted, so a node in a state already scored in this call costs two
         # lookups: after a learning flush every node of every shape is scored again, ~1,000 nodes
         # on kube-scheduler's serial cycle, mostly in a few dozen states.
-        memo: dict[tuple, float] = {}
+        memo: dict[Key, float] = {}
         fit_memo: FitMemo = {}
         by_state: dict[int, float | None] = {}
         for n in names:
@@ -174,7 +175,7 @@ class Scorer:
         fits: FitTable,
         table: ScoreTable,
         fit_memo: FitMemo,
-        memo: dict[tuple, float],
+        memo: dict[Key, float],
     ) -> tuple[float | None, Reservation | None]:
         """The policy's raw score of node `n` (None: the pod does not fit there), cached in `table`
         per node version unless the node holds defrag reservations (their answer depends on the

@@ -148,7 +148,9 @@ class ClusterView:
         self.host.recount(p.node)
         self.bump(p.node)
 
-    def _force_place(self, node: Node, req: PodRequest, placement: Placement, charged: dict) -> None:
+    def _force_place(
+        self, node: Node, req: PodRequest, placement: Placement, charged: dict[int, tuple[int, int, bool]]
+    ) -> None:
         for idx, (mem, milli, ex) in charged.items():
             g = node.gpus[idx]
             if ex:

@@ -316,8 +316,11 @@ class Executor:
         meta = pod.get("metadata") or {}
         ns, labels = str(meta.get("namespace")), meta.get("labels") or {}
         raw = self.kc.json(self.policy.list_namespaced_pod_disruption_budget, ns)
-        spec_of = lambda b: b.get("spec") or {}  # noqa: E731
-        return [b for b in raw.get("items") or [] if selector_matches(spec_of(b).get("selector"), labels)]
+        return [
+            b
+            for b in raw.get("items") or []
+            if selector_matches((b.get("spec") or {}).get("selector"), labels)
+        ]
 
     def _wait_budget(self, pod: dict[str, Any], deadline: float) -> str:
         """Wait until every PodDisruptionBudget covering `pod` allows a disruption; '' when they do,

@@ -8,6 +8,7 @@ move that needs it is skipped with the decoder's message.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -44,7 +45,9 @@ class ReservationWriter:
                 raise ReserveError(f"node {node}: {e}; not rewriting it") from None
         return current, str(meta.get("resourceVersion", ""))
 
-    def _update(self, node: str, change, now: datetime) -> list[Reservation]:
+    def _update(
+        self, node: str, change: Callable[[list[Reservation]], list[Reservation]], now: datetime
+    ) -> list[Reservation]:
         last: ApiException | None = None
         for _ in range(self.attempts):
             current, rv = self._read(node)
