@@ -4,14 +4,12 @@ wait at their next step until the verb is answered; VerbActivity.wait_quiet).
 
 kube-scheduler's cycle is serial and waits for every filter. CPython runs a full collection from
 whatever allocation happens to cross its threshold, and a full collection walks every tracked
-object: the cluster view and its answer caches after a 500-pod burst are ~110,000 of them at
-1,000 nodes, ~230,000 at 5,000 (in one process, the burst's pods on a fresh view). One in a
-filter stalled it 15-26 ms at 1,000 nodes and 85-100 ms at 5,000 (the first filters of new pod
-shapes in one process, `gc.callbacks` timing each collection), longer than the filter's whole
-budget. The young generations stay automatic (a collection of them takes ~1-3
-ms); full collections run from a thread of their own once filter and prioritize have been quiet
-for `idle_s`, or after `max_gap_s` without one whatever the traffic, so cyclic garbage is still
-freed within that. Objects freed by their last reference (most of the view's) never wait for it.
+object: the cluster view and its answer caches, hundreds of thousands of them in a large cluster,
+so one inside a filter can take longer than the filter's whole budget (figures: operator guide,
+"Scheduling throughput"). The young generations stay automatic (cheap); full
+collections run from a thread of their own once filter and prioritize have been quiet for
+`idle_s`, or after `max_gap_s` without one whatever the traffic, so cyclic garbage is still freed
+within that. Objects freed by their last reference (most of the view's) never wait for it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ lets it pass), on its serial cycle and on every node. The extender already keeps
 allocatable and what every pod on it requests, including the pods it is binding, so it answers the
 same question here, with kube-scheduler's words: "Too many pods", "Insufficient cpu", ...
 
-Pure: the view supplies the numbers (extender/view.py, `track_host`).
+Pure: the view supplies the numbers (extender/host_ledger.py, `track_host`).
 """
 
 from __future__ import annotations

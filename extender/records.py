@@ -186,7 +186,7 @@ def room_grew(old: NodeInfo | None, new: NodeInfo, inv_raw: str | None, labels: 
     """Why a node's update may let pods on that did not fit before ("" if it cannot): kube-scheduler
     v1.28 retries its parked pods on such node events only when a pre-check passes, and that
     pre-check counts gpupack's resources as missing on every node, ignored by the profile or not (see
-    Requeuer in framework.py)."""
+    Requeuer in requeue.py)."""
     if old is None:
         return "node-added"
     if old.unschedulable and not new.unschedulable:
