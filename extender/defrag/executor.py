@@ -22,7 +22,6 @@ what the cluster shows afterwards.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -31,21 +30,19 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kubernetes import client
-
 from gpupack.contract import (
     ANN_ASSIGNMENT,
     ContractError,
     GPUShare,
     Reservation,
     decode_assignment,
-    selector_matches,
 )
 from gpupack.core.defrag import Move, Plan
 from gpupack.core.model import PlacementError
 from gpupack.events import EventRecorder
 from gpupack.kubeclient import ApiException, KubeClient
 
+from .eviction import Evictor, budget_refusal
 from .lease import LeaseHeld, RunLease
 from .metrics import RunMetrics
 from .reserve import ReservationWriter, ReserveError
@@ -141,18 +138,6 @@ def reservation_for(move: Move, snap: Snapshot, rid: str, expires: datetime) -> 
     )
 
 
-def _owned_by(pod: dict[str, Any], kind: str, name: str) -> bool:
-    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
-        if (
-            isinstance(ref, dict)
-            and ref.get("controller")
-            and ref.get("kind") == kind
-            and ref.get("name") == name
-        ):
-            return True
-    return False
-
-
 def _placed_through(meta: dict[str, Any], key: str, rid: str) -> bool:
     """Whether the pod with this metadata was placed through reservation `rid`."""
     try:
@@ -161,58 +146,11 @@ def _placed_through(meta: dict[str, Any], key: str, rid: str) -> bool:
         return False
 
 
-EVICT_THROTTLE_RETRIES = 3
-
-
-def _budget_refusal(e: ApiException) -> str | None:
-    """Why a PodDisruptionBudget refused an eviction (the Eviction API's 429 names the budget in a
-    `DisruptionBudget` cause), or None when the 429 is not a budget's."""
-    try:
-        status = json.loads(e.body or "{}")
-    except (TypeError, ValueError):
-        return None
-    causes = (status.get("details") or {}).get("causes") if isinstance(status, dict) else None
-    for c in causes or []:
-        if isinstance(c, dict) and c.get("reason") == "DisruptionBudget":
-            return str(c.get("message") or status.get("message") or "DisruptionBudget")
-    return None
-
-
-def _retry_after(e: ApiException) -> float:
-    try:
-        return min(10.0, max(0.1, float((e.headers or {}).get("Retry-After") or 1)))
-    except (TypeError, ValueError):
-        return 1.0
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
-
-
-# The cluster autoscaler's "status taint" convention: a node carrying a taint with this prefix is
-# ready but must not take pods for now; CA keeps it out of scale-up (never copies the taint into a
-# node template) and may still remove it once it is empty.
 TAINT_KEY = "status-taint.cluster-autoscaler.kubernetes.io/gpupack-defrag"
 TAINT_VALUE = "emptying"  # while a run moves its pods; a later run removes a stale one
 TAINT_EMPTIED = "emptied"  # left by --keep-taint on a node the run emptied; the operator's to remove
 # A node the operator (or CA itself) says must never be scaled down: emptying it gains nothing.
 CA_SCALE_DOWN_DISABLED = "cluster-autoscaler.kubernetes.io/scale-down-disabled"
-
-
-def _budget_state(pdb: dict[str, Any]) -> tuple[bool, str]:
-    """(allows a disruption now, a description) from a PodDisruptionBudget as the disruption
-    controller last computed it; a budget whose spec changed since is not trusted yet."""
-    meta, st = pdb.get("metadata") or {}, pdb.get("status") or {}
-    name = meta.get("name")
-    if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
-        return False, f"{name}: not yet computed for its current spec"
-    allowed = int(st.get("disruptionsAllowed") or 0)
-    desc = (
-        f"{name}: {allowed} disruption(s) allowed, {st.get('currentHealthy', '?')} healthy of "
-        f"{st.get('expectedPods', '?')}, {st.get('desiredHealthy', '?')} desired"
-    )
-    return allowed >= 1, desc
 
 
 def set_taint(kc: KubeClient, node: str, value: str | None) -> bool:
@@ -262,82 +200,12 @@ class Executor:
         self.now = now
         self.policy = kc.policy
         self.writer = ReservationWriter(kc)
+        self.evictor = Evictor(kc, opts.poll_s)
         self.written: dict[str, set[str]] = {}  # node -> reservation ids this run holds
         self.evicted: list[tuple[str, str, str, int]] = []  # (namespace, name, uid, group)
         self.tainted: set[str] = set()
 
     # --- pieces --------------------------------------------------------------------------------
-    def _evict(self, namespace: str, name: str, uid: str) -> None:
-        body = client.V1Eviction(
-            metadata=client.V1ObjectMeta(name=name, namespace=namespace),
-            delete_options=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
-        )
-        self.kc.json(self.core.create_namespaced_pod_eviction, name, namespace, body)
-
-    def _evict_retrying(self, namespace: str, name: str, uid: str) -> None:
-        """Evict; a 429 that is not a budget's refusal is the API server shedding load (priority
-        and fairness): wait as it asks and try again a few times."""
-        for attempt in range(EVICT_THROTTLE_RETRIES + 1):
-            try:
-                self._evict(namespace, name, uid)
-                return
-            except ApiException as e:
-                if e.status != 429 or _budget_refusal(e) is not None or attempt == EVICT_THROTTLE_RETRIES:
-                    raise
-                wait = _retry_after(e)
-                log.info("eviction of %s/%s throttled (429); retrying in %gs", namespace, name, wait)
-                time.sleep(wait)
-
-    def _pods_of(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
-        raw = self.kc.json(self.core.list_namespaced_pod, namespace)
-        return [p for p in raw.get("items") or [] if _owned_by(p, kind, name)]
-
-    def _wait_replacement(self, move: Move, before: set[str], rid: str) -> tuple[dict[str, Any] | None, str]:
-        deadline = time.monotonic() + self.opts.move_timeout_s
-        last = "no replacement pod yet"
-        while True:
-            for p in self._pods_of(move.namespace, move.owner_kind, move.owner_name):
-                meta = p.get("metadata") or {}
-                if meta.get("uid") in before or meta.get("deletionTimestamp"):
-                    continue
-                node = (p.get("spec") or {}).get("nodeName")
-                phase = (p.get("status") or {}).get("phase")
-                # Running is not serving: until readiness passes the workload is one replica short
-                # (its PodDisruptionBudget does not count the pod either), so the move is not over.
-                if node and phase == "Running" and _ready(p):
-                    return p, ""
-                state = "Running but not Ready" if phase == "Running" else (phase or "?")
-                last = f"replacement {meta.get('name')} is {state}" + (f" on {node}" if node else ", unbound")
-            if time.monotonic() >= deadline:
-                return None, last
-            time.sleep(self.opts.poll_s)
-
-    def _budgets_for(self, pod: dict[str, Any]) -> list[dict[str, Any]]:
-        meta = pod.get("metadata") or {}
-        ns, labels = str(meta.get("namespace")), meta.get("labels") or {}
-        raw = self.kc.json(self.policy.list_namespaced_pod_disruption_budget, ns)
-        return [
-            b
-            for b in raw.get("items") or []
-            if selector_matches((b.get("spec") or {}).get("selector"), labels)
-        ]
-
-    def _wait_budget(self, pod: dict[str, Any], deadline: float) -> str:
-        """Wait until every PodDisruptionBudget covering `pod` allows a disruption; '' when they do,
-        else why not once `deadline` (monotonic) passes. Waiting here, not collecting 429s, is what
-        lets a PDB-protected workload move one replica after another in one run: the budget comes
-        back as soon as the previous replacement is Ready and the disruption controller saw it."""
-        t0 = time.monotonic()
-        try:
-            while True:
-                blocked = [d for ok, d in (_budget_state(b) for b in self._budgets_for(pod)) if not ok]
-                if not blocked:
-                    return ""
-                if time.monotonic() >= deadline:
-                    return "; ".join(blocked)
-                time.sleep(min(self.opts.poll_s, max(0.0, deadline - time.monotonic())) or self.opts.poll_s)
-        finally:
-            self._budget_waited += time.monotonic() - t0
 
     def _taint(self, node: str, value: str | None) -> bool:
         """Set this run's NoSchedule status taint to `value`, or remove it (None); read-modify-write
@@ -407,7 +275,7 @@ class Executor:
     # --- the loop ------------------------------------------------------------------------------
     def run(self, plan: Plan) -> RunResult:
         res = RunResult()
-        self._budget_waited = 0.0
+        self.evictor.budget_waited = 0.0
         broken: set[int] = set()
         done_per_group: dict[int, int] = {}
         groups = {g.id: g for g in plan.groups}
@@ -448,7 +316,7 @@ class Executor:
                     self.metrics.moves.labels("skipped").inc()
         finally:
             self.release_all()
-            res.budget_waits_s = self._budget_waited
+            res.budget_waits_s = self.evictor.budget_waited
             try:
                 whole = {g.id for g in plan.groups if done_per_group.get(g.id, 0) == len(g.pods)}
                 # Only groups that moved entirely free anything, so only their pods are waited for.
@@ -488,7 +356,7 @@ class Executor:
         if not_evicted is not None:
             return not_evicted
         self._record_eviction(m, res, uid, rid)
-        rep, why = self._wait_replacement(m, before, rid)
+        rep, why = self.evictor.wait_replacement(m, before, self.opts.move_timeout_s)
         if rep is None:
             return self._abort_move(m, uid, why)
         return self._finish_move(m, rep, rid)
@@ -533,7 +401,7 @@ class Executor:
 
     def _replica_uids(self, m: Move) -> set[str]:
         """The UIDs of the owner's pods now: a replacement is a pod not among them."""
-        pods = self._pods_of(m.pod.split("/", 1)[0], m.owner_kind, m.owner_name)
+        pods = self.evictor.pods_of(m.pod.split("/", 1)[0], m.owner_kind, m.owner_name)
         return {str((p.get("metadata") or {}).get("uid")) for p in pods}
 
     def _evict_within_budget(self, m: Move, obj: dict[str, Any], uid: str, rid: str) -> MoveResult | None:
@@ -542,15 +410,15 @@ class Executor:
         ns, name = m.pod.split("/", 1)
         budget_deadline = time.monotonic() + self.opts.budget_wait_s
         while True:
-            why_not = self._wait_budget(obj, budget_deadline)
+            why_not = self.evictor.wait_budget(obj, budget_deadline)
             if why_not:
                 refusal = f"waited {self.opts.budget_wait_s:g}s for a disruption budget: {why_not}"
                 return self._refused(m, uid, rid, refusal)
             try:
-                self._evict_retrying(ns, name, uid)
+                self.evictor.evict_retrying(ns, name, uid)
                 return None
             except ApiException as e:
-                budget = _budget_refusal(e) if e.status == 429 else None
+                budget = budget_refusal(e) if e.status == 429 else None
                 if budget is None:
                     self._release(m.to_node, {rid})
                     if e.status not in (404, 409):
