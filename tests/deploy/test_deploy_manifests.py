@@ -60,6 +60,7 @@ def test_renders_and_validates(renderer, where):
     assert n >= 7
 
 
+@pytest.mark.slow
 def test_cli_exit_codes(tmp_path):
     bad = subprocess.run(
         [sys.executable, "-m", "tools.validate_deploy", "--k8s", "1.2"],
