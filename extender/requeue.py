@@ -21,10 +21,16 @@ class Janitor:
     def __init__(self, ext: Extender, interval_s: float = 5.0) -> None:
         self.ext, self.interval_s = ext, interval_s
         self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def start(self) -> Janitor:
-        threading.Thread(target=self.run, name="janitor", daemon=True).start()
+        self.thread = threading.Thread(target=self.run, name="janitor", daemon=True)
+        self.thread.start()
         return self
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop the thread and wait for it (a pass under way ends first); True once it has ended."""
+        return _close(self.stop, self.thread, timeout_s)
 
     def run(self) -> None:
         while not self.ext.view.synced.wait(0.5):
@@ -65,6 +71,7 @@ class Requeuer:
         self._lock = threading.Lock()
         self._why: Counter[str] = Counter()
         self.passes = 0
+        self.thread: threading.Thread | None = None
 
     def poke(self, node: str, why: str) -> None:
         # Room seen before the first sync (every node of the first list) is the Janitor's: it
@@ -78,8 +85,13 @@ class Requeuer:
 
     def start(self) -> Requeuer:
         self.ext.view.on_room = self.poke
-        threading.Thread(target=self.run, name="requeuer", daemon=True).start()
+        self.thread = threading.Thread(target=self.run, name="requeuer", daemon=True)
+        self.thread.start()
         return self
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop the thread and wait for it (a pass under way ends first); True once it has ended."""
+        return _close(self.stop, self.thread, timeout_s)
 
     def run(self) -> None:
         while not self.ext.view.synced.wait(0.5):
@@ -113,3 +125,10 @@ class Requeuer:
             else:
                 round_start = ""
             self.stop.wait(self.min_interval_s)
+
+
+def _close(stop: threading.Event, thread: threading.Thread | None, timeout_s: float) -> bool:
+    stop.set()
+    if thread is not None:
+        thread.join(timeout_s)
+    return thread is None or not thread.is_alive()

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import realk8s
 
+pytest_plugins = ["markers"]  # the suite's markers, applied from fixtures (tests/markers.py)
+
 
 def _require() -> bool:
     return os.environ.get("GPUPACK_REQUIRE_K8S", "") not in ("", "0")

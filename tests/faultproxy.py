@@ -2,7 +2,8 @@
 
 Everything is served by the real API server; the proxy only adds what a test asks for: a Status
 error instead of the Nth matching request (`fail_next`), a delay (`delay`), cutting every open watch
-(`cut_watches`), and a record of the requests that passed (`requests`). A component under test gets
+(`cut_watches`; `open_watches` says which are in flight, so a test can wait for a client to have
+re-established them), and a record of the requests that passed (`requests`). A component under test gets
 a kubeconfig whose server is `proxy.url` (plain HTTP on loopback) and its own token; the proxy
 forwards headers unchanged, so authentication and authorization are still the real server's.
 """
@@ -60,7 +61,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._faults: list[_Fault] = []
         self._records: list[Record] = []
-        self._watch_socks: set[tuple[socket.socket, http.client.HTTPSConnection]] = set()
+        # watch streams in flight: (client socket, upstream connection, path)
+        self._watches: set[tuple[socket.socket, http.client.HTTPSConnection, str]] = set()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -125,17 +127,24 @@ class FaultProxy:
             self._faults.clear()
 
     def cut_watches(self) -> int:
-        """Close every watch stream in flight, as a dropped connection would."""
+        """Close every watch stream in flight, as a dropped connection would; how many there were.
+        They are forgotten at once: `open_watches` then lists only the ones opened since."""
         with self._lock:
-            socks = list(self._watch_socks)
-        for s, upstream in socks:
+            cut = list(self._watches)
+            self._watches.clear()
+        for s, upstream, _ in cut:
             for sock in (s, upstream.sock):
                 try:
                     if sock is not None:
                         sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        return len(socks)
+        return len(cut)
+
+    def open_watches(self) -> list[str]:
+        """The paths of the watch streams in flight (opened since the last `cut_watches`), sorted."""
+        with self._lock:
+            return sorted(path for _, _, path in self._watches)
 
     @property
     def requests(self) -> list[Record]:
@@ -228,9 +237,9 @@ class FaultProxy:
             return
         h.send_header("Transfer-Encoding", "chunked")
         h.end_headers()
-        entry = (h.connection, conn)
+        entry = (h.connection, conn, u.path)
         with self._lock:
-            self._watch_socks.add(entry)
+            self._watches.add(entry)
         try:
             while True:
                 chunk = resp.read1(65536)
@@ -243,5 +252,5 @@ class FaultProxy:
             h.close_connection = True
         finally:
             with self._lock:
-                self._watch_socks.discard(entry)
+                self._watches.discard(entry)
             conn.close()

@@ -111,6 +111,7 @@ def test_environment_sets_the_defaults(monkeypatch):
     assert _parse([]).log_format == "text"
 
 
+@pytest.mark.slow
 def test_global_options_before_the_command_reach_it():
     # defrag with the old -v: its deprecation warning is the first thing it logs, in JSON as asked
     r = subprocess.run(

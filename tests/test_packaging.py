@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("gpupack", "deviceplugin", "extender")
 TEST_ONLY_IMPORTS = {"pytest", "hypothesis", "realk8s", "faultproxy", "fake_nvml", "processes"}
@@ -79,6 +81,7 @@ def test_numpy_and_matplotlib_are_the_simulate_extras_only() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_the_components_run_without_the_simulate_extra() -> None:
     import subprocess
     import sys
@@ -107,6 +110,7 @@ assert main([]) == 2
     assert "gpupack simulate needs numpy" in r.stderr
 
 
+@pytest.mark.slow
 def test_the_wheel_carries_the_type_markers_and_the_message_stubs(tmp_path: Path) -> None:
     # PEP 561: without py.typed (and api_pb2.pyi for the generated messages) a user's mypy sees Any
     # built from a copy: setuptools writes build/ beside the sources, and the checkout stays clean

@@ -1,3 +1,5 @@
+import pytest
+
 from gpupack.core.fit import Fit, FitFailure, fit
 from gpupack.core.model import GPU, ClusterState, ContainerRequest, Node, PodRequest
 
@@ -100,6 +102,7 @@ def test_multi_gpu_container_gets_distinct_gpus_on_one_node():
     assert len(set(idx)) == 3
 
 
+@pytest.mark.slow
 def test_fast_single_share_path_decides_like_the_general_path():
     from hypothesis import given, settings
     from hypothesis import strategies as st

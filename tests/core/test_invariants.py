@@ -1,5 +1,6 @@
 """Property tests of the packing core's invariants, over every registered policy."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -61,6 +62,7 @@ def run(policy_name: str, seed: int, sequence) -> list:
     return log
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(ops, st.sampled_from(sorted(POLICIES)), st.integers(0, 2**16))
 def test_invariants_hold_for_every_policy(sequence, policy_name, seed):

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -442,6 +443,7 @@ def answers(policy: Policy, cluster: list[Node], pod: PodRequest) -> list[tuple[
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from(("gpupack", "fgd")))
 def test_fit_and_score_equal_the_reference(scenario: Scenario, name: str) -> None:
@@ -493,6 +495,7 @@ views = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(views, min_size=1, max_size=8),

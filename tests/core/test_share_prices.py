@@ -3,6 +3,7 @@
 from fractions import Fraction
 from itertools import product
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -162,6 +163,7 @@ def test_learnt_prices_follow_the_workload():
     assert set(later.price) == {300, 500}
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.integers(256, 40000), st.integers(8000, 96000), st.sampled_from([0, 50, 100, 250]))
 def test_a_workload_of_one_memory_share_packs_at_no_cost(mem, gpu_mem, milli):

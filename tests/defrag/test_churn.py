@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from gpupack.simulate.churn import main
 
 
@@ -32,6 +34,7 @@ def write_trace(tmp_path, seed: int = 3):
     return nodes, pods
 
 
+@pytest.mark.slow
 def test_churn_compares_with_and_without_defrag(tmp_path, capsys):
     nodes, pods = write_trace(tmp_path)
     argv = [

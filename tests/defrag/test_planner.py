@@ -103,6 +103,7 @@ def build(shapes, seed, departures) -> ClusterState:
     return state
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(scenario, st.sampled_from(["ratio", "emptiest"]))
 def test_plan_keeps_every_invariant_and_cap(sc, order):

@@ -1,44 +1,49 @@
-"""deploy/: renders, validates against Kubernetes schemas and this repo's code, and breaks loudly."""
+"""deploy/: renders, validates against Kubernetes schemas and this repo's code, and breaks loudly.
+
+The checks are the developer tool `python -m tools.validate_deploy`. The real `kubectl kustomize`
+renders wherever a kubectl can be had (../shared/k8s's, checksum-verified, else PATH); the tool's
+fallback renderer, what a machine without kubectl gets, is checked against it.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import realk8s
 import yaml
+
+pytest.importorskip("kubernetes_validate", reason="needs the test extra: pip install -e '.[test]'")
+
+from tools import kustomize  # noqa: E402
+from tools import validate_deploy as V  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 VERSIONS = ("1.30", "1.32", "1.35")
 
-pytest.importorskip("kubernetes_validate", reason="needs the test extra: pip install -e '.[test]'")
+
+def _kubectl() -> str | None:
+    if realk8s.assets_dir() is not None:
+        return str(realk8s.binary("kubectl"))
+    return shutil.which("kubectl")
 
 
-def _load_validator():
-    spec = importlib.util.spec_from_file_location("gpupack_deploy_validate", DEPLOY / "validate.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-V = _load_validator()
-RENDERERS = ["python"] + (["kubectl"] if shutil.which("kubectl") else [])
+KUBECTL = _kubectl()
+RENDERERS = ["python"] + (["kubectl"] if KUBECTL else [])
 
 
 @pytest.fixture(scope="module")
 def base() -> list[dict]:
-    return V.render(DEPLOY, "auto")
+    return kustomize.render(DEPLOY, "auto", KUBECTL)
 
 
 @pytest.fixture(scope="module")
 def examples() -> list[dict]:
-    return V.render(DEPLOY / "examples", "auto")
+    return kustomize.render(DEPLOY / "examples", "auto", KUBECTL)
 
 
 def find(objs: list[dict], kind: str, name: str) -> dict:
@@ -50,14 +55,16 @@ def find(objs: list[dict], kind: str, name: str) -> dict:
 @pytest.mark.parametrize("renderer", RENDERERS)
 @pytest.mark.parametrize("where", ["", "examples"])
 def test_renders_and_validates(renderer, where):
-    n, errs = V.validate_dir(DEPLOY / where, renderer, VERSIONS)
+    n, errs = V.validate_dir(DEPLOY / where, renderer, VERSIONS, KUBECTL)
     assert errs == []
     assert n >= 7
 
 
+@pytest.mark.slow
 def test_cli_exit_codes(tmp_path):
     bad = subprocess.run(
-        [sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.2"],
+        [sys.executable, "-m", "tools.validate_deploy", "--k8s", "1.2"],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
@@ -69,23 +76,35 @@ def test_cli_exit_codes(tmp_path):
         "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, namespace: n}\nbogus: 1\n"
     )
     broken = subprocess.run(
-        [sys.executable, str(DEPLOY / "validate.py"), "--k8s", "1.32", str(tmp_path)],
+        [sys.executable, "-m", "tools.validate_deploy", "--k8s", "1.32", str(tmp_path)],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "'bogus' was unexpected" in broken.stdout and "Traceback" not in broken.stderr
+    no_kubectl = subprocess.run(
+        [sys.executable, "-m", "tools.validate_deploy", "--kubectl", str(tmp_path / "none"), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert no_kubectl.returncode == 1 and "No such file" in no_kubectl.stdout, no_kubectl.stdout
+    assert "Traceback" not in no_kubectl.stderr
 
 
-@pytest.mark.skipif(not shutil.which("kubectl"), reason="kubectl (with built-in kustomize) not on PATH")
+@pytest.mark.skipif(
+    KUBECTL is None, reason="no kubectl (../shared/k8s, or on PATH) to check the fallback against"
+)
 @pytest.mark.parametrize("where", ["", "examples"])
 def test_python_renderer_agrees_with_kubectl_kustomize(where):
     def key(o: dict) -> tuple:
         return (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
 
-    ours = sorted(V.render_python(DEPLOY / where), key=key)
-    theirs = sorted(V.render_kubectl(DEPLOY / where), key=key)
+    ours = sorted(kustomize.render_python(DEPLOY / where), key=key)
+    theirs = sorted(kustomize.render_kubectl(DEPLOY / where, KUBECTL), key=key)
     assert [key(o) for o in ours] == [key(o) for o in theirs]
     assert ours == theirs
 
@@ -328,7 +347,7 @@ def test_a_broken_manifest_fails(tmp_path, breakage, renderer):
     assert old in text, f"{path} no longer contains {old!r}: update this test"
     f.write_text(text.replace(old, new, 1))
     where = copy / "examples" if path.startswith("examples/") else copy
-    _, errs = V.validate_dir(where, renderer, ("1.32",))
+    _, errs = V.validate_dir(where, renderer, ("1.32",), KUBECTL)
     assert any(expect in e for e in errs), errs
 
 

@@ -159,6 +159,7 @@ def _until(pred, timeout=5.0):
     return False
 
 
+@pytest.mark.slow
 def test_cli_nvml_module_errors_are_one_line():
     for args, msg in (
         (("--nvml-module", "no_such_module"), "--nvml-module no_such_module: No module named"),

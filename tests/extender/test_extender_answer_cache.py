@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from ext_helpers import container, node_obj, pod_obj
 
 from extender.binding import assignment_from_fit
@@ -75,6 +76,7 @@ def _place(ext: Extender, view: ClusterView, pod: dict, node: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_answers_follow_every_kind_of_change():
     view, policy, names = _setup(10)
     ext = _fresh(view, policy)
@@ -198,6 +200,7 @@ def test_the_same_nodes_in_another_order_reuse_the_answer_and_follow_the_order()
     assert len(again["NodeNames"]) > 1
 
 
+@pytest.mark.slow
 def test_answers_follow_every_change_with_the_nodes_in_a_new_order_each_time():
     for keep_best in (0, 1):
         view, policy, names = _setup(10)

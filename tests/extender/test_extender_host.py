@@ -409,6 +409,7 @@ def test_workload_errors_name_the_field(doc, message):
     assert message in str(e.value)
 
 
+@pytest.mark.slow
 def test_extender_cli_refuses_a_bad_workload_file_in_one_line(tmp_path):
     bad = tmp_path / "w.json"
     cases = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from ext_helpers import container, node_obj, pod_obj
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,6 +92,7 @@ def _cluster(specs: list[tuple[str, list]]) -> tuple[ClusterView, Extender, list
     return view, ext, names
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(node_spec, min_size=1, max_size=14),

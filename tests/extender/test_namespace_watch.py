@@ -45,6 +45,7 @@ def test_namespace_labels_come_from_the_watch_and_a_namespace_it_has_not_deliver
 
             # a namespace created while the namespace watch is away (cut, its next request held):
             # read once, with its labels; an unlabelled default would have made its pods online
+            until(lambda: "/api/v1/namespaces" in proxy.open_watches(), 20, "the namespace watch open")
             proxy.delay(NS_LIST, 8, method="GET")
             assert proxy.cut_watches() >= 1
             cluster.ensure_namespace(later, {LABEL_CLASS: "offline"})

@@ -8,6 +8,7 @@ over plain objects: no API server, the arithmetic and the caches are what is und
 
 from datetime import UTC, datetime
 
+import pytest
 from ext_helpers import node_obj, pod_obj
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -88,6 +89,7 @@ FILL_LEAVE_REFILL = [("arrive", {"ephemeral-storage": "4Gi"}, None)] * 3 + [
 ]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(step, min_size=1, max_size=40), st.booleans())
 # a resource freed that neither CPU nor memory shows must still reach the answers cached for a shape

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ nodes = st.lists(st.sampled_from([f"n{i}" for i in range(30)]), unique=True, max
 scores = st.one_of(st.none(), st.sampled_from([0.0, 1.5, -2.0, 7.25]), st.floats(-1e6, 1e6))
 
 
+@pytest.mark.slow
 @given(nodes, st.data())
 def test_sorted_index_is_the_tuple_sort(names, data):
     tie = {n: data.draw(st.sampled_from([0.1, 0.5, 0.9, data.draw(st.floats(0, 0.99))])) for n in names

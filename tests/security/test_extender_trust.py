@@ -161,6 +161,7 @@ def test_an_unreadable_namespace_is_an_error_to_retry_never_a_default_class(env:
     ns = f"offline-{env.sfx}"
     # the extender's namespace watch would have it: created while that watch is away (cut, its next
     # request held), the namespace is one the extender must read, and the read fails
+    until(lambda: "/api/v1/namespaces" in env.proxy.open_watches(), 20, "the namespace watch open")
     env.proxy.delay(r"^/api/v1/namespaces$", 20, method="GET")
     assert env.proxy.cut_watches() >= 1
     env.cp.ensure_namespace(ns, {"gpupack.io/class": "offline"})

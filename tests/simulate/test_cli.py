@@ -43,6 +43,7 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_trace_json_has_per_policy_mean_seeds_and_curves(files, tmp_path):
     nodes, pods = files
     out = tmp_path / "out"
@@ -99,6 +100,7 @@ def test_trace_table_default_policies(files, tmp_path):
     assert not (tmp_path / "replay.png").exists()
 
 
+@pytest.mark.slow
 def test_fleet_scenario_table_json_and_chart(tmp_path):
     p = run("--out", str(tmp_path / "o"), "--json")
     assert p.returncode == 0, p.stderr
@@ -166,6 +168,7 @@ def test_bad_pod_rows_give_one_line_with_file_line_field(files, tmp_path, capsys
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_bad_node_file_and_unknown_policy_in_a_real_process(files, tmp_path):
     nodes, pods = files
     bad = tmp_path / "badnodes.csv"

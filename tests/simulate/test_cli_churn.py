@@ -6,6 +6,7 @@ from gpupack.simulate import churn
 from gpupack.simulate.cli import main
 
 
+@pytest.mark.slow
 def test_churn_flag_runs_the_departures_replay(capsys):
     if churn._default_data() is None:
         pytest.skip("../shared/data/openb not present (set GPUPACK_SHARED)")

@@ -12,6 +12,7 @@ from gpupack.simulate.replay import arrival_order, replay_mode
 from .conftest import reduced_pods
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["gpupack", "fgd", "bestfit"])
 def test_a_pipeline_where_the_policy_decides_everything_is_the_default_replay(openb, small_cluster, policy):
     """Every pod through the extender, which is given the workload, sees CPU, passes only its best
@@ -28,6 +29,7 @@ def test_a_pipeline_where_the_policy_decides_everything_is_the_default_replay(op
     assert got.unallocated_pct_at_100 == want.unallocated_pct_at_100
 
 
+@pytest.mark.slow
 def test_the_shipped_pipeline_differs_where_it_must(openb, small_cluster):
     """CPU-only pods placed by kube-scheduler's default scores (and the extender learning the
     workload) change decisions, some by kube-scheduler's random draw; forced along its own free run,

@@ -8,6 +8,7 @@ from gpupack.simulate.replay import BINS, arrival_order, replay, replay_generic
 from .conftest import reduced_pods
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("trace", "policy"),
     [
@@ -66,6 +67,7 @@ def test_arrival_order_trims_a_trace_above_130_percent(openb, small_cluster):
     assert int(pods.gpu_request[a].sum()) <= 1.3 * cap
 
 
+@pytest.mark.slow
 def test_gpupack_beats_fgd_on_reduced_default_trace(openb, small_cluster):
     pods = reduced_pods(openb, "default", step=10)
     seeds = (42, 43, 44)

@@ -52,6 +52,7 @@ def embedded():
     return simulate(embedded_day(4.0), Settings(step_min=10))
 
 
+@pytest.mark.slow
 def test_night_consolidation_saves_node_hours_against_no_consolidation(embedded):
     rs = {(r["mode"], r["prescale"]): r for r in embedded["results"]}
     assert set(rs) == {(m, p) for m in ("none", "emptiest", "gpupack") for p in (True, False)}
@@ -107,6 +108,7 @@ def test_openb_day_is_built_from_the_trace(tmp_path):
     assert [r["mode"] for r in out["results"]] == ["none", "emptiest", "gpupack"]
 
 
+@pytest.mark.slow
 def test_cli_tidal_json(capsys, tmp_path):
     rc = main(["--tidal", "--json", "--no-chart", "--swing", "3"])
     assert rc == 0

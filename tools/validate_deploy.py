@@ -1,14 +1,14 @@
-#!/usr/bin/env python3
 """Render gpupack's kustomizations and validate every object offline.
 
-    python deploy/validate.py [--renderer auto|kubectl|python] [--k8s 1.30,1.32,1.35] [DIR ...]
+    python -m tools.validate_deploy [--renderer auto|kubectl|python] [--kubectl PATH]
+                                    [--k8s 1.30,1.32,1.35] [DIR ...]
 
-DIR defaults to deploy/ and deploy/examples/. Exit 0 when everything validates, 1 with one line
-per problem otherwise, 2 on bad usage.
+Run from the repository root. DIR defaults to deploy/ and deploy/examples/. Exit 0 when everything
+validates, 1 with one line per problem otherwise, 2 on bad usage.
 
-1. Render: `kubectl kustomize DIR` when kubectl is on PATH (renderer "auto"), else a minimal
-   kustomize written here for the features these manifests use (resources, labels, images,
-   namespace). Unsupported kustomization fields are an error, never silently ignored.
+1. Render (tools/kustomize.py): the real `kubectl kustomize DIR` when a kubectl is found
+   (--kubectl, $GPUPACK_KUBECTL, or PATH; renderer "auto"), else a minimal kustomize for the
+   features these manifests use. Unsupported kustomization fields are an error, never ignored.
 2. Schemas: each object against the Kubernetes OpenAPI-derived JSON schemas of every listed
    version, strict (unknown fields are errors), from the kubernetes-validate package.
 3. What a schema cannot see, checked against this repository's code:
@@ -30,175 +30,37 @@ import contextlib
 import copy
 import io
 import re
-import shutil
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gpupack import contract
+from tools.kustomize import (
+    CLUSTER_SCOPED,
+    RENDERERS,
+    Obj,
+    RenderError,
+    pod_spec,
+    render,
+    split_image,
+)
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from gpupack import contract  # noqa: E402
-
+PROG = "python -m tools.validate_deploy"
 DEFAULT_DIRS = ("deploy", "deploy/examples")
 # Oldest supported (webhook matchConditions are GA from 1.30), the
 # kube-scheduler image's minor, and the newest the installed schemas cover well.
 DEFAULT_VERSIONS = ("1.30", "1.32", "1.35")
 
-Obj = dict[str, Any]
-
-
-class RenderError(Exception):
-    pass
-
-
-# --- rendering ------------------------------------------------------------------------------------
-def render(path: Path, renderer: str = "auto") -> list[Obj]:
-    if renderer == "kubectl" or (renderer == "auto" and shutil.which("kubectl")):
-        return render_kubectl(path)
-    return render_python(path)
-
-
-def render_kubectl(path: Path) -> list[Obj]:
-    kubectl = shutil.which("kubectl")
-    if not kubectl:
-        raise RenderError("kubectl not found on PATH")
-    p = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    if p.returncode != 0:
-        raise RenderError(
-            f"kubectl kustomize {path}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}"
-        )
-    return [d for d in yaml.safe_load_all(p.stdout) if d]
-
-
-_KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
-_SUPPORTED = {"apiVersion", "kind", "resources", "labels", "images", "namespace"}
-# Kinds that are cluster-scoped (kustomize's namespace transformer leaves them alone).
-CLUSTER_SCOPED = {
-    "Namespace",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "MutatingWebhookConfiguration",
-    "ValidatingWebhookConfiguration",
-    "PriorityClass",
-    "CustomResourceDefinition",
-    "StorageClass",
-    "PersistentVolume",
-    "Node",
-    "APIService",
-    "RuntimeClass",
-    "IngressClass",
-    "ValidatingAdmissionPolicy",
-    "ValidatingAdmissionPolicyBinding",
-}
-
-
-def _kustomization(path: Path) -> Path:
-    for n in _KUSTOMIZATION_FILES:
-        if (path / n).is_file():
-            return path / n
-    raise RenderError(f"{path}: no kustomization.yaml")
-
-
-def render_python(path: Path) -> list[Obj]:
-    """A minimal kustomize: the subset of kustomize v5 that gpupack's manifests use."""
-    kfile = _kustomization(path)
-    k = yaml.safe_load(kfile.read_text()) or {}
-    unknown = set(k) - _SUPPORTED
-    if unknown:
-        raise RenderError(f"{kfile}: the python renderer does not support {sorted(unknown)}; use kubectl")
-    objs: list[Obj] = []
-    for res in k.get("resources") or []:
-        target = (path / res).resolve()
-        if target.is_dir():
-            objs.extend(render_python(target))
-        elif target.is_file():
-            try:
-                docs = [d for d in yaml.safe_load_all(target.read_text()) if d]
-            except yaml.YAMLError as e:
-                raise RenderError(f"{target}: invalid YAML: {e}") from e
-            for d in docs:
-                if not isinstance(d, dict) or "kind" not in d or "apiVersion" not in d:
-                    raise RenderError(f"{target}: a document without apiVersion/kind")
-                if d.get("kind", "").endswith("List") and "items" in d:
-                    objs.extend(d["items"])
-                else:
-                    objs.append(d)
-        else:
-            raise RenderError(f"{kfile}: resource {res!r} not found")
-    if k.get("namespace"):
-        for o in objs:
-            if o.get("kind") not in CLUSTER_SCOPED:
-                o.setdefault("metadata", {})["namespace"] = k["namespace"]
-    for spec in k.get("labels") or []:
-        if (
-            spec.get("includeSelectors")
-            or spec.get("includeTemplates")
-            or set(spec) - {"pairs", "includeSelectors", "includeTemplates"}
-        ):
-            raise RenderError(
-                f"{kfile}: labels with selectors/templates are not supported by the python renderer"
-            )
-        for o in objs:
-            o.setdefault("metadata", {}).setdefault("labels", {}).update(spec.get("pairs") or {})
-    for img in k.get("images") or []:
-        for o in objs:
-            for c in _all_containers(o):
-                c["image"] = _retag(c.get("image", ""), img)
-    return objs
-
-
-def _split_image(ref: str) -> tuple[str, str, str]:
-    name, digest = (ref.split("@", 1) + [""])[:2]
-    tag = ""
-    last = name.rsplit("/", 1)[-1]
-    if ":" in last:
-        name, tag = name.rsplit(":", 1)
-    return name, tag, digest
-
-
-def _retag(ref: str, img: dict[str, Any]) -> str:
-    name, tag, digest = _split_image(ref)
-    if name != img.get("name"):
-        return ref
-    name = img.get("newName", name)
-    if "digest" in img:
-        return f"{name}@{img['digest']}"
-    tag = str(img.get("newTag", tag))
-    out = f"{name}:{tag}" if tag else name
-    return f"{out}@{digest}" if digest and "newTag" not in img else out
-
 
 # --- object helpers ---------------------------------------------------------------------------------
-def pod_spec(o: Obj) -> Obj | None:
-    kind = o.get("kind")
-    spec = o.get("spec") or {}
-    if kind == "Pod":
-        return spec
-    if kind in ("Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job"):
-        return ((spec.get("template") or {}).get("spec")) or {}
-    if kind == "CronJob":
-        return ((((spec.get("jobTemplate") or {}).get("spec") or {}).get("template") or {}).get("spec")) or {}
-    return None
-
-
 def pod_labels(o: Obj) -> dict[str, str]:
     spec = o.get("spec") or {}
     if o.get("kind") == "CronJob":
         spec = (spec.get("jobTemplate") or {}).get("spec") or {}
     return ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
-
-
-def _all_containers(o: Obj) -> Iterator[Obj]:
-    ps = pod_spec(o)
-    if ps:
-        for key in ("initContainers", "containers"):
-            yield from ps.get(key) or []
 
 
 def ident(o: Obj) -> str:
@@ -562,7 +424,7 @@ def _gpupack_resource_errors(where: str, c: Obj) -> list[str]:
 
 def _image_errors(where: str, c: Obj) -> list[str]:
     image = c.get("image", "")
-    _, tag, digest = _split_image(image)
+    _, tag, digest = split_image(image)
     if not digest and (not tag or tag == "latest"):
         return [f"{where}: image {image!r} is not pinned to a tag or digest"]
     return []
@@ -912,9 +774,12 @@ def _kube_scheduler_errors(o: Obj, c: Obj, ps: Obj, by_kind: dict[str, list[Obj]
 
 
 # --- driver --------------------------------------------------------------------------------------
-def validate_dir(path: Path, renderer: str, versions: tuple[str, ...]) -> tuple[int, list[str]]:
+def validate_dir(
+    path: Path, renderer: str, versions: tuple[str, ...], kubectl: str | None = None
+) -> tuple[int, list[str]]:
+    """(objects rendered, problems) for one kustomization directory."""
     try:
-        objs = render(path, renderer)
+        objs = render(path, renderer, kubectl)
     except RenderError as e:
         return 0, [str(e)]
     errs: list[str] = []
@@ -925,9 +790,10 @@ def validate_dir(path: Path, renderer: str, versions: tuple[str, ...]) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="deploy/validate.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("dirs", nargs="*", help="kustomization directories (default: deploy, deploy/examples)")
-    p.add_argument("--renderer", choices=["auto", "kubectl", "python"], default="auto")
+    p.add_argument("--renderer", choices=RENDERERS, default="auto")
+    p.add_argument("--kubectl", help="the kubectl to render with (default: $GPUPACK_KUBECTL, then PATH)")
     p.add_argument(
         "--k8s", default=",".join(DEFAULT_VERSIONS), help="Kubernetes versions to validate against"
     )
@@ -938,17 +804,14 @@ def main(argv: list[str] | None = None) -> int:
         for v in versions:
             _schema_dir(v)
     except ModuleNotFoundError:
-        print(
-            "deploy/validate.py: needs the kubernetes-validate package (pip install -e '.[test]')",
-            file=sys.stderr,
-        )
+        print(f"{PROG}: needs the kubernetes-validate package (pip install -e '.[test]')", file=sys.stderr)
         return 2
     except RenderError as e:
-        print(f"deploy/validate.py: {e}", file=sys.stderr)
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     failed = False
     for d in dirs:
-        n, errs = validate_dir(d, args.renderer, versions)
+        n, errs = validate_dir(d, args.renderer, versions, args.kubectl)
         for err in errs:
             print(f"{d}: {err}")
         failed |= bool(errs)
