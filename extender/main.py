@@ -1,9 +1,9 @@
 """`gpupack extender`: the scheduler extender (HTTP) and the admission webhook (HTTPS).
 
-Both are served by gunicorn, embedded. The extender runs ONE worker process with threads: the
-reservation state (assumed pods, per-node bind locks) must live in a single process. The webhook
-needs TLS on its own port, so it runs as a second gunicorn in a child process with its own small
-node watch (for the largest GPU in the cluster); it holds no reservation state.
+Both are served by gunicorn, embedded (serving.py): the extender in ONE worker process with
+threads, since the reservation state (assumed pods, per-node bind locks) must live in a single
+process. The webhook needs TLS on its own port, so it runs as a second gunicorn in a child process
+with its own small node watch (for the largest GPU in the cluster); it holds no reservation state.
 """
 
 from __future__ import annotations
@@ -88,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=int,
-        default=128,
-        help="request threads of the extender worker (each bind holds one while it waits on the API server)",
+        default=512,
+        help="request threads of the extender worker, at most (each bind holds one while it waits on the API "
+        "server or for its turn, so a burst of binds must leave some to filter and prioritize; started as "
+        "needed; default 512)",
     )
     p.add_argument(
         "--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff"

@@ -1,11 +1,14 @@
 """How the extender and the webhook are served: gunicorn, embedded, with its stock `gthread`
-worker (a poller thread and a pool of request threads), configured through its public settings
-only, so any gunicorn the project allows serves them the same way.
+worker (a poller thread and a pool of request threads), configured through its documented
+settings only: nothing here subclasses or calls gunicorn's private classes, so a gunicorn release
+cannot take away what serving relies on.
 
 The extender runs ONE worker process: the reservation state (assumed pods, per-node bind locks)
 must live in a single process. Kept-alive connections wait in the worker's poller, not in a
 thread, and each request is answered by a pool thread; a bind holds its thread while it waits on
-the API server, so the pool (`--threads`) is sized for a burst of binds beside the filters.
+the API server (kube-scheduler binds every pod of a burst at once, and binds past
+--bind-concurrency wait for a turn), so the pool (`--threads`) is sized for such a burst: a
+filter that found every thread taken would wait for a bind to end.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from gpupack import logs
 
 _GUNICORN_SETTINGS = {s.name for s in KNOWN_SETTINGS}
 KEEPALIVE_S = 30  # kube-scheduler keeps its connections to the extender open between pods
+# kept-alive connections waiting in the poller, beyond the requests in progress (one a thread)
+IDLE_CONNECTIONS = 1000
 GRACEFUL_S = 3  # binds wait at most --bind-wait-s; the scheduler retries the rest
 
 
@@ -46,7 +51,8 @@ def options(binds: list[str], threads: int, log_level: str, proc_name: str) -> d
         "bind": binds,
         "workers": 1,
         "worker_class": "gthread",
-        "threads": threads,
+        "threads": threads,  # started as requests need them, up to this many
+        "worker_connections": threads + IDLE_CONNECTIONS,
         "timeout": 120,
         "graceful_timeout": GRACEFUL_S,
         "keepalive": KEEPALIVE_S,
