@@ -1,4 +1,5 @@
-"""Flask apps: the extender verbs (+ health and metrics) and the admission webhook.
+"""The WSGI apps: the extender's verbs (`verb_path`, in front of Flask's health, readiness and
+metrics) and the admission webhook (Flask).
 
 Handlers are thin: decode JSON, call the framework or webhook core, encode JSON. Every error a
 client causes is a 4xx with a one-line reason; anything else is logged and answered 500 without
@@ -20,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
-from .collector import LATENCY_VERBS, VerbActivity
+from .collector import LATENCY_VERBS
 from .framework import Extender
 from .metrics import Metrics
 from .view import ClusterView
@@ -105,33 +106,6 @@ def _common(app: Flask, view: ClusterView, metrics: Metrics, max_body: int) -> N
         return Response(generate_latest(metrics.registry), mimetype=CONTENT_TYPE_LATEST)
 
 
-def _timed(metrics: Metrics, activity: VerbActivity, verb: str, fn: Callable[[Any], Any]) -> Response:
-    """Read the body and run a verb on it; its time goes to the histograms and, as
-    `Server-Timing`, to the caller. Filter and prioritize mark `activity` while they run."""
-    t0 = time.perf_counter()
-    watched = verb in LATENCY_VERBS
-    if watched:
-        activity.enter()
-    try:
-        body = _body()
-        t1 = time.perf_counter()
-        out = fn(body)
-    except WireError:
-        metrics.bad_requests.labels(verb).inc()
-        metrics.latency.labels(verb).observe(time.perf_counter() - t0)
-        raise
-    finally:
-        if watched:
-            activity.leave()
-    resp = _json_response(out)
-    t2 = time.perf_counter()
-    dt = t2 - t0
-    metrics.latency.labels(verb).observe(dt)
-    metrics.answer.labels(verb).observe(t2 - t1)
-    resp.headers["Server-Timing"] = f"{verb};dur={dt * 1000:.3f}"
-    return resp
-
-
 def _freeze_startup_heap() -> None:
     """Move everything allocated so far (imported modules: the Kubernetes client alone is ~60,000
     objects) out of the collector's reach: a full collection then walks only what requests and the
@@ -142,10 +116,59 @@ def _freeze_startup_heap() -> None:
 
 
 def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flask:
-    """The extender's verbs; filter and prioritize mark `ext.activity` while they run."""
+    """The extender's verbs (answered by `verb_path`) in front of Flask's health, readiness and
+    metrics; filter and prioritize mark `ext.activity` while they run."""
     _freeze_startup_heap()
     app = Flask("gpupack-extender")
     _common(app, ext.view, ext.metrics, max_body)
+    app.wsgi_app = verb_path(app.wsgi_app, ext, max_body)  # type: ignore[method-assign]
+    return app
+
+
+VERB_PATHS = {"/filter": "filter", "/prioritize": "prioritize", "/bind": "bind"}
+
+
+def _status(code: int) -> str:
+    return f"{code} {HTTP_STATUS_CODES.get(code, 'UNKNOWN').upper()}"
+
+
+def _read_body(environ: dict[str, Any], max_body: int) -> bytes:
+    """The request body, at most `max_body` bytes (413 past that). Without a Content-Length the
+    body is read to its end where the server says it is delimited (gunicorn does, for a chunked
+    body: `wsgi.input_terminated`), and is empty otherwise, as PEP 3333 asks."""
+    raw = environ.get("CONTENT_LENGTH")
+    stream = environ["wsgi.input"]
+    if raw:
+        try:
+            length = int(raw)
+        except ValueError:
+            raise WireError(f"Content-Length is not a number: {raw[:40]!r}") from None
+        if length > max_body:
+            raise WireError(f"request body larger than {max_body} bytes", 413)
+        data = stream.read(length) if length > 0 else b""
+    elif environ.get("wsgi.input_terminated"):
+        data = stream.read(max_body + 1)
+        if len(data) > max_body:
+            raise WireError(f"request body larger than {max_body} bytes", 413)
+    else:
+        data = b""
+    if not data:
+        raise WireError("empty request body; expected JSON")
+    return bytes(data)
+
+
+def verb_path(inner: Callable[..., Any], ext: Extender, max_body: int) -> Callable[..., Any]:
+    """The WSGI app `inner` with the verbs (POST /filter, /prioritize, /bind) answered here, and
+    only here: body → parse → the Extender's method → JSON answer, without Flask's request and
+    response objects around them (under a burst those took about as long as the verb itself on a
+    CPU shared with binds and watch events, and kube-scheduler waits for every filter).
+
+    Each verb is timed from its start to its answer (`gpupack_extender_request_seconds`) and from
+    its whole body in hand (`..._answer_seconds`), and tells the caller as `Server-Timing`.
+    A request the client got wrong is a 4xx with a one-line reason (counted in
+    `..._bad_requests_total`); anything else is logged and answered 500, never raised into the
+    server. Filter and prioritize mark `ext.activity` while they run (collector.LATENCY_VERBS)."""
+    metrics, activity = ext.metrics, ext.activity
 
     def require_synced() -> None:
         if not ext.view.synced.is_set():
@@ -166,72 +189,34 @@ def create_extender_app(ext: Extender, max_body: int = DEFAULT_MAX_BODY) -> Flas
         require_synced()
         return ext.bind(args)
 
-    verbs: dict[str, tuple[str, Callable[[Any], Any]]] = {
-        "/filter": ("filter", filter_verb),
-        "/prioritize": ("prioritize", prioritize_verb),
-        "/bind": ("bind", bind_verb),
+    runs: dict[str, Callable[[Any], Any]] = {
+        "filter": filter_verb,
+        "prioritize": prioritize_verb,
+        "bind": bind_verb,
     }
 
-    @app.post("/filter")
-    def filter_() -> Response:
-        return _timed(ext.metrics, ext.activity, "filter", filter_verb)
-
-    @app.post("/prioritize")
-    def prioritize() -> Response:
-        return _timed(ext.metrics, ext.activity, "prioritize", prioritize_verb)
-
-    @app.post("/bind")
-    def bind() -> Response:
-        return _timed(ext.metrics, ext.activity, "bind", bind_verb)
-
-    app.wsgi_app = _verbs_first(app.wsgi_app, verbs, ext.metrics, max_body, ext.activity)  # type: ignore[method-assign]
-    return app
-
-
-def _status(code: int) -> str:
-    return f"{code} {HTTP_STATUS_CODES.get(code, 'UNKNOWN').upper()}"
-
-
-def _verbs_first(
-    inner: Callable[..., Any],
-    verbs: dict[str, tuple[str, Callable[[Any], Any]]],
-    metrics: Metrics,
-    max_body: int,
-    activity: VerbActivity,
-) -> Callable[..., Any]:
-    """The WSGI app, with the three verbs answered straight from WSGI: the same functions, JSON
-    and answers (errors too) as their Flask routes, without Flask's request and response objects
-    around them. Under a burst those took about as long as the verb itself on a CPU shared with
-    binds and watch events (measured at 1,000 nodes: filter p50 4.5 ms in the verb, 8 ms from
-    request to written answer), and kube-scheduler waits for every filter. A request that is not a
-    POST with a Content-Length within the limit (chunked, too large) goes to Flask as before."""
-
     def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        route = verbs.get(environ.get("PATH_INFO", ""))
-        if route is None or environ.get("REQUEST_METHOD") != "POST":
+        verb = VERB_PATHS.get(environ.get("PATH_INFO", ""))
+        if verb is None:
             return inner(environ, start_response)
-        try:
-            length = int(environ.get("CONTENT_LENGTH") or -1)
-        except ValueError:
-            length = -1
-        if length < 0 or length > max_body:
-            return inner(environ, start_response)
-        verb, run = route
-        t0 = time.perf_counter()
         headers = [("Content-Type", "application/json")]
+        if environ.get("REQUEST_METHOD") != "POST":
+            text = _encode({"Error": "The method is not allowed for the requested URL."})
+            headers += [("Allow", "POST"), ("Content-Length", str(len(text)))]
+            start_response(_status(405), headers)
+            return [text]
+        t0 = time.perf_counter()
         watched = verb in LATENCY_VERBS
         if watched:
             activity.enter()
         try:
-            data = environ["wsgi.input"].read(length) if length else b""
+            data = _read_body(environ, max_body)
             t1 = time.perf_counter()
-            if not data:
-                raise WireError("empty request body; expected JSON")
             try:
                 body = orjson.loads(data)
             except (ValueError, RecursionError) as e:
                 raise WireError(f"request body is not valid JSON: {e}") from e
-            out = run(body)
+            out = runs[verb](body)
             text = _encode_scores(*out) if isinstance(out, tuple) else _encode(out)
             status = 200
             t2 = time.perf_counter()

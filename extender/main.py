@@ -1,9 +1,9 @@
 """`gpupack extender`: the scheduler extender (HTTP) and the admission webhook (HTTPS).
 
-Both are served by gunicorn, embedded. The extender runs ONE worker process with threads: the
-reservation state (assumed pods, per-node bind locks) must live in a single process. The webhook
-needs TLS on its own port, so it runs as a second gunicorn in a child process with its own small
-node watch (for the largest GPU in the cluster); it holds no reservation state.
+Both are served by gunicorn, embedded (serving.py): the extender in ONE worker process with
+threads, since the reservation state (assumed pods, per-node bind locks) must live in a single
+process. The webhook needs TLS on its own port, so it runs as a second gunicorn in a child process
+with its own small node watch (for the largest GPU in the cluster); it holds no reservation state.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gunicorn.app.base import BaseApplication
-from gunicorn.config import KNOWN_SETTINGS
-
 from gpupack import logs
 from gpupack.contract import SCHEDULER_NAME
 from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
@@ -31,22 +28,6 @@ from .app import DEFAULT_MAX_BODY
 
 log = logging.getLogger("gpupack.extender")
 SWITCH_INTERVAL_S = 0.0005
-_GUNICORN_SETTINGS = {s.name for s in KNOWN_SETTINGS}
-
-
-class _Gunicorn(BaseApplication):
-    def __init__(self, factory: Callable[[], Any], options: dict[str, Any]) -> None:
-        self.factory = factory
-        self.options = options
-        super().__init__()
-
-    def load_config(self) -> None:
-        for k, v in self.options.items():
-            self.cfg.set(k, v)
-
-    def load(self) -> Any:
-        # Runs in the worker after fork: watch threads must start there, not in the arbiter.
-        return self.factory()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,15 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=int,
-        default=128,
-        help="request threads of the extender worker (each bind holds one while it waits on the API server)",
-    )
-    p.add_argument(
-        "--serving",
-        choices=["connection", "gthread"],
-        default="connection",
-        help="how the verbs are served: a thread per connection, woken by its request (default), or "
-        "gunicorn's gthread (a poller thread hands each request to --threads pool threads)",
+        default=512,
+        help="request threads of the extender worker, at most (each bind holds one while it waits on the API "
+        "server or for its turn, so a burst of binds must leave some to filter and prioritize; started as "
+        "needed; default 512)",
     )
     p.add_argument(
         "--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff"
@@ -283,27 +259,6 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
     return make
 
 
-def _options(args: argparse.Namespace, port: int, threads: int) -> dict[str, Any]:
-    opts = {
-        "bind": [f"{args.host}:{port}"],
-        "workers": 1,
-        "worker_class": "gthread",
-        "threads": threads,
-        "timeout": 120,
-        "graceful_timeout": 3,  # binds wait at most --bind-wait-s; the scheduler retries the rest
-        "keepalive": 30,
-        "loglevel": args.log_level,
-        "accesslog": None,
-        "errorlog": "-",
-        "logger_class": logs.gunicorn_logger_class(),  # gunicorn's lines in --log-format too
-        "proc_name": "gpupack-extender",
-    }
-    if "control_socket_disable" in _GUNICORN_SETTINGS:
-        # gunicorn >= 24 opens a control socket under $HOME; a second instance would collide
-        opts["control_socket_disable"] = True
-    return opts
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args)
@@ -332,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import app, framework, kube, serving, sync, webhook  # noqa: F401
 
     if args.role == "webhook":
-        opts = _options(args, args.webhook_port, 8)
-        opts["bind"] = [f"{args.webhook_host}:{args.webhook_port}"]
-        opts.update(certfile=args.tls_cert, keyfile=args.tls_key, proc_name="gpupack-webhook")
-        _Gunicorn(_webhook_factory(args), opts).run()
+        binds = [f"{args.webhook_host}:{args.webhook_port}"]
+        opts = serving.options(binds, 8, args.log_level, "gpupack-webhook")
+        opts.update(certfile=args.tls_cert, keyfile=args.tls_key)
+        serving.Server(_webhook_factory(args), opts).run()
         return 0
 
     child = None
@@ -349,13 +304,12 @@ def main(argv: list[str] | None = None) -> int:
             "webhook",
         ]
         child = subprocess.Popen(cmd)
-    opts = _options(args, args.port, args.threads)
-    if args.serving == "connection":
-        opts["worker_class"] = "extender.serving.ConnectionThreadWorker"
+    binds = [f"{args.host}:{args.port}"]
     if args.metrics_port:
-        opts["bind"].append(f"{args.metrics_host}:{args.metrics_port}")
+        binds.append(f"{args.metrics_host}:{args.metrics_port}")
+    opts = serving.options(binds, args.threads, args.log_level, "gpupack-extender")
     try:
-        _Gunicorn(_extender_factory(args), opts).run()
+        serving.Server(_extender_factory(args), opts).run()
     finally:
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)

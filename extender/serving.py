@@ -1,159 +1,68 @@
-"""A gunicorn worker that serves each connection in a thread of its own (`--serving connection`).
+"""How the extender and the webhook are served: gunicorn, embedded, with its stock `gthread`
+worker (a poller thread and a pool of request threads), configured through its documented
+settings only: nothing here subclasses or calls gunicorn's private classes, so a gunicorn release
+cannot take away what serving relies on.
 
-kube-scheduler calls filter (and prioritize) one pod at a time over a kept-alive connection, and
-binds over a few more. gunicorn's gthread worker hands every request on a kept-alive connection
-from its poller thread to a pool thread and back again (two more threads that must each get the
-GIL, on a CPU shared with binds and watch events); here the thread that owns the connection is
-woken by the request's bytes and answers it at once. Requests go through gunicorn's own parser
-and its ThreadWorker.handle_request, so the answers, access log, keep-alive and limits are the
-same; only the threading differs. Connections at once are capped by `worker_connections`.
+The extender runs ONE worker process: the reservation state (assumed pods, per-node bind locks)
+must live in a single process. Kept-alive connections wait in the worker's poller, not in a
+thread, and each request is answered by a pool thread; a bind holds its thread while it waits on
+the API server (kube-scheduler binds every pod of a burst at once, and binds past
+--bind-concurrency wait for a turn), so the pool (`--threads`) is sized for such a burst: a
+filter that found every thread taken would wait for a bind to end.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import select
-import socket
-import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
-from gunicorn.http import errors as http_errors
-from gunicorn.workers.gthread import TConn, ThreadWorker
+from gunicorn.app.base import BaseApplication
+from gunicorn.config import KNOWN_SETTINGS
 
-ACCEPT_POLL_S = 0.5  # how soon an accept loop sees the worker stopping
-# A connection's thread waits this long for the next connection before it ends. kube-scheduler's
-# HTTP client keeps only 2 idle connections to the extender, so binds in parallel open (and close)
-# new ones all the time: a thread started per connection was ~6% of the extender's CPU in a burst.
-IDLE_THREAD_S = 30.0
-IDLE_THREADS_MAX = 64
+from gpupack import logs
 
-
-class ConnectionThreadWorker(ThreadWorker):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stopping = threading.Event()
-        self._conn_lock = threading.Lock()
-        self._open = 0
-        self._room = threading.Semaphore(max(1, self.cfg.worker_connections))
-        self._idle: list[_Handoff] = []  # threads between connections, newest last
-
-    def handle_exit(self, sig: Any, frame: Any) -> None:
-        self.alive = False
-        self._stopping.set()
-
-    def run(self) -> None:
-        for listener in self.sockets:
-            threading.Thread(target=self._accept_loop, args=(listener,), name="accept", daemon=True).start()
-        while self.alive:
-            self.notify()
-            if not self.is_parent_alive():
-                break
-            self._stopping.wait(1.0)
-        self.alive = False
-        # stop accepting, then give the requests in progress (binds) the graceful timeout
-        deadline = time.monotonic() + self.cfg.graceful_timeout
-        while time.monotonic() < deadline:
-            with self._conn_lock:
-                if self._open == 0:
-                    break
-            self.notify()
-            time.sleep(0.05)
-        for s in self.sockets:
-            s.close()
-
-    def _accept_loop(self, listener: Any) -> None:
-        while self.alive:
-            if not self._room.acquire(timeout=ACCEPT_POLL_S):
-                continue
-            try:
-                ready, _, _ = select.select([listener], [], [], ACCEPT_POLL_S)
-                if not ready or not self.alive:
-                    self._room.release()
-                    continue
-                sock, client = listener.accept()
-            except OSError as e:
-                self._room.release()
-                if e.errno in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK, errno.EINTR):
-                    continue
-                if not self.alive:
-                    return
-                self.log.warning("accept failed: %s", e)
-                time.sleep(0.1)
-                continue
-            with self._conn_lock:
-                self._open += 1
-                idle = self._idle.pop() if self._idle else None
-            job = (listener, sock, client)
-            if idle is not None:
-                idle.give(job)
-            else:
-                threading.Thread(target=self._conn_loop, args=(job,), name="conn", daemon=True).start()
-
-    def _conn_loop(self, job: tuple[Any, socket.socket, Any]) -> None:
-        """Serve `job`, then wait (idle) for the next connection the accept loop hands over."""
-        me = _Handoff()
-        while True:
-            self._serve(*job)
-            with self._conn_lock:
-                if not self.alive or len(self._idle) >= IDLE_THREADS_MAX:
-                    return
-                self._idle.append(me)
-            nxt = me.take(IDLE_THREAD_S)
-            if nxt is None:
-                with self._conn_lock:
-                    if me in self._idle:
-                        self._idle.remove(me)
-                        return
-                nxt = me.take(None)  # handed a connection just as the wait ran out
-                assert nxt is not None
-            job = nxt
-
-    def _serve(self, listener: Any, sock: socket.socket, client: Any) -> None:
-        req = None
-        conn = TConn(self.cfg, sock, client, listener.getsockname())
-        try:
-            conn.sock.setblocking(True)
-            conn.init()
-            # an idle kept-alive connection is closed after `keepalive` seconds, as gthread does
-            conn.sock.settimeout(self.cfg.keepalive or None)
-            while self.alive:
-                req = next(conn.parser)
-                if not req:
-                    break
-                if not self._keepalive_after(conn, self.handle_request(req, conn)):
-                    break
-                req = None
-        except (StopIteration, http_errors.NoMoreData, TimeoutError):
-            pass
-        except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
-                self.log.exception("socket error processing request")
-        except Exception as e:
-            self.handle_error(req, conn.sock, conn.client, e)
-        finally:
-            with contextlib.suppress(OSError):
-                conn.close()
-            with self._conn_lock:
-                self._open -= 1
-            self._room.release()
+_GUNICORN_SETTINGS = {s.name for s in KNOWN_SETTINGS}
+KEEPALIVE_S = 30  # kube-scheduler keeps its connections to the extender open between pods
+# kept-alive connections waiting in the poller, beyond the requests in progress (one a thread)
+IDLE_CONNECTIONS = 1000
+GRACEFUL_S = 3  # binds wait at most --bind-wait-s; the scheduler retries the rest
 
 
-class _Handoff:
-    """One idle thread's mailbox: the accept loop puts the next connection in, the thread takes it."""
+class Server(BaseApplication):
+    """gunicorn running `factory()` (called in the worker, after fork) with `options`."""
 
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._job: tuple[Any, socket.socket, Any] | None = None
+    def __init__(self, factory: Callable[[], Any], options: dict[str, Any]) -> None:
+        self.factory = factory
+        self.options = options
+        super().__init__()
 
-    def give(self, job: tuple[Any, socket.socket, Any]) -> None:
-        self._job = job
-        self._ready.set()
+    def load_config(self) -> None:
+        for k, v in self.options.items():
+            self.cfg.set(k, v)
 
-    def take(self, timeout: float | None) -> tuple[Any, socket.socket, Any] | None:
-        if not self._ready.wait(timeout):
-            return None
-        self._ready.clear()
-        job, self._job = self._job, None
-        return job
+    def load(self) -> Any:
+        # Runs in the worker after fork: watch threads must start there, not in the arbiter.
+        return self.factory()
+
+
+def options(binds: list[str], threads: int, log_level: str, proc_name: str) -> dict[str, Any]:
+    """gunicorn's settings for one worker process of `threads` request threads on `binds`."""
+    opts: dict[str, Any] = {
+        "bind": binds,
+        "workers": 1,
+        "worker_class": "gthread",
+        "threads": threads,  # started as requests need them, up to this many
+        "worker_connections": threads + IDLE_CONNECTIONS,
+        "timeout": 120,
+        "graceful_timeout": GRACEFUL_S,
+        "keepalive": KEEPALIVE_S,
+        "loglevel": log_level,
+        "accesslog": None,
+        "errorlog": "-",
+        "logger_class": logs.gunicorn_logger_class(),  # gunicorn's lines in --log-format too
+        "proc_name": proc_name,
+    }
+    if "control_socket_disable" in _GUNICORN_SETTINGS:
+        # gunicorn >= 24 opens a control socket under $HOME; a second instance would collide
+        opts["control_socket_disable"] = True
+    return opts
