@@ -148,7 +148,7 @@ def test_filter_and_prioritize_mark_the_activity_bind_does_not() -> None:
     for verb, answered in (("filter", 1), ("prioritize", 1)):
         assert reg.get_sample_value("gpupack_extender_answer_seconds_count", {"verb": verb}) == answered
     assert reg.get_sample_value("gpupack_extender_request_seconds_count", {"verb": "filter"}) == 2
-    # a body without Content-Length (chunked) goes through Flask's route: marked and timed the same
+    # a body without Content-Length (chunked): marked and timed the same (the one verb path)
     r = app.post(
         "/filter", data=body, content_type="application/json",
         environ_overrides={"CONTENT_LENGTH": "", "wsgi.input_terminated": True},
