@@ -26,5 +26,7 @@ def test_module_and_class_sizes(path: Path) -> None:
 def test_every_extender_module_is_on_the_map() -> None:
     """docs/architecture.md names every module of the extender (its one-sentence table)."""
     doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    missing = [p.name for p in (ROOT / "extender").glob("*.py") if p.name != "__init__.py" and p.name not in doc]
+    missing = [
+        p.name for p in (ROOT / "extender").glob("*.py") if p.name != "__init__.py" and p.name not in doc
+    ]
     assert not missing, f"docs/architecture.md does not say what these extender modules do: {missing}"

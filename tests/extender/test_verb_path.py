@@ -26,7 +26,7 @@ def ext() -> Extender:
     view.replace_nodes([node_obj("n1"), node_obj("n2")])
     view.replace_pods([])
     view.synced.set()
-    return Extender(view, get_policy(DEFAULT_POLICY), None, Metrics())
+    return Extender(view, get_policy(DEFAULT_POLICY), None, metrics=Metrics())
 
 
 def _body() -> bytes:
