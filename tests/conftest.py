@@ -1,6 +1,6 @@
 """Session-wide fixtures: one real Kubernetes control plane for the whole test run.
 
-`k8s` starts etcd, kube-apiserver and kube-controller-manager from the real v1.28.7 binaries
+`k8s` starts etcd, kube-apiserver and kube-controller-manager from the real binaries (v1.28.7 or v1.36.2)
 (see tests/realk8s.py) once per run; `cluster` hands it to a test and clears what the test
 created afterwards. Without the binaries these tests are skipped with one line saying how to get
 them, unless GPUPACK_REQUIRE_K8S=1 (set by .ci/run), where that is an error.
@@ -21,6 +21,18 @@ pytest_plugins = ["markers"]  # the suite's markers, applied from fixtures (test
 
 def _require() -> bool:
     return os.environ.get("GPUPACK_REQUIRE_K8S", "") not in ("", "0")
+
+
+def pytest_report_header() -> str:
+    assets = realk8s.assets_dir()
+    return f"kubernetes binaries: {assets or 'none'}" + (f" ({_version(assets)})" if assets else "")
+
+
+def _version(assets: Path) -> str:
+    try:
+        return "v{}.{}".format(*realk8s.binary_version("kube-apiserver", assets))
+    except Exception as e:  # the header must not stop the run; the k8s fixture reports it properly
+        return f"version unknown: {e}"
 
 
 @pytest.fixture(scope="session")

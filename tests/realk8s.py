@@ -1,11 +1,17 @@
 """A real Kubernetes control plane for tests: etcd, kube-apiserver, kube-controller-manager and
-kube-scheduler (v1.28.7, unmodified) plus the kubelet's device manager harness.
+kube-scheduler plus the kubelet's device manager harness (v1.28.7 in ``../shared/k8s``, v1.36.2 in
+``../shared/k8s-1.36``; the suite runs on both).
 
 The binaries come from ``$GPUPACK_K8S_ASSETS`` or ``../shared/k8s`` (a folder with ``bin/*.xz`` and
 ``SHA256SUMS``) and are unpacked once into ``$GPUPACK_K8S_CACHE`` (default
 ``~/.cache/gpupack/k8s/<checksum>``), checked against ``SHA256SUMS``. One control plane serves a
 whole test run (the session fixture in ``tests/conftest.py``); tests stay apart by using their own
 namespaces and node names, and ``ControlPlane.reset()`` clears what a test left behind.
+
+What differs between versions is read from the server, never assumed from a version number: the
+ValidatingAdmissionPolicy API a server serves (`ControlPlane.policy_api`), whether its pod-bound
+tokens name their node (`ControlPlane.token_node_claim`). Only the apiserver's start flags, needed
+before there is a server to ask, follow the binary's own ``--version``.
 
 Nothing here is product code: it lives in ``tests/`` and is never installed.
 """
@@ -17,6 +23,7 @@ import hashlib
 import json
 import lzma
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -35,7 +42,8 @@ import yaml
 from kubernetes import client
 
 REPO = Path(__file__).resolve().parents[1]
-K8S_VERSION = "v1.28.7"
+NODE_CLAIM = "authentication.kubernetes.io/node-name"  # in pod-bound tokens of servers that add it
+POLICY_KINDS = frozenset({"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"})
 HOW_TO_GET = (
     "real Kubernetes binaries not found: set GPUPACK_K8S_ASSETS to a folder with bin/*.xz and "
     "SHA256SUMS (as ../shared/k8s has), or check out ../shared beside the repository"
@@ -48,7 +56,9 @@ def assets_dir() -> Path | None:
     """The folder holding ``bin/*.xz`` and ``SHA256SUMS``, or None when it cannot be found."""
     candidates = []
     if os.environ.get("GPUPACK_K8S_ASSETS"):
-        candidates.append(Path(os.environ["GPUPACK_K8S_ASSETS"]))
+        # asked for by name (.ci/run: one version per run): that folder or none, never another version
+        explicit = Path(os.environ["GPUPACK_K8S_ASSETS"])
+        return explicit if (explicit / "SHA256SUMS").is_file() and (explicit / "bin").is_dir() else None
     if os.environ.get("GPUPACK_SHARED"):
         candidates.append(Path(os.environ["GPUPACK_SHARED"]) / "k8s")
     candidates.append(REPO.parent / "shared" / "k8s")
@@ -101,6 +111,15 @@ def binary(name: str, assets: Path | None = None) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return target
+
+
+def binary_version(name: str, assets: Path | None = None) -> tuple[int, int]:
+    """(major, minor) that binary reports with ``--version`` ("Kubernetes v1.36.2")."""
+    out = subprocess.run([str(binary(name, assets)), "--version"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"v(\d+)\.(\d+)", out.stdout + out.stderr)
+    if m is None:
+        raise RuntimeError(f"{name} --version said {out.stdout + out.stderr!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def free_port() -> int:
@@ -201,12 +220,18 @@ class ControlPlane:
         self.procs: dict[str, Proc] = {}
         self._schedulers: list[Proc] = []
         self._api_client: client.ApiClient | None = None
+        self._policy_api = ""
 
     # -- lifecycle --
     def start(self, controller_manager: bool = True) -> ControlPlane:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.pki.mkdir(parents=True, exist_ok=True)
         bins = {n: binary(n, self.assets) for n in ("etcd", "kube-apiserver")}
+        # ValidatingAdmissionPolicy is beta and off before v1.30 (tests of admission use it); from
+        # v1.30 v1 is on by default, and v1.34 no longer knows the gate nor serves v1beta1
+        vap = (["--feature-gates", "ValidatingAdmissionPolicy=true",
+                "--runtime-config", "admissionregistration.k8s.io/v1beta1=true"]
+               if binary_version("kube-apiserver", self.assets) < (1, 30) else [])  # fmt: skip
         self._keys()
         etcd_port, peer_port, self.api_port = free_port(), free_port(), free_port()
         self.url = f"https://127.0.0.1:{self.api_port}"
@@ -231,10 +256,7 @@ class ControlPlane:
             "--service-account-signing-key-file", str(self.pki / "sa.key"),
             "--service-cluster-ip-range", "10.0.0.0/24", "--endpoint-reconciler-type", "none",
             "--max-requests-inflight", "3000", "--max-mutating-requests-inflight", "1000",
-            # ValidatingAdmissionPolicy is beta (off by default) in v1.28: tests of admission use it
-            "--feature-gates", "ValidatingAdmissionPolicy=true",
-            "--runtime-config", "admissionregistration.k8s.io/v1beta1=true",
-            "-v", os.environ.get("GPUPACK_K8S_V", "1"),
+            *vap, "-v", os.environ.get("GPUPACK_K8S_V", "1"),
         ], self.logs / "kube-apiserver.log")  # fmt: skip
         self._wait_http("kube-apiserver", f"{self.url}/readyz", expect="ok", token=self.token)
         self.kubeconfig.write_text(json.dumps(kubeconfig_dict(self.url, self.token, self.ca_file)))
@@ -352,6 +374,48 @@ class ControlPlane:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({r.returncode}): {r.stderr or r.stdout}")
         return r.stdout if check else r.stdout + r.stderr
 
+    # -- what this server does, asked of it --
+    def _get(self, path: str) -> Any:
+        r = requests.get(f"{self.url}{path}", headers={"Authorization": f"Bearer {self.token}"},
+                         verify=str(self.ca_file), timeout=10)  # fmt: skip
+        r.raise_for_status()
+        return r.json()
+
+    def server_version(self) -> tuple[int, int]:
+        """(major, minor) of the running API server (its /version)."""
+        v = self._get("/version")
+        return int(v["major"]), int(v["minor"].rstrip("+"))
+
+    def policy_api(self) -> str:
+        """The group/version this server serves ValidatingAdmissionPolicy in, from discovery:
+        admissionregistration.k8s.io/v1 (GA, on by default from v1.30), else v1beta1 (v1.28-1.29
+        with the gate and the API turned on; no longer served from v1.34)."""
+        if not self._policy_api:
+            group = "admissionregistration.k8s.io"
+            for v in self._get(f"/apis/{group}")["versions"]:  # the preferred version first
+                gv = v["groupVersion"]
+                if any(
+                    r["name"] == "validatingadmissionpolicies" for r in self._get(f"/apis/{gv}")["resources"]
+                ):
+                    self._policy_api = gv
+                    break
+            else:
+                raise RuntimeError(f"this API server serves no ValidatingAdmissionPolicy in {group}")
+        return self._policy_api
+
+    def for_this_server(self, objs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """deploy/'s objects as this server takes them: the admission policies (shipped as v1) in the
+        version it serves; the fields are the same in v1beta1. Other objects are passed on as they are."""
+        api = self.policy_api()
+        return [{**o, "apiVersion": api} if o.get("kind") in POLICY_KINDS else o for o in objs]
+
+    def token_node_claim(self, token: str) -> str:
+        """The node this server reads from `token` (a TokenReview's `authentication.kubernetes.io/
+        node-name`), or "" where it puts none in: before v1.30 a pod-bound token names only its pod."""
+        review = client.AuthenticationV1Api(self.api_client()).create_token_review({"spec": {"token": token}})
+        assert review.status.authenticated, review.status.error
+        return ((review.status.user.extra or {}).get(NODE_CLAIM) or [""])[0]
+
     # -- objects tests need --
     def ensure_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> None:
         """Create `name` (if absent) and wait for its `default` ServiceAccount (pods need it)."""
@@ -439,7 +503,7 @@ class ControlPlane:
             adm.delete_collection_validating_webhook_configuration()
         for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
             with contextlib.suppress(requests.RequestException):
-                requests.delete(f"{self.url}/apis/admissionregistration.k8s.io/v1beta1/{kind}",
+                requests.delete(f"{self.url}/apis/{self.policy_api()}/{kind}",
                                 headers={"Authorization": f"Bearer {self.token}"}, verify=str(self.ca_file), timeout=10)  # fmt: skip
         rbac = client.RbacAuthorizationV1Api(self.api_client())
         for b in rbac.list_cluster_role_binding().items:

@@ -1,4 +1,9 @@
-"""deploy/ as the real kube-apiserver (v1.28.7) sees it: `kubectl apply --server-side -k` is accepted.
+"""deploy/ as the real kube-apiserver sees it: `kubectl apply --server-side -k` is accepted.
+
+On a server that serves ValidatingAdmissionPolicy as admissionregistration.k8s.io/v1 (v1.30 on; the
+suite runs on v1.36) that is `kubectl apply -k deploy/` itself; on one that serves only v1beta1
+(v1.28-1.29 with the gate on) it is the command the operator guide gives for those versions, which
+renders deploy/ and moves the two policy kinds to v1beta1.
 
 The offline checks (tests/deploy/test_deploy_manifests.py) validate against JSON schemas; only the
 real server runs its own validation, defaulting, CEL compilation of the webhooks' matchConditions,
@@ -7,6 +12,7 @@ RBAC escalation checks and server-side apply field ownership.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -20,24 +26,24 @@ DEPLOY = REPO / "deploy"
 NS = "gpupack-system"
 
 
-def _for_128(text: str) -> str:
-    """The rendered manifests for this v1.28 API server: ValidatingAdmissionPolicy is served there as
-    admissionregistration.k8s.io/v1beta1 (deploy/ ships v1, GA from 1.30; the fields are the same)."""
-    docs = [d for d in yaml.safe_load_all(text) if d]
-    for d in docs:
-        if d["kind"] in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
-            d["apiVersion"] = "admissionregistration.k8s.io/v1beta1"
-    return yaml.safe_dump_all(docs)
+# docs/operator-guide.md, "Kubernetes versions": the install on a server that serves the policies
+# only as v1beta1. Kustomize writes apiVersion right above kind, so the pair is matched together.
+V1BETA1_POLICIES = (
+    r"sed -E '/^apiVersion: admissionregistration\.k8s\.io\/v1$/{N;"
+    r"s#/v1\nkind: (ValidatingAdmissionPolicy(Binding)?)$#/v1beta1\nkind: \1#}'"
+)
 
 
-def _apply(cluster, where: Path, *extra: str) -> str:
+def _apply(cluster, where: Path) -> str:
     """stdout of a server-side apply; fails on an error and on any warning the server sends back
     (deprecated APIs, Pod Security violations, unknown fields dropped) but the device plugin's."""
-    r = subprocess.run(
-        [str(realk8s.binary("kubectl")), "--kubeconfig", str(cluster.kubeconfig), "apply", "--server-side",
-         "--field-manager=gpupack-test", "-f", "-", *extra],
-        input=_for_128(cluster.kubectl("kustomize", str(where))), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    kubectl = f"{shlex.quote(str(realk8s.binary('kubectl', cluster.assets)))} --kubeconfig {shlex.quote(str(cluster.kubeconfig))}"
+    apply = f"{kubectl} apply --server-side --field-manager=gpupack-test"
+    if cluster.policy_api() == "admissionregistration.k8s.io/v1":
+        cmd = f"{apply} -k {shlex.quote(str(where))}"
+    else:
+        cmd = f"set -o pipefail; {kubectl} kustomize {shlex.quote(str(where))} | {V1BETA1_POLICIES} | {apply} -f -"
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     warnings = [w for w in r.stderr.splitlines() if "warning" in w.lower()]
     # the device plugin alone needs hostPath and root (the namespace enforces "privileged" for it)

@@ -190,11 +190,11 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     )  # fmt: skip
     deploy_objects.apply(cluster, shipped)
     # and the admission policies that narrow what the accounts may write (issue 11): every write of
-    # the flow below must pass them (v1beta1 on this v1.28 API server; deploy/ ships v1)
-    policies = deploy_objects.remap(deploy_objects.load("webhook/policies.yaml"), ns)
-    for o in policies:
-        o["apiVersion"] = "admissionregistration.k8s.io/v1beta1"
-    deploy_objects.apply(cluster, policies)
+    # the flow below must pass them (in the policy API version this server serves)
+    deploy_objects.apply(
+        cluster,
+        cluster.for_this_server(deploy_objects.remap(deploy_objects.load("webhook/policies.yaml"), ns)),
+    )
     webhook_port = free_port()
     hooks = deploy_objects.remap(deploy_objects.load("webhook/webhooks.yaml"), ns)
     for cfg in hooks:

@@ -1,4 +1,4 @@
-"""gpupack's admission webhooks registered in the real kube-apiserver (v1.28.7) and exercised with
+"""gpupack's admission webhooks registered in the real kube-apiserver and exercised with
 real pod creates and updates.
 
 The configurations are deploy/webhook/webhooks.yaml as shipped (rules, namespaceSelector, CEL
@@ -299,9 +299,11 @@ def test_the_webhook_port_speaks_only_tls_and_refuses_garbage(webhook):
 
 
 def test_the_device_plugin_touches_only_its_own_node_with_its_pods_token(webhook):
-    """Kubernetes 1.28 puts the pod's name, not its node, in a pod-bound token: the plugin-node
-    webhook finds the node of the plugin pod the token is bound to. A real token bound to a pod on
-    node A may patch a pod on A and node A, not a pod on B nor node B."""
+    """A real token bound to a plugin pod on node A may patch a pod on A and node A, not a pod on B
+    nor node B, whichever of gpupack's two mechanisms acts on this server. Where the server puts
+    the node in a pod-bound token (`authentication.kubernetes.io/node-name`, v1.30 on), the
+    plugin-node webhook skips the request and the admission policy pins the plugin by that claim
+    alone; where the token names only its pod (v1.28-1.29), the webhook finds that pod's node."""
     cp, sys_ns, sfx = webhook.cp, webhook.system, webhook.sfx
     node_a, node_b = f"wh-{sfx}", f"whb-{sfx}"
     cp.make_node(node_b, extended={"gpupack.io/gpu": "16"})
@@ -312,27 +314,54 @@ def test_the_device_plugin_touches_only_its_own_node_with_its_pods_token(webhook
     tok = cp.core.create_namespaced_service_account_token("gpupack-device-plugin", sys_ns, {"spec": {
         "expirationSeconds": 3600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "dp-a",
                                                       "uid": plugin.metadata.uid}}}).status.token  # fmt: skip
+    claim = cp.token_node_claim(tok)
+    assert claim in ("", node_a), claim
     dp = client.CoreV1Api(cp.new_api_client(tok))
     ns = webhook.namespace("wh-plugin")
     for name, node in (("on-a", node_a), ("on-b", node_b)):
         cp.core.create_namespaced_pod(
             ns, {"metadata": {"name": name}, "spec": {"nodeName": node, "containers": [c("a")]}}
         )
-    before = webhook.admissions()
-    dp.patch_namespaced_pod("on-a", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "done"}}})
-    dp.patch_node(node_a, {"metadata": {"labels": {"gpupack.io/gpu-model": "NVIDIA-L4"}}})
-    with pytest.raises(client.ApiException) as e:
-        dp.patch_namespaced_pod("on-b", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "done"}}})
-    assert e.value.status == 403, e.value.body
-    assert (
-        f"gpupack device plugin on node {node_a}: may touch only its own node and the pods on it"
-        in e.value.body
-    )
-    with pytest.raises(client.ApiException) as e:
-        dp.patch_node(node_b, {"metadata": {"labels": {"gpupack.io/gpu-model": "NVIDIA-L4"}}})
-    assert f"not node {node_b}" in e.value.body
-    assert webhook.admissions() == before + 4
-    assert "gpupack.io/handoff" not in (cp.core.read_namespaced_pod("on-b", ns).metadata.annotations or {})
+    if claim:
+        policies = deploy_objects.remap(deploy_objects.load("webhook/policies.yaml"), sys_ns)
+        deploy_objects.apply(cp, cp.for_this_server(policies))
+
+        def enforced() -> bool:  # a dry run goes through admission and changes nothing
+            try:
+                dp.patch_node(node_b, {"metadata": {"labels": {"gpupack.io/gpu-model": "x"}}}, dry_run="All")
+            except client.ApiException as e:
+                return e.status == 403 and "may touch only its own node" in e.body
+            return False
+
+        until(enforced, 30, "the device plugin's admission policy to be enforced")
+    try:
+        before = webhook.admissions()
+        dp.patch_namespaced_pod("on-a", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "done"}}})
+        dp.patch_node(node_a, {"metadata": {"labels": {"gpupack.io/gpu-model": "NVIDIA-L4"}}})
+        with pytest.raises(client.ApiException) as e:
+            dp.patch_namespaced_pod("on-b", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "done"}}})
+        assert e.value.status == 403, e.value.body
+        assert (
+            f"gpupack device plugin on node {node_a}: may touch only its own node and the pods on it"
+            in e.value.body
+        )
+        with pytest.raises(client.ApiException) as e:
+            dp.patch_node(node_b, {"metadata": {"labels": {"gpupack.io/gpu-model": "NVIDIA-L4"}}})
+        assert e.value.status == 403, e.value.body
+        if claim:  # the policy alone: the webhook was never asked
+            assert f"gpupack device plugin on node {node_a}: may touch only its own node" in e.value.body
+            assert webhook.admissions() == before
+        else:
+            assert f"not node {node_b}" in e.value.body
+            assert webhook.admissions() == before + 4
+        assert "gpupack.io/handoff" not in (
+            cp.core.read_namespaced_pod("on-b", ns).metadata.annotations or {}
+        )
+    finally:
+        if claim:  # the policies only: this module's webhooks stay (drop_policies removes them too)
+            for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+                cp.kubectl("delete", kind, *deploy_objects.POLICIES, "--ignore-not-found")
+            until(lambda: not enforced(), 30, "the device plugin's admission policy to be dropped")
     # a token bound to no pod names no node: refused, not guessed
     loose = client.CoreV1Api(cp.new_api_client(cp.service_account_token(sys_ns, "gpupack-device-plugin")))
     with pytest.raises(client.ApiException) as e:

@@ -83,10 +83,8 @@ def s(k8s: ControlPlane) -> Iterator[Setup]:
     k8s.ensure_namespace(ns)
     shipped = [o for f in ("scheduler/serviceaccount.yaml", "deviceplugin/serviceaccount.yaml", "scheduler/rbac.yaml",
                            "deviceplugin/rbac.yaml", "webhook/policies.yaml") for o in deploy_objects.load(f)]  # fmt: skip
-    for o in shipped:  # this API server (v1.28) serves the policy API as v1beta1; the fields are the same
-        if o["kind"].startswith("ValidatingAdmissionPolicy"):
-            o["apiVersion"] = "admissionregistration.k8s.io/v1beta1"
-    deploy_objects.apply(k8s, deploy_objects.remap(shipped, sys_ns))
+    # the policies in the version this server serves (v1, or v1beta1 before 1.30; the fields are the same)
+    deploy_objects.apply(k8s, k8s.for_this_server(deploy_objects.remap(shipped, sys_ns)))
     # the tenant may do what the built-in `edit` role allows in its namespace: create and patch pods
     client.RbacAuthorizationV1Api(k8s.api_client()).create_namespaced_role_binding(ns, {
         "metadata": {"name": "tenant-edit"},
