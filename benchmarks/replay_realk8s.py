@@ -72,9 +72,10 @@ from gpupack.contract import (  # noqa: E402
     decode_assignment,
 )
 from gpupack.core.model import FULL  # noqa: E402
+from gpupack.simulate.modes import replay_mode  # noqa: E402
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList, read_nodes, read_pods  # noqa: E402
 from gpupack.simulate.pipeline import PipelineConfig, follow_pipeline  # noqa: E402
-from gpupack.simulate.replay import ReplayResult, _Curve, arrival_order, replay_mode  # noqa: E402
+from gpupack.simulate.replay import Curve, ReplayResult, arrival_order  # noqa: E402
 
 NAMESPACE = "replay"
 
@@ -283,7 +284,7 @@ def replay_on_cluster(
         kubelet = realk8s.KubeletEmulator(cp, NAMESPACE, on_admit=DevicePluginEmulator(cp)).start()
         info["setup_s"] = round(time.monotonic() - t0, 1)
         core = client.CoreV1Api(cp.new_api_client())
-        curve = _Curve(sl.gpu_capacity)
+        curve = Curve(sl.gpu_capacity)
         arrived = allocated = placed = failed = 0
         decisions: list[tuple[int, tuple[int, ...]]] = []
         t1 = time.monotonic()
