@@ -33,6 +33,7 @@ is dropped, as in the default replay (the benchmark deletes it from the real clu
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -191,14 +192,17 @@ class Pipeline:
             raise ValueError(f"node {self.names[forced]} was not among the nodes the pipeline could choose")
         return forced
 
-    def schedule(self, pod: PodRequest, forced: int | None = None) -> tuple[int, tuple[int, ...]]:
+    def schedule(
+        self, pod: PodRequest, forced: int | None = None, at: float | None = None
+    ) -> tuple[int, tuple[int, ...]]:
         """Place one pod: (node index, sorted GPU indexes) or (-1, ()). With `forced`, the pod goes
         to that node (-1: nowhere) instead of kube-scheduler's draw among `best`, to follow a real
-        cluster's decisions; a forced node the pipeline could not choose raises ValueError."""
+        cluster's decisions; a forced node the pipeline could not choose raises ValueError. `at`:
+        the pod's arrival, in seconds (default: `seconds_per_pod` after the last pod's)."""
         cpu, mem = pod.cpu_milli, pod.ram_mib
         self.tied = False
         self.best = []
-        self.clock += self.cfg.seconds_per_pod
+        self.clock = self.clock + self.cfg.seconds_per_pod if at is None else at
         feasible = self._kube_filter(cpu, mem)
         if not feasible:
             return -1, ()
@@ -265,9 +269,11 @@ def replay_pipeline(
     order: np.ndarray | None = None,
     workload: Workload | None = None,
     config: PipelineConfig | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> ReplayResult:
     """The replay of :func:`gpupack.simulate.replay.replay` through the modelled pipeline: same
-    arrival order and definitions (curve, unallocated at 100 %), decisions always kept."""
+    arrival order and definitions (curve, unallocated at 100 %), decisions always kept.
+    `arrivals`: each pod's arrival in seconds (a real run's), instead of one per `seconds_per_pod`."""
     cfg = config or PipelineConfig()
     if order is None:
         order = arrival_order(pods, nodes.gpu_capacity, seed)
@@ -280,7 +286,7 @@ def replay_pipeline(
         pod = pod_request(pods, int(p), f"default/p{step}")
         req = int(pods.num_gpu[p] * pods.gpu_milli[p])
         arrived += req
-        n, gpus = pipe.schedule(pod)
+        n, gpus = pipe.schedule(pod, at=None if arrivals is None else arrivals[step])
         decisions.append((n, gpus))
         if pipe.tied:
             tied.append(step)
@@ -301,19 +307,22 @@ def follow_pipeline(
     decisions: list[tuple[int, tuple[int, ...]]],
     workload: Workload | None = None,
     config: PipelineConfig | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> list[tuple[list[int], tuple[int, ...]]]:
     """Replay `order` through the pipeline model, each pod forced where `decisions` (a real
     cluster's) put it, and return per pod what the model would have done in that same state: the
     nodes of equal highest total kube-scheduler draws from ([] when the pod fits nowhere) and the
     GPUs the extender's bind picks on the followed node. Whether each decision was among those best
     is the caller's check; the follow stops (returns what it has, the last entry that pod's) at a
-    node the pod could not go to at all (kube-scheduler's filters or the extender's fit refuse it)."""
+    node the pod could not go to at all (kube-scheduler's filters or the extender's fit refuse it).
+    `arrivals`: as :func:`replay_pipeline`'s (the real run's, so the model learns in its batches)."""
     cfg = config or PipelineConfig()
     pipe = Pipeline(nodes, _policy(policy_name, pods, workload, cfg), cfg, random.Random(0))
     out: list[tuple[list[int], tuple[int, ...]]] = []
     for step, (p, (node, _)) in enumerate(zip(order, decisions, strict=True)):
         try:
-            _, gpus = pipe.schedule(pod_request(pods, int(p), f"default/p{step}"), forced=node)
+            at = None if arrivals is None else arrivals[step]
+            _, gpus = pipe.schedule(pod_request(pods, int(p), f"default/p{step}"), forced=node, at=at)
         except ValueError:
             out.append((list(pipe.best), ()))
             break
