@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from gpupack.core.fgd import Shape, Workload
 from gpupack.core.fit import Fit
 from gpupack.core.model import GPU, ClusterState, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, get_policy, schedule
+from gpupack.core.workload import Shape, Workload
 
 
 def node(name, n=4, model="A10", mem=24576, cpu=0):
