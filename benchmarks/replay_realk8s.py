@@ -72,9 +72,10 @@ from gpupack.contract import (  # noqa: E402
     decode_assignment,
 )
 from gpupack.core.model import FULL  # noqa: E402
+from gpupack.simulate.modes import replay_mode  # noqa: E402
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList, read_nodes, read_pods  # noqa: E402
-from gpupack.simulate.pipeline import PipelineConfig, follow_pipeline  # noqa: E402
-from gpupack.simulate.replay import ReplayResult, _Curve, arrival_order, replay_mode  # noqa: E402
+from gpupack.simulate.pipeline import PipelineConfig, follow_pipeline, replay_pipeline  # noqa: E402
+from gpupack.simulate.replay import Curve, ReplayResult, arrival_order  # noqa: E402
 
 NAMESPACE = "replay"
 
@@ -283,14 +284,17 @@ def replay_on_cluster(
         kubelet = realk8s.KubeletEmulator(cp, NAMESPACE, on_admit=DevicePluginEmulator(cp)).start()
         info["setup_s"] = round(time.monotonic() - t0, 1)
         core = client.CoreV1Api(cp.new_api_client())
-        curve = _Curve(sl.gpu_capacity)
+        curve = Curve(sl.gpu_capacity)
         arrived = allocated = placed = failed = 0
         decisions: list[tuple[int, tuple[int, ...]]] = []
+        arrivals: list[float] = []  # when each pod was submitted: the pace the extender learnt at
+        info["arrivals_s"] = arrivals
         t1 = time.monotonic()
         for step, p in enumerate(order):
             p = int(p)
             req = int(sub.num_gpu[p] * sub.gpu_milli[p])
             arrived += req
+            arrivals.append(time.monotonic() - t1)
             pod = submit_one(core, pod_body(sub, p, f"p{step:05d}"), bool(sub.num_gpu[p]), pod_timeout)
             if pod is None:
                 decisions.append((-1, ()))
@@ -445,9 +449,17 @@ def main(argv: list[str] | None = None) -> int:
             what_if[1].unallocated_pct_at_100, 2
         )
     if real is not None:
-        follow = follow_pipeline(
-            sl, sub, args.policy, order, real.decisions, config=PipelineConfig(**st.pipeline)
-        )
+        arrivals = info.pop("arrivals_s")
+        out["seconds_per_pod"] = round(info["replay_s"] / max(1, len(order)), 3)
+        cfg = PipelineConfig(**st.pipeline)
+        follow = follow_pipeline(sl, sub, args.policy, order, real.decisions, config=cfg, arrivals=arrivals)
+        if cfg.learn_workload:
+            # the extender learnt in batches timed by the real run's pace: the model at that pace
+            paced = replay_pipeline(sl, sub, args.policy, args.seed, order, config=cfg, arrivals=arrivals)
+            out["unallocated_pct_at_100"][f"sim_pipeline_real_pace_{args.policy}"] = round(
+                paced.unallocated_pct_at_100, 2
+            )
+            out["differ_real_vs_sim_pipeline_real_pace"] = differ(real, paced)
         agree = 0
         for (node, gpus), (best, mgpus) in zip(real.decisions, follow, strict=False):
             if not ((node < 0 and not best) or (node in best and gpus == mgpus)):

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from gpupack.contract import Reservation
-from gpupack.core.model import FULL, Node, PodRequest
+from gpupack.core.model import Node, PodRequest
 from gpupack.handoff import parse_rfc3339
 
 HOLDER_PREFIX = "reservation:"
@@ -63,17 +63,8 @@ def hold(node: Node, held: Iterable[Reservation]) -> Node:
     for r in held:
         for uuid, (mem, milli, ex) in per_gpu(r).items():
             g = by_uuid.get(uuid)
-            if g is None:
-                continue
-            if ex:
-                g.exclusive = True
-                g.mem_used, g.milli_used = g.mem_mib, FULL
-            else:
-                g.mem_used += mem
-                g.milli_used += milli
-            if g.pod_class is None:
-                g.pod_class = r.pod_class
-            g.holders[HOLDER_PREFIX + r.id] = (g.mem_mib if ex else mem, FULL if ex else milli)
+            if g is not None:
+                g.charge(HOLDER_PREFIX + r.id, mem, milli, ex, r.pod_class)
     return out
 
 

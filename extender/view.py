@@ -152,15 +152,7 @@ class ClusterView:
         self, node: Node, req: PodRequest, placement: Placement, charged: dict[int, tuple[int, int, bool]]
     ) -> None:
         for idx, (mem, milli, ex) in charged.items():
-            g = node.gpus[idx]
-            if ex:
-                g.exclusive = True
-                g.mem_used, g.milli_used = g.mem_mib, FULL
-            else:
-                g.mem_used += mem
-                g.milli_used += milli
-            g.pod_class = g.pod_class or req.pod_class
-            g.holders[req.key] = (g.mem_mib if ex else mem, FULL if ex else milli)
+            node.gpus[idx].charge(req.key, mem, milli, ex, req.pod_class)
         self.state.pods[req.key] = (req, placement, charged)
 
     def _release(self, key: str, freed: bool = True) -> None:

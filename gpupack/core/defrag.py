@@ -544,9 +544,7 @@ class _Planner:
                 dead.add((name, i))
                 continue
             self.commit(node, pods, freed, done, originals)
-        final = verify_plan(self.orig, self.plan, touched_only=True)
-        touched_before = sum(1 for n in final.nodes for g in self.orig.nodes[n].gpus if not g.empty)
-        self.plan.used_gpus_after = self.plan.used_gpus_before - touched_before + used_gpus(final)
+        final = _verified(self.orig, self.plan)
         self.plan.nodes_freed = sorted(
             n
             for n, node in final.nodes.items()
@@ -560,6 +558,29 @@ class _Planner:
         return self.plan
 
 
+def _movable_keys(
+    state: ClusterState, movable: Iterable[str] | Callable[[PodRequest], bool] | None, order: str
+) -> set[str]:
+    """The keys of the placed pods `movable` allows (pod keys, a predicate, or None: every pod), for
+    a planner run in `order`."""
+    if order not in ("ratio", "emptiest"):
+        raise ValueError(f"unknown order {order!r}")
+    if movable is None:
+        return set(state.pods)
+    if callable(movable):
+        return {k for k, (p, _, _) in state.pods.items() if movable(p)}
+    return {k for k in movable if k in state.pods}
+
+
+def _verified(orig: ClusterState, plan: Plan) -> ClusterState:
+    """Replay `plan` on the nodes it touches (verify_plan) and set its `used_gpus_after`; the
+    replayed nodes."""
+    final = verify_plan(orig, plan, touched_only=True)
+    touched_before = sum(1 for n in final.nodes for g in orig.nodes[n].gpus if not g.empty)
+    plan.used_gpus_after = plan.used_gpus_before - touched_before + used_gpus(final)
+    return final
+
+
 def plan_defrag(
     state: ClusterState,
     movable: Iterable[str] | Callable[[PodRequest], bool] | None = None,
@@ -569,15 +590,8 @@ def plan_defrag(
     """Plan moves that free whole GPUs. `movable`: pod keys (or a predicate) allowed to move;
     None means every pod. `order="emptiest"` is the simple baseline (drain the emptiest GPUs
     first) kept for the benchmark."""
-    if order not in ("ratio", "emptiest"):
-        raise ValueError(f"unknown order {order!r}")
-    if movable is None:
-        keys = set(state.pods)
-    elif callable(movable):
-        keys = {k for k, (p, _, _) in state.pods.items() if movable(p)}
-    else:
-        keys = set(movable)
-    keys = {k for k in keys if k in state.pods and _movable_shape(state.pods[k][0], state.pods[k][2])}
+    keys = _movable_keys(state, movable, order)
+    keys = {k for k in keys if _movable_shape(state.pods[k][0], state.pods[k][2])}
     return _Planner(state, keys, limits or Limits(), order).run()
 
 
@@ -814,9 +828,7 @@ class _NodePlanner:
             self.plan.groups.append(
                 Group(gid, name, tuple(node.gpus[i].uuid for i in freed), tuple(k for k, _ in done), True)
             )
-        final = verify_plan(self.orig, self.plan, touched_only=True)
-        touched_before = sum(1 for n in final.nodes for g in self.orig.nodes[n].gpus if not g.empty)
-        self.plan.used_gpus_after = self.plan.used_gpus_before - touched_before + used_gpus(final)
+        final = _verified(self.orig, self.plan)
         self.plan.nodes_freed = sorted(g.node for g in self.plan.groups)
         for g in self.plan.groups:
             if any(not gg.empty for gg in final.nodes[g.node].gpus):
@@ -835,13 +847,5 @@ def plan_nodes(
     cluster autoscaler (or an operator) can remove them. Each drain group is one node; its
     `gpus_freed` are every GPU that node had in use. `order="emptiest"`: the baseline (drain the
     least utilised nodes first, first-fit targets). `protected`: nodes never drained."""
-    if order not in ("ratio", "emptiest"):
-        raise ValueError(f"unknown order {order!r}")
-    if movable is None:
-        keys = set(state.pods)
-    elif callable(movable):
-        keys = {k for k, (p, _, _) in state.pods.items() if movable(p)}
-    else:
-        keys = set(movable)
-    keys = {k for k in keys if k in state.pods and state.pods[k][0].containers}
+    keys = {k for k in _movable_keys(state, movable, order) if state.pods[k][0].containers}
     return _NodePlanner(state, keys, limits or Limits(), order, set(protected)).run()

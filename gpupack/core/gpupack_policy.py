@@ -49,11 +49,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpupack.core.fgd import FragCache, NodeFrag, Shape, Workload, shape_of, sigmoid_score
 from gpupack.core.fit import Fit, FitFailure, fit
+from gpupack.core.frag import FragCache, NodeFrag, sigmoid_score
+from gpupack.core.frag import fragmentation as frag_definition
 from gpupack.core.model import FULL, GPU, Node, PodRequest
-from gpupack.core.policy_base import Policy
+from gpupack.core.policy_base import WorkloadPolicy
 from gpupack.core.share_prices import SharePrices, share_prices
+from gpupack.core.workload import Shape, Workload
 
 # One GPU as the policy sees it: (free milli, free memory MiB, memory size MiB, class or None, usable)
 GpuView = tuple[int, int, int, "str | None", bool]
@@ -89,33 +91,9 @@ def fragmentation(
     shapes: Sequence[Shape],
     weights: Sequence[int],
 ) -> int:
-    """Σ_shape weight × (free GPU capacity, milli, that the shape cannot use on this node).
-
-    The definition; the policy gets the same integers from per-shape counts it updates per GPU
-    trial (:class:`gpupack.core.fgd.FragCache`)."""
-    amounts = [_amount(v) for v in views]
-    total = sum(amounts)
-    out = 0
-    for s, w in zip(shapes, weights, strict=True):
-        # A node whose GPU model the shape may not use counts all its free capacity as fragment for
-        # that shape: it steers unconstrained pods off the models that constrained pods need.
-        if (
-            s.gpus
-            and (s.models is None or model in s.models)
-            and (cpu_left is None or cpu_left >= s.cpu_milli)
-        ):
-            fits = 0
-            part = 0
-            for v, a in zip(views, amounts, strict=True):
-                if _serves(v, s):
-                    fits += 1
-                else:
-                    part += a
-            if fits >= s.gpus:
-                out += w * part
-                continue
-        out += w * total
-    return out
+    """Σ_shape weight × (free GPU capacity, milli, that the shape cannot use on this node), for GPUs
+    seen as views (:func:`gpupack.core.frag.fragmentation`)."""
+    return frag_definition(views, cpu_left, model, shapes, weights, _amount, _serves)
 
 
 def stranded(total_free: int, cpu_left: int | None, ratio: tuple[int, int]) -> int:
@@ -254,18 +232,12 @@ class _Prepared:
         return frag, stranded(total, cpu_left, self.ratio)
 
 
-class GpupackPolicy(Policy):
+class GpupackPolicy(WorkloadPolicy):
     name = "gpupack"
 
     def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
-        super().__init__(seed)
+        super().__init__(seed, workload)
         self._prep: _Prepared | None = None
-        self.learn = workload is None
-        self.workload = workload if workload is not None else Workload()
-
-    def observe(self, pod: PodRequest) -> None:
-        if self.learn:
-            self.workload.add(shape_of(pod))
 
     @property
     def ratio(self) -> tuple[int, int]:

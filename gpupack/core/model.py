@@ -92,6 +92,21 @@ class GPU:
     def empty(self) -> bool:
         return not self.holders
 
+    def charge(self, holder: str, mem: int, milli: int, exclusive: bool, pod_class: str | None) -> None:
+        """Count `holder` (a pod key, or a reservation's) on this GPU: the whole GPU when
+        `exclusive`, else `mem` MiB and `milli` of it. No check: :meth:`ClusterState.place` checks
+        first; the extender also charges what the API says is already there, and what a defrag
+        reservation holds, whatever they collide with. A GPU with pods keeps its class."""
+        if exclusive:
+            self.exclusive = True
+            self.mem_used, self.milli_used = self.mem_mib, FULL
+        else:
+            self.mem_used += mem
+            self.milli_used += milli
+        if self.pod_class is None or not self.holders:
+            self.pod_class = pod_class
+        self.holders[holder] = (self.mem_mib if exclusive else mem, FULL if exclusive else milli)
+
     def copy(self) -> GPU:
         g = GPU(
             self.uuid,
@@ -231,16 +246,7 @@ class ClusterState:
                 if mem > g.free_mem or milli > g.free_milli:
                     raise PlacementError(f"{node.name} GPU {idx}: over-commit")
         for idx, (mem, milli, ex) in charged.items():
-            g = node.gpus[idx]
-            if ex:
-                g.exclusive = True
-                g.mem_used = g.mem_mib
-                g.milli_used = FULL
-            else:
-                g.mem_used += mem
-                g.milli_used += milli
-            g.pod_class = pod.pod_class
-            g.holders[pod.key] = (g.mem_mib if ex else mem, FULL if ex else milli)
+            node.gpus[idx].charge(pod.key, mem, milli, ex, pod.pod_class)
         node.cpu_used += pod.cpu_milli
         node.ram_used += pod.ram_mib
         self.pods[pod.key] = (pod, placement, charged)

@@ -3,6 +3,8 @@
 A policy answers two questions over plain data: which GPU inside a node (`gpu_rank`, lower first)
 and how good a node is (`node_score`, higher first). `schedule` is the loop the replay and the
 extender's bind share; the extender runs the filter and score halves separately per HTTP verb.
+A policy that packs against a workload (the pod shapes it expects) builds on `WorkloadPolicy`, which
+is given the workload or learns it from the pods it is shown (`observe`).
 The concrete policies and the registry that names them are in :mod:`gpupack.core.policies`; this
 module knows none of them, so a policy module can build on it without an import cycle.
 """
@@ -15,10 +17,14 @@ from dataclasses import dataclass, field
 
 from gpupack.core.fit import Fit, FitFailure, fit, tightest
 from gpupack.core.model import GPU, ClusterState, Node, PodRequest
+from gpupack.core.workload import Workload, shape_of
 
 
 class Policy:
     name = "base"
+    # Whether `observe` changes the policy's scores: the extender batches what it shows a learning
+    # policy (gpupack.core.learning) and shows a policy that does not learn nothing.
+    learn = False
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
@@ -42,6 +48,21 @@ class Policy:
 
     def observe(self, pod: PodRequest) -> None:
         """Called once per arriving pod; policies that learn the workload's shape override it."""
+
+
+class WorkloadPolicy(Policy):
+    """A policy that packs against a workload: `workload` given (the replay passes the trace's
+    shapes, the extender a --workload-file), or, without one, learnt from the pods it is shown
+    through `observe`, which is what a live scheduler does."""
+
+    def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
+        super().__init__(seed)
+        self.learn = workload is None
+        self.workload = workload if workload is not None else Workload()
+
+    def observe(self, pod: PodRequest) -> None:
+        if self.learn:
+            self.workload.add(shape_of(pod))
 
 
 @dataclass

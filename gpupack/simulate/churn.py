@@ -38,7 +38,7 @@ import numpy as np
 
 from gpupack.core.defrag import Limits, plan_defrag, verify_plan
 from gpupack.core.model import FULL, ClusterState
-from gpupack.core.policies import POLICIES, UnknownPolicy, get_policy, schedule
+from gpupack.core.policies import POLICIES, UnknownPolicy, policy_spec, schedule
 from gpupack.simulate.openb import NodeList, PodList, TraceError, read_nodes, read_pods
 from gpupack.simulate.replay import build_state, pod_request, trace_workload
 
@@ -85,8 +85,8 @@ def run_churn(
     mean_req = float(np.mean([pods.num_gpu[i] * pods.gpu_milli[i] for i in gpu_pods]))
     capacity = nodes.gpu_capacity
     lifetime = load * capacity / mean_req  # ticks; Little's law: load = rate * lifetime * mean_req
-    kwargs = {"workload": trace_workload(pods)} if policy in ("fgd", "gpupack") else {}
-    pol = get_policy(policy, seed=seed, **kwargs)
+    spec = policy_spec(policy)
+    pol = spec.make(seed, trace_workload(pods) if spec.learns else None)
     state = build_state(nodes)
     departures: list[tuple[float, str]] = []
     limits = limits or Limits(max_evictions=10, max_per_node=0, max_per_namespace=0, max_workload_share=0)

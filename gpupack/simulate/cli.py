@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, get_policy
+from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, policy_spec
 
 DEFAULT_POLICIES = ("random", "bestfit", "fgd", DEFAULT_POLICY)
 
@@ -146,9 +146,15 @@ def run_trace(args) -> int:
     policies = args.policy or list(DEFAULT_POLICIES)
     for name in policies:
         try:
-            get_policy(name)
+            spec = policy_spec(name)
         except UnknownPolicy as e:
             raise UsageError(f"--policy: {e}") from None
+        if spec.fast_scorer is None:
+            # the trace replay would otherwise have to stand another policy in for it
+            raise UsageError(
+                f"--policy: {name!r} cannot be replayed faithfully: its registry entry names no "
+                'vectorised scorer (PolicySpec.fast_scorer); see docs/architecture.md, "Adding a policy"'
+            )
     seeds = parse_seeds(args.seeds)
     nodes = read_nodes(args.nodes)
     pods = read_pods(args.trace)

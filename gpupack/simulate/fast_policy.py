@@ -1,7 +1,14 @@
-"""The trace replay's vectorised scoring for the gpupack policy: the same integers as
-:meth:`gpupack.core.gpupack_policy.GpupackPolicy.node_score` for openb pods (milli only, one class),
-computed for every candidate node at once. Simulator-only: the extender scores a node at a time and
-needs no numpy (tests/simulate/test_replay_paths.py checks both paths decide alike)."""
+"""The trace replay's vectorised scorers, one per policy, named by the policy's registry entry
+(:attr:`gpupack.core.policies.PolicySpec.fast_scorer`): the same integers as the policy's
+`node_score` for openb pods (milli only, one class), computed for every candidate node at once.
+Simulator-only: the extender scores a node at a time and needs no numpy
+(tests/simulate/test_replay_paths.py checks both paths decide alike).
+
+A scorer is called as ``scorer(policy, cl, idx, f, milli, whole, cpu)``: the policy, the replay's
+cluster (:class:`gpupack.simulate.replay.FastCluster`), the candidate nodes `idx`, and the pod: for
+a share, `f` holds each candidate GPU's free milli and `milli` the share; for whole GPUs `f` is None
+and `whole` the count; `cpu` its CPU. It returns one score per candidate (higher first), or
+(scores, in-node preference among equal scores)."""
 
 from __future__ import annotations
 
@@ -10,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from gpupack.core.fgd import SIGMOID_STEPS
+from gpupack.core.frag import SIGMOID_STEPS
 from gpupack.core.gpupack_policy import PRICE_WEIGHT, WASTE_WEIGHT, GpupackPolicy, rewards_unstranding
 from gpupack.core.model import FULL, PodRequest
+from gpupack.core.policies import MAX_SPEC_CPU, MAX_SPEC_GPU, Policy
 from gpupack.core.share_prices import SharePrices
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB
 
@@ -30,6 +38,36 @@ _PRICES: weakref.WeakKeyDictionary[GpupackPolicy, tuple[SharePrices, np.ndarray]
 )
 # The class the replay's pods have (gpupack.simulate.replay.pod_request leaves the default).
 _OPENB_CLASS = PodRequest("openb").pod_class
+
+
+def random_draw(policy: Policy, cl: Any, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int,
+                cpu: int) -> np.ndarray:  # fmt: skip
+    """`random`: every feasible node alike. The replay knows this scorer and skips scoring, then
+    draws a feasible node and GPU(s) with the policy's RNG."""
+    return np.zeros(len(idx), np.int64)
+
+
+def fgd_scores(
+    policy: Policy, cl: Any, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int, cpu: int
+) -> np.ndarray:
+    """:meth:`gpupack.core.fgd.FGDPolicy.node_score`, over the replay's per-node aggregates."""
+    dec = cl.frag[idx] - cl.frag_after(idx, f, milli, whole, cpu)
+    if cl.kept_w <= 0:
+        return np.full(len(idx), 50, np.int64)
+    return np.searchsorted(SIGMOID_STEPS, dec / (cl.kept_w * 1000), side="right").astype(np.int64)
+
+
+def bestfit_scores(
+    policy: Policy, cl: Any, idx: np.ndarray, f: np.ndarray | None, milli: int, whole: int, cpu: int
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """:meth:`gpupack.core.policies.BestFitPolicy.node_score`, and inside a node its GPU rank."""
+    req = milli if f is not None else whole * FULL
+    gpu_left = np.maximum(0, cl.tot[idx] - req) / MAX_SPEC_GPU
+    cpu_left = (cl.cpu[idx] - cpu) / MAX_SPEC_CPU
+    # The same float expression, in the same order, as gpupack.core.policies.bestfit_score.
+    score = ((1.0 - (cpu_left * 0.5 + gpu_left * 0.5)) * 100).astype(np.int64)
+    # Inside a node: the tightest GPU that fits (least free milli), as the generic `tightest` rank.
+    return (score, -f) if f is not None else score
 
 
 def _waste(policy: GpupackPolicy) -> np.ndarray:

@@ -15,11 +15,13 @@ knowing each node's CPU and memory and given the trace's workload. A cluster dif
   stops after `max(100, n * (50 - n/125) %)` feasible nodes, searching round-robin from where the
   last pod's search stopped; the extender is then asked about those nodes only.
 - **The extender's view** may lack CPU and memory (`extender_cpu=False`: nodes built without them,
-  as before the extender tracked them), and it **learns the workload** from the GPU pods it is asked
-  about, in batches (1, 1, 2, 4, ... up to 64 pods, then one flush per `observe_flush_pods`),
-  unless it is given it (`learn_workload=False`: `--workload-file`).
+  as before the extender tracked them), and it **learns the workload** from the pods it is asked
+  about, in the extender's batches (:class:`gpupack.core.learning.LearningBatcher`, the rule the
+  extender runs) on a simulated clock that advances `seconds_per_pod` per arrival, unless it is
+  given the workload (`learn_workload=False`: `--workload-file`).
 - **Scores are mixed.** The extender's raw scores are normalised to 0..10 over the nodes it is
-  asked about, multiplied by 10 x the extender's weight and added to the default plugins' scores;
+  asked about (:func:`gpupack.core.score_scale.normalised`, the extender's prioritize scale),
+  multiplied by 10 x the extender's weight and added to the default plugins' scores;
   kube-scheduler takes the highest total, ties at random. With `filter_keep_best=N` the extender's
   filter passes only its N best-scored nodes (ties: the policy's seeded node order).
 - The GPUs inside the chosen node are the policy's (the extender's bind runs the same fit).
@@ -31,18 +33,21 @@ is dropped, as in the default replay (the benchmark deletes it from the real clu
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gpupack.core.fgd import Workload
 from gpupack.core.fit import Fit
+from gpupack.core.learning import LearningBatcher
 from gpupack.core.model import ClusterState, Node, PodRequest
-from gpupack.core.policies import Policy, get_policy
+from gpupack.core.policies import Policy, policy_spec
+from gpupack.core.score_scale import normalised
+from gpupack.core.workload import Workload
 from gpupack.simulate.openb import NodeList, PodList
 from gpupack.simulate.replay import (
+    Curve,
     ReplayResult,
-    _Curve,
     arrival_order,
     build_state,
     pod_request,
@@ -54,9 +59,12 @@ MIN_FEASIBLE_NODES_TO_FIND = 100
 MIN_FEASIBLE_NODES_PERCENTAGE_TO_FIND = 5
 MAX_NODE_SCORE = 100
 MAX_EXTENDER_PRIORITY = 10
-# The extender's prioritize scale and its learning batches (extender/framework.py).
-EXTENDER_MAX_SCORE = 10
-OBSERVE_WARMUP = 64
+
+
+# What one pod takes in benchmarks/replay_realk8s.py, one pod at a time with its 100 ms pause: 191 s
+# for 1,054 pods (seed 42) and 195 s for 1,076 (seed 43) on 150 nodes, on a 2-core machine shared
+# with other runs. The learning batches follow wall-clock gaps, so the model needs the pace.
+SECONDS_PER_POD = 0.18
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,9 @@ class PipelineConfig:
     filter_keep_best: int = 0  # 0: the extender's filter passes every node the pod fits
     percentage_of_nodes_to_score: int = 0  # kube-scheduler's; 0 = its adaptive default
     extender_weight: int = 10  # deploy/scheduler/config.yaml
-    observe_flush_pods: int = 300  # after warm-up, pods per flush (the extender: per minute)
+    # Simulated seconds from one pod's arrival to the next's: the clock of the extender's learning
+    # batches (benchmarks/replay_realk8s.py submits a pod once the last one is decided).
+    seconds_per_pod: float = SECONDS_PER_POD
     max_pods: int = 250  # pods allocatable per node
     # The extender is called for every pod (its `managedResources` empty), not only GPU pods.
     cpu_pods_via_extender: bool = False
@@ -109,29 +119,8 @@ def _balanced(cpu_req: int, cpu_cap: int, mem_req: int, mem_cap: int) -> int:
 
 def _normalise(raw: list[float]) -> list[int]:
     """The extender's prioritize: raw scores to 0..10 over the lowest..highest."""
-    lo, hi = min(raw), max(raw)
-    span = hi - lo
-    if span < 1e-12:
-        return [EXTENDER_MAX_SCORE] * len(raw)
-    return [round(EXTENDER_MAX_SCORE * (v - lo) / span) for v in raw]
-
-
-class _Learner:
-    """Shows the policy the GPU pods it is asked about in the extender's batches."""
-
-    def __init__(self, policy: Policy, flush: int) -> None:
-        self.policy, self.flush = policy, flush
-        self.total = 0
-        self.pending: list[PodRequest] = []
-
-    def see(self, pod: PodRequest) -> None:
-        self.pending.append(pod)
-        batch = max(1, self.total) if self.total < OBSERVE_WARMUP else self.flush
-        if len(self.pending) >= batch:
-            for p in self.pending:
-                self.policy.observe(p)
-            self.total += len(self.pending)
-            self.pending.clear()
+    norm = normalised(raw)
+    return [norm[v] for v in raw]
 
 
 class Pipeline:
@@ -155,7 +144,12 @@ class Pipeline:
                 nd.cpu_milli = nd.ram_mib = 0
         self.policy = policy
         self.policy.rank_nodes(self.names)
-        self.learner = _Learner(policy, config.observe_flush_pods) if config.learn_workload else None
+        self.clock = 0.0  # simulated seconds: the arrival time of the pod being scheduled
+        self.learner: LearningBatcher[PodRequest] | None = (
+            LearningBatcher(policy.observe, lambda: self.clock)
+            if config.learn_workload and policy.learn
+            else None
+        )
         self.rng = rng
         self.tied = False  # the last decision was a random draw among equal totals
         self.best: list[int] = []  # the last decision's nodes of equal highest total
@@ -199,13 +193,17 @@ class Pipeline:
             raise ValueError(f"node {self.names[forced]} was not among the nodes the pipeline could choose")
         return forced
 
-    def schedule(self, pod: PodRequest, forced: int | None = None) -> tuple[int, tuple[int, ...]]:
+    def schedule(
+        self, pod: PodRequest, forced: int | None = None, at: float | None = None
+    ) -> tuple[int, tuple[int, ...]]:
         """Place one pod: (node index, sorted GPU indexes) or (-1, ()). With `forced`, the pod goes
         to that node (-1: nowhere) instead of kube-scheduler's draw among `best`, to follow a real
-        cluster's decisions; a forced node the pipeline could not choose raises ValueError."""
+        cluster's decisions; a forced node the pipeline could not choose raises ValueError. `at`:
+        the pod's arrival, in seconds (default: `seconds_per_pod` after the last pod's)."""
         cpu, mem = pod.cpu_milli, pod.ram_mib
         self.tied = False
         self.best = []
+        self.clock = self.clock + self.cfg.seconds_per_pod if at is None else at
         feasible = self._kube_filter(cpu, mem)
         if not feasible:
             return -1, ()
@@ -216,7 +214,7 @@ class Pipeline:
         else:
             seen = pod if self.cfg.extender_cpu else replace(pod, cpu_milli=0, ram_mib=0)
             if self.learner is not None:
-                self.learner.see(seen)
+                self.learner.offer(seen.uid or seen.key, seen)
             fits: dict[int, Fit] = {}
             raw: dict[int, float] = {}
             for i in feasible:
@@ -255,6 +253,15 @@ class Pipeline:
         return chosen, ()
 
 
+def _policy(name: str, pods: PodList, workload: Workload | None, cfg: PipelineConfig) -> Policy:
+    """The extender's policy: a learning one is given `workload` (default: the trace's) unless it
+    learns (`cfg.learn_workload`)."""
+    spec = policy_spec(name)
+    if spec.learns and not cfg.learn_workload:
+        return spec.make(cfg.extender_seed, workload if workload is not None else trace_workload(pods))
+    return spec.make(cfg.extender_seed)
+
+
 def replay_pipeline(
     nodes: NodeList,
     pods: PodList,
@@ -263,18 +270,16 @@ def replay_pipeline(
     order: np.ndarray | None = None,
     workload: Workload | None = None,
     config: PipelineConfig | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> ReplayResult:
     """The replay of :func:`gpupack.simulate.replay.replay` through the modelled pipeline: same
-    arrival order and definitions (curve, unallocated at 100 %), decisions always kept."""
+    arrival order and definitions (curve, unallocated at 100 %), decisions always kept.
+    `arrivals`: each pod's arrival in seconds (a real run's), instead of one per `seconds_per_pod`."""
     cfg = config or PipelineConfig()
     if order is None:
         order = arrival_order(pods, nodes.gpu_capacity, seed)
-    kwargs = {}
-    if policy_name in ("fgd", "gpupack") and not cfg.learn_workload:
-        kwargs["workload"] = workload if workload is not None else trace_workload(pods)
-    policy = get_policy(policy_name, seed=cfg.extender_seed, **kwargs)
-    pipe = Pipeline(nodes, policy, cfg, random.Random(seed))
-    curve = _Curve(nodes.gpu_capacity)
+    pipe = Pipeline(nodes, _policy(policy_name, pods, workload, cfg), cfg, random.Random(seed))
+    curve = Curve(nodes.gpu_capacity)
     arrived = allocated = placed = failed = 0
     decisions: list[tuple[int, tuple[int, ...]]] = []
     tied: list[int] = []
@@ -282,7 +287,7 @@ def replay_pipeline(
         pod = pod_request(pods, int(p), f"default/p{step}")
         req = int(pods.num_gpu[p] * pods.gpu_milli[p])
         arrived += req
-        n, gpus = pipe.schedule(pod)
+        n, gpus = pipe.schedule(pod, at=None if arrivals is None else arrivals[step])
         decisions.append((n, gpus))
         if pipe.tied:
             tied.append(step)
@@ -303,22 +308,22 @@ def follow_pipeline(
     decisions: list[tuple[int, tuple[int, ...]]],
     workload: Workload | None = None,
     config: PipelineConfig | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> list[tuple[list[int], tuple[int, ...]]]:
     """Replay `order` through the pipeline model, each pod forced where `decisions` (a real
     cluster's) put it, and return per pod what the model would have done in that same state: the
     nodes of equal highest total kube-scheduler draws from ([] when the pod fits nowhere) and the
     GPUs the extender's bind picks on the followed node. Whether each decision was among those best
     is the caller's check; the follow stops (returns what it has, the last entry that pod's) at a
-    node the pod could not go to at all (kube-scheduler's filters or the extender's fit refuse it)."""
+    node the pod could not go to at all (kube-scheduler's filters or the extender's fit refuse it).
+    `arrivals`: as :func:`replay_pipeline`'s (the real run's, so the model learns in its batches)."""
     cfg = config or PipelineConfig()
-    kwargs = {}
-    if policy_name in ("fgd", "gpupack") and not cfg.learn_workload:
-        kwargs["workload"] = workload if workload is not None else trace_workload(pods)
-    pipe = Pipeline(nodes, get_policy(policy_name, seed=cfg.extender_seed, **kwargs), cfg, random.Random(0))
+    pipe = Pipeline(nodes, _policy(policy_name, pods, workload, cfg), cfg, random.Random(0))
     out: list[tuple[list[int], tuple[int, ...]]] = []
     for step, (p, (node, _)) in enumerate(zip(order, decisions, strict=True)):
         try:
-            _, gpus = pipe.schedule(pod_request(pods, int(p), f"default/p{step}"), forced=node)
+            at = None if arrivals is None else arrivals[step]
+            _, gpus = pipe.schedule(pod_request(pods, int(p), f"default/p{step}"), forced=node, at=at)
         except ValueError:
             out.append((list(pipe.best), ()))
             break

@@ -12,6 +12,7 @@ Both break score ties with the policy's seeded `random.Random` (one draw, only w
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -19,14 +20,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpupack.core.fgd import SIGMOID_STEPS, Shape, Workload
 from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
-from gpupack.core.policies import MAX_SPEC_CPU, MAX_SPEC_GPU, Policy, get_policy, schedule
+from gpupack.core.policies import Policy, policy_spec, schedule
+from gpupack.core.workload import Shape, Workload
+from gpupack.simulate.fast_policy import random_draw
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList
 
 INFLATE_TO = 1.30  # arrived GPU request, as a share of capacity
 BINS = 131  # 0..130 % of capacity
-FAST_POLICIES = ("random", "bestfit", "fgd", "gpupack")
 
 
 def arrival_order(pods: PodList, capacity: int, seed: int) -> np.ndarray:
@@ -93,7 +94,7 @@ class ReplayResult:
         return float("nan") if v is None else 100.0 - v
 
 
-class _Curve:
+class Curve:
     """Allocation ratio binned by arrived request. A bin the arrived load jumped over (a tiny
     cluster, a big pod) takes the state after the last arrival before it."""
 
@@ -234,40 +235,35 @@ def _group_best(
 
 # Scorers: given the cluster, the feasible candidates and the pod, return one score per candidate
 # (higher first), optionally with a second array: the in-node GPU preference among equal scores.
+# A policy's registry entry names its scorer (PolicySpec.fast_scorer; gpupack.simulate.fast_policy).
 Scorer = Callable[..., "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 
 
-def _fgd_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray:
-    dec = cl.frag[idx] - cl.frag_after(idx, f, milli, whole, cpu)
-    if cl.kept_w <= 0:
-        return np.full(len(idx), 50, np.int64)
-    return np.searchsorted(SIGMOID_STEPS, dec / (cl.kept_w * 1000), side="right").astype(np.int64)
+class NotReplayable(ValueError):
+    """A policy the trace replay cannot run as itself: its registry entry names no vectorised
+    scorer (PolicySpec.fast_scorer)."""
 
 
-def _bestfit_scores(cl: FastCluster, idx, f, milli, whole, cpu) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    req = milli if f is not None else whole * FULL
-    gpu_left = np.maximum(0, cl.tot[idx] - req) / MAX_SPEC_GPU
-    cpu_left = (cl.cpu[idx] - cpu) / MAX_SPEC_CPU
-    # The same float expression, in the same order, as gpupack.core.policies.bestfit_score.
-    score = ((1.0 - (cpu_left * 0.5 + gpu_left * 0.5)) * 100).astype(np.int64)
-    # Inside a node: the tightest GPU that fits (least free milli), as the generic `tightest` rank.
-    return (score, -f) if f is not None else score
+def _fast_scorer(name: str, policy: Policy) -> Scorer | None:
+    """The replay's scorer for `policy`, from its registry entry; None for `random`, which the
+    replay draws itself (every feasible node alike, then a uniform draw)."""
+    ref = policy_spec(name).fast_scorer
+    if ref is None:
+        raise NotReplayable(
+            f"policy {name!r} has no vectorised scorer for the trace replay (its PolicySpec.fast_scorer "
+            "is None), so the replay would not be this policy's; give it one (docs/architecture.md, "
+            '"Adding a policy"), or run it through the pipeline mode or the churn replay'
+        )
+    module, _, attr = ref.partition(":")
+    fn = getattr(importlib.import_module(module), attr)
+    if fn is random_draw:
+        return None
 
+    def scorer(cl, idx, f, milli, whole, cpu):
+        return fn(policy, cl, idx, f, milli, whole, cpu)
 
-def _fast_scorer(name: str, policy) -> Scorer | None:
-    if name == "fgd":
-        return _fgd_scores
-    if name == "bestfit":
-        return _bestfit_scores
-    if name == "gpupack":
-        from gpupack.simulate.fast_policy import gpupack_scores
-
-        def scorer(cl, idx, f, milli, whole, cpu):
-            return gpupack_scores(policy, cl, idx, f, milli, whole, cpu)
-
-        scorer.global_sharing = getattr(gpupack_scores, "global_sharing", False)  # type: ignore[attr-defined]
-        return scorer
-    return None
+    scorer.global_sharing = getattr(fn, "global_sharing", False)  # type: ignore[attr-defined]
+    return scorer
 
 
 NO_FIT = np.iinfo(np.int64).min
@@ -338,8 +334,7 @@ def _setup(
         order = arrival_order(pods, nodes.gpu_capacity, seed)
     if workload is None:
         workload = trace_workload(pods)
-    kwargs = {"workload": workload} if policy_name in ("fgd", "gpupack") else {}
-    return order, workload, get_policy(policy_name, seed=seed, **kwargs)
+    return order, workload, policy_spec(policy_name).make(seed, workload)
 
 
 def replay(
@@ -358,12 +353,12 @@ def replay(
     rng: random.Random = policy.rng
     policy.rank_nodes(nodes.names)
     tie_key = np.array([policy.tie_key[n] for n in nodes.names])
-    cl = FastCluster(nodes, getattr(policy, "workload", workload))
     scorer = _fast_scorer(policy_name, policy)
+    cl = FastCluster(nodes, workload)
     spec_mask: dict[frozenset[str] | None, np.ndarray] = {}
     caches: dict[tuple, _ShapeCache] = {}
     ver = np.zeros(cl.n, np.int64)
-    curve = _Curve(capacity)
+    curve = Curve(capacity)
     arrived = allocated = placed = failed = 0
     decisions: list[tuple[int, tuple[int, ...]]] = []
     gidx = np.arange(cl.g)
@@ -462,7 +457,7 @@ def replay_generic(
     order, _, policy = _setup(nodes, pods, policy_name, seed, order, workload)
     st = build_state(nodes)
     index = {name: i for i, name in enumerate(nodes.names)}
-    curve = _Curve(capacity)
+    curve = Curve(capacity)
     arrived = allocated = placed = failed = 0
     decisions = []
     for step, p in enumerate(order):
@@ -481,31 +476,3 @@ def replay_generic(
             failed += req
         curve.add(arrived, allocated)
     return ReplayResult(policy_name, seed, curve.values(), len(order), placed, failed, decisions)
-
-
-# --- modes ------------------------------------------------------------------------------------
-
-REPLAY_MODES = ("default", "pipeline")
-
-
-def replay_mode(
-    mode: str,
-    nodes: NodeList,
-    pods: PodList,
-    policy_name: str,
-    seed: int,
-    order: np.ndarray | None = None,
-    workload: Workload | None = None,
-    **pipeline_options: object,
-) -> ReplayResult:
-    """`default`: :func:`replay` (decisions kept); `pipeline`: the same arrivals through the model of
-    kube-scheduler in front of the extender (:mod:`gpupack.simulate.pipeline`; `pipeline_options`
-    are :class:`~gpupack.simulate.pipeline.PipelineConfig` fields)."""
-    if mode == "default":
-        return replay(nodes, pods, policy_name, seed, order, workload, keep_decisions=True)
-    if mode == "pipeline":
-        from gpupack.simulate.pipeline import PipelineConfig, replay_pipeline
-
-        cfg = PipelineConfig(**pipeline_options)  # type: ignore[arg-type]
-        return replay_pipeline(nodes, pods, policy_name, seed, order, workload, cfg)
-    raise ValueError(f"unknown replay mode {mode!r}; choose one of {', '.join(REPLAY_MODES)}")

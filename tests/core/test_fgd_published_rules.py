@@ -4,9 +4,10 @@ from collections import Counter
 
 import numpy as np
 
-from gpupack.core.fgd import Shape, Workload, frag
+from gpupack.core.fgd import frag
 from gpupack.core.model import GPU, ClusterState, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import MAX_SPEC_CPU, MAX_SPEC_GPU, bestfit_score, get_policy, schedule
+from gpupack.core.workload import Shape, Workload
 from gpupack.simulate.openb import PodList
 from gpupack.simulate.replay import trace_workload
 

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from gpupack.core.fgd import Shape, Workload
 from gpupack.core.fit import Fit
 from gpupack.core.model import GPU, ClusterState, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import DEFAULT_POLICY, POLICIES, UnknownPolicy, get_policy, schedule
+from gpupack.core.workload import Shape, Workload
 
 
 def node(name, n=4, model="A10", mem=24576, cpu=0):
@@ -46,7 +46,7 @@ def test_registry_has_no_import_cycle(first):
         "import gpupack.core.gpupack_policy as g; "
         "assert ('gpupack.core.policies' in sys.modules) == (sys.argv[1] == 'gpupack.core.policies'); "
         "from gpupack.core.policies import POLICIES, get_policy; "
-        "assert POLICIES['gpupack'] is g.GpupackPolicy and type(get_policy('gpupack')) is g.GpupackPolicy; "
+        "assert POLICIES['gpupack'].factory is g.GpupackPolicy and type(get_policy('gpupack')) is g.GpupackPolicy; "
         "print(sorted(POLICIES))"
     )
     out = subprocess.run([sys.executable, "-c", code, first], capture_output=True, text=True, check=True)

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gpupack.core.fgd import FragCache, Shape, Workload, shape_of, sigmoid_score
 from gpupack.core.fit import Fit, FitFailure, fit
+from gpupack.core.frag import FragCache, sigmoid_score
 from gpupack.core.gpupack_policy import (
     GpupackPolicy,
     cpu_gpu_ratio,
@@ -36,6 +36,7 @@ from gpupack.core.model import FULL, GPU, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import get_policy
 from gpupack.core.policy_base import Policy
 from gpupack.core.share_prices import SharePrices, share_prices
+from gpupack.core.workload import Shape, Workload, shape_of
 
 # --- the reference: the algorithms as they were ------------------------------------------------
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupack.core.fgd import Shape, Workload
 from gpupack.core.gpupack_policy import GpupackPolicy, _amount, _take, share_counts, share_size
 from gpupack.core.model import FULL, GPU, ContainerRequest, Node, PodRequest
 from gpupack.core.share_prices import MAX_SIZES, NO_PRICES, SCALE, share_prices
+from gpupack.core.workload import Shape, Workload
 
 
 def gpus_of(prices):

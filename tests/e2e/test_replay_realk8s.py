@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from gpupack.simulate.modes import replay_mode
 from gpupack.simulate.openb import read_nodes, read_pods
 from gpupack.simulate.pipeline import PipelineConfig, follow_pipeline
-from gpupack.simulate.replay import arrival_order, replay_mode
+from gpupack.simulate.replay import arrival_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import replay_realk8s as rr  # noqa: E402

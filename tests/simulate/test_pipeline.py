@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from gpupack.simulate.modes import replay_mode
 from gpupack.simulate.pipeline import PipelineConfig, follow_pipeline, num_feasible_nodes_to_find
-from gpupack.simulate.replay import arrival_order, replay_mode
+from gpupack.simulate.replay import arrival_order
 
 from .conftest import reduced_pods
 
