@@ -17,6 +17,7 @@ from gpupack.contract import (
 )
 from gpupack.core.fit import Fit, FitFailure
 from gpupack.core.model import Node, PodRequest
+from gpupack.core.score_scale import MAX_SCORE, normalised
 
 from .journal import Journal
 
@@ -24,7 +25,6 @@ log = logging.getLogger("gpupack.extender")
 V = TypeVar("V")
 # a cache key: a pod shape (shape_of), or a shape and the learning epoch
 Key = tuple[Any, ...]
-MAX_SCORE = 10
 CACHE_SHAPES = 32
 
 
@@ -273,13 +273,9 @@ class PriorityAnswer:
 
 
 def normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
-    """Raw scores to 0..MAX_SCORE over the lowest..highest; no fit 0; steered nodes MAX_SCORE."""
-    lo, hi = (min(raw.values()), max(raw.values())) if raw else (0.0, 0.0)
-    span = hi - lo
-    if span < 1e-12:
-        norm = dict.fromkeys(raw.values(), MAX_SCORE)
-    else:
-        norm = {v: round(MAX_SCORE * (v - lo) / span) for v in set(raw.values())}
+    """Raw scores to 0..MAX_SCORE over the lowest..highest (gpupack.core.score_scale); no fit 0;
+    steered nodes MAX_SCORE."""
+    norm = normalised(raw.values())
     get = raw.get
     out = [norm.get(get(n), 0) for n in names]  # type: ignore[arg-type]
     if steered:

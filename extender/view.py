@@ -31,7 +31,7 @@ from gpupack.contract import (
     Reservation,
     decode_assignment,
 )
-from gpupack.core.model import FULL, ClusterState, Node, Placement, PlacementError, PodRequest
+from gpupack.core.model import ClusterState, Node, Placement, PlacementError, PodRequest
 
 from . import reservations as resv
 from .bind_locks import BindLocks

@@ -329,7 +329,7 @@ def test_learning_batches_in_a_burst():
     """A burst of pods costs few learning flushes (each makes the next filter of every shape score
     all nodes again): the first pod at once, then batches of 3x what was learned, at least
     OBSERVE_MIN_GAP_S apart; every pod is learned once, and with a given workload nothing is."""
-    from extender import learning as fw
+    from gpupack.core import learning as fw
 
     _view, ext, _ = make([node_obj(f"n{i}", 2) for i in range(3)])
     t = [100.0]

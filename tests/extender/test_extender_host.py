@@ -282,7 +282,9 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
         pod = _random_pod(rng, i)
         req = ext.pod_request(pod)
         if even and i % 7 == 6:
-            ext.learner.epoch += 1  # as after a learning flush: every node of every shape is scored again
+            ext.learner.batcher.flushes += (
+                1  # as after a learning flush: every node of every shape is scored again
+            )
         want = schedule(view.state.clone(), req, sim, commit=False)
         out = ext.filter(ExtenderArgs(pod, names, None))
         if want.node is None:
@@ -326,7 +328,7 @@ def test_nodes_in_the_same_state_but_without_free_slots_never_pass():
         config=ExtenderConfig(keep_best=1),
     )
     for i in range(4):
-        ext.learner.epoch += i % 2  # the full rescoring path too
+        ext.learner.batcher.flushes += i % 2  # the full rescoring path too
         pod = pod_obj(f"g{i}", [container("c", gpu=1, mem=1000, sm=20)], namespace="h", uid=f"uid-g{i}")
         out = ext.filter(ExtenderArgs(pod, names, None))
         assert out["NodeNames"] and out["NodeNames"] != ["dry"], out
