@@ -28,5 +28,5 @@ class Learner:
         read under it). A policy given its workload (--workload-file), or one that learns nothing
         (bestfit, random), is shown nothing: a flush would only make every shape score every node
         again for nothing."""
-        if getattr(self.policy, "learn", False):
+        if self.policy.learn:
             self.batcher.offer(pod.uid or pod.key, pod)
