@@ -136,8 +136,9 @@ class Filter:
     def _current(self, pod: PodRequest, names: list[str], now: datetime) -> FilterAnswer:
         """The pod shape's answer, updated for the nodes changed since it was last given (all of
         them for a new shape). View lock held."""
-        table = self.fitter.fits.table(shape_of(pod))
-        st, todo = self.answers.current(shape_of(pod), names, self.view.journal, self.view.reserved)
+        shape = shape_of(pod)
+        table = self.fitter.fits.table(shape)
+        st, todo = self.answers.current(shape, names, self.view.journal, self.view.reserved)
         pos = self.view.journal.seq
         nodes = self.view.nodes
         if todo is names and pod.needs_gpu:
