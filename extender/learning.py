@@ -15,8 +15,8 @@ from gpupack.core.policies import Policy
 class Learner:
     def __init__(self, policy: Policy, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
-        self.monotonic = monotonic  # the batches' clock (tests set it)
-        self.batcher: LearningBatcher[PodRequest] = LearningBatcher(policy.observe, lambda: self.monotonic())
+        # the batches' clock is the batcher's (`batcher.clock`; tests set it)
+        self.batcher: LearningBatcher[PodRequest] = LearningBatcher(policy.observe, monotonic)
 
     @property
     def epoch(self) -> int:

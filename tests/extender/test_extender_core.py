@@ -333,7 +333,7 @@ def test_learning_batches_in_a_burst():
 
     _view, ext, _ = make([node_obj(f"n{i}", 2) for i in range(3)])
     t = [100.0]
-    ext.learner.monotonic = lambda: t[0]
+    ext.learner.batcher.clock = lambda: t[0]
     learned = ext.policy.workload.counts  # type: ignore[attr-defined]
 
     def burst(start, k):
@@ -357,7 +357,7 @@ def test_learning_batches_in_a_burst():
 
     _view, fixed, _ = make([node_obj("m", 2)])
     fixed.policy.learn = False  # type: ignore[attr-defined]
-    fixed.learner.monotonic = lambda: t[0]
+    fixed.learner.batcher.clock = lambda: t[0]
     before = dict(fixed.policy.workload.counts)  # type: ignore[attr-defined]
     for i in range(5):
         p = pod_obj(f"f{i}", [container("c", 1, 500, 10)])
@@ -368,7 +368,7 @@ def test_learning_batches_in_a_burst():
 
     # a policy that learns nothing never flushes either (its scores never change)
     _view, plain, _ = make([node_obj("b", 2)], "bestfit")
-    plain.learner.monotonic = lambda: t[0]
+    plain.learner.batcher.clock = lambda: t[0]
     for i in range(5):
         p = pod_obj(f"g{i}", [container("c", 1, 500, 10)])
         p["metadata"]["uid"] = f"uid-g{i}"
