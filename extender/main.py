@@ -22,7 +22,7 @@ from typing import Any
 from gpupack import logs
 from gpupack.contract import SCHEDULER_NAME
 from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
-from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy
+from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy, policy_spec
 
 from .app import DEFAULT_MAX_BODY
 
@@ -169,11 +169,10 @@ def make_policy(args: argparse.Namespace) -> Policy:
         raise ConfigError(f"--filter-keep-best must be 0 (off) or more, got {args.filter_keep_best}")
     if not args.workload_file:
         return get_policy(name, seed=args.policy_seed)
-    workload = read_workload(args.workload_file)
-    try:
-        return get_policy(name, seed=args.policy_seed, workload=workload)
-    except TypeError:
-        raise ConfigError(f"--workload-file: policy {name} does not use a workload") from None
+    spec = policy_spec(name)
+    if not spec.learns:
+        raise ConfigError(f"--workload-file: policy {name} does not use a workload")
+    return spec.make(seed=args.policy_seed, workload=read_workload(args.workload_file))
 
 
 def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:

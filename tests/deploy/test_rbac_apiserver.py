@@ -263,6 +263,12 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     #    Its namespace is created while the extender's namespace watch is away (cut, its next
     #    request held), so the extender reads that namespace once (its watch has the others).
     flow.proxies["extender"].delay(r"^/api/v1/namespaces$", 15, method="GET")
+    # cut only once the watch is open: before, the cut could find none to cut
+    until(
+        lambda: "/api/v1/namespaces" in flow.proxies["extender"].open_watches(),
+        30,
+        "the namespace watch open",
+    )
     assert flow.proxies["extender"].cut_watches() >= 1
     cluster.ensure_namespace(flow.work, {"gpupack.io/class": "offline"})
     flow.proxies["extender"].fail_next("POST", rf"/namespaces/{flow.work}/pods/p/binding$", 503)
