@@ -195,6 +195,7 @@ def fits_after(node: Node, pod: PodRequest, victims: set[str]) -> bool:
     return isinstance(fit(without(node, victims), pod), Fit)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     running,
@@ -240,6 +241,7 @@ def test_choice_obeys_the_rules(rows: list, cls: str, cs: tuple, prio: int, neve
             assert not fits_after(n, pre.pod, set(on))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(running, st.sampled_from(["online", "offline"]), shape)
 def test_no_smaller_choice_of_the_same_or_lower_priorities_exists(rows: list, cls: str, cs: tuple) -> None:
