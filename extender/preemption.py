@@ -54,7 +54,7 @@ class PreemptionMetrics:
         r = ext.metrics.registry
         self.preemptions = Counter(
             "gpupack_extender_preemptions_total",
-            "Preemption decisions for pending GPU pods, by outcome (evicted, no-room, fits, failed)",
+            "Preemption decisions for pending GPU pods, by outcome (evicted, no-room, fits, never, failed)",
             ["outcome"],
             registry=r,
         )
@@ -145,6 +145,8 @@ class Preempter:
                 done["waiting"] += self._wait_victims(p, rec, by_key)
             elif pin.may_preempt(p):
                 todo.append((p, req))
+            else:
+                self.metrics.preemptions.labels("never").inc()
         if not todo:
             return done
         pdbs = self.kc.list_all(self.kc.policy.list_pod_disruption_budget_for_all_namespaces)
@@ -310,12 +312,6 @@ class Preempter:
         )
         try:
             self.kube.patch_pod_metadata(ns, name, {pin.ANN_PREEMPTION: rec.encode()}, {}, None)
-            self.kc.merge_patch(
-                self.kc.core.patch_namespaced_pod_status,
-                name,
-                ns,
-                {"status": {"nominatedNodeName": choice.node}},
-            )
         except ApiException as e:
             log.warning("pod %s: cannot record its preemption: %s", pre.pod.key, api_reason(e))
             self.writer.remove(choice.node, {r.id}, now)
@@ -347,6 +343,17 @@ class Preempter:
             must = bool(choice.budget_violations) and any(b in exhausted for b in vic.budgets)
             self._evict(v, pre.pod.key, deleting_ok=must, priority=pre.priority, node=choice.node)
             self.metrics.victims.labels(vic.pod_class, str(vic.priority)).inc()
+        # after the evictions, as kube-scheduler does: its next failed attempt then sees lower-priority
+        # pods terminating on the nominated node and keeps the nomination
+        try:
+            self.kc.merge_patch(
+                self.kc.core.patch_namespaced_pod_status,
+                name,
+                ns,
+                {"status": {"nominatedNodeName": choice.node}},
+            )
+        except ApiException as e:
+            log.info("pod %s: cannot set its nominatedNodeName: %s", pre.pod.key, api_reason(e))
         return r
 
     def _reservation(
