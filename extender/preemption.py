@@ -195,10 +195,11 @@ class Preempter:
     def _own_reservations(self, now: datetime) -> dict[str, list[Reservation]]:
         with self.view.lock:
             out: dict[str, list[Reservation]] = {}
-            for name in self.view.nodes:
+            for name, info in self.view.nodes.items():
+                # consumed ones too: the hold of a pod bound there is removed like any other
                 mine = [
                     r
-                    for r in self.view.active_reservations(name, now)
+                    for r in resv.active(info.reservations, now)
                     if r.owner_kind == "Pod" and r.id.startswith(pin.PREEMPT_PREFIX)
                 ]
                 if mine:

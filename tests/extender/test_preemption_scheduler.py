@@ -162,9 +162,9 @@ def test_online_share_evicts_the_offline_shares_of_one_gpu(cluster, ns, sfx, sch
         gpu_node(cluster, f"gpu-{n}-{sfx}", n=1)
     names = [f"off-{i}" for i in range(4)]
     for n in names:
-        create_pod(cluster.core, pod(n, "offline", OFFLINE, container("main", mem=30000, sm=20)), ns)
+        create_pod(cluster.core, pod(n, "offline", OFFLINE, container("main", gpu=1, mem=30000, sm=20)), ns)
     running(cluster, ns, names, sched)
-    create_pod(cluster.core, pod("web", "online", ONLINE, container("main", mem=40000, sm=40)), ns)
+    create_pod(cluster.core, pod("web", "online", ONLINE, container("main", gpu=1, mem=40000, sm=40)), ns)
     p = gone_and_bound(cluster, ns, "web", sched)
     rec = record_of(p)
     assert rec is not None and len(rec.victims) == 2, rec  # both on one GPU: the class rule
