@@ -33,7 +33,7 @@ from prometheus_client import Counter, Histogram
 from gpupack import handoff
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.model import FULL, Node
-from gpupack.core.preemption import Choice, Preemptor, Victim, choose
+from gpupack.core.preemption import Choice, Preemptor, Victim, choose, without
 from gpupack.events import EventRecorder
 from gpupack.kubeclient import ApiException, KubeClient, api_reason
 
@@ -151,7 +151,7 @@ class Preempter:
             return done
         pdbs = self.kc.list_all(self.kc.policy.list_pod_disruption_budget_for_all_namespaces)
         allowed = pin.budget_allows(pdbs)
-        nodes, classes, host = self._nodes(now)
+        nodes, classes, host = self._nodes(now, taken)
         pool = pin.victims_of(running, classes, pdbs, taken)
         pool = {
             k: replace(v, cpu_milli=host[k][0], ram_mib=host[k][1]) if k in host else v
@@ -182,7 +182,7 @@ class Preempter:
             done["evicted"] += len(choice.victims)
             for k in choice.victims:  # never picked again in this pass; their room is held
                 pool.pop(k, None)
-            nodes[choice.node] = resv.hold(nodes[choice.node], [r])
+            nodes[choice.node] = resv.hold(without(nodes[choice.node], choice.victims), [r])
         return done
 
     def _request(self, pod: dict[str, Any]) -> Any:
@@ -206,16 +206,26 @@ class Preempter:
                     out[name] = mine
             return out
 
-    def _nodes(self, now: datetime) -> tuple[dict[str, Node], dict[str, str], dict[str, tuple[int, int]]]:
-        """Copies of the view's nodes with every active reservation held, the class each pod holds
-        its GPUs for, and the host CPU (milli) and memory (MiB) each pod frees when it goes."""
+    def _nodes(
+        self, now: datetime, taken: set[str]
+    ) -> tuple[dict[str, Node], dict[str, str], dict[str, tuple[int, int]]]:
+        """Copies of the view's nodes as they will be: the pods already on their way out (`taken`
+        victims, pods being deleted) gone and every active reservation held; the class each pod
+        holds its GPUs for, and the host CPU (milli) and memory (MiB) each pod frees when it goes.
+        Counting the leavers as gone lets a second preemptor use the room a first one's victims
+        leave beyond its hold (two 40 GB shares on one GPU: one GPU's victims, not two)."""
         with self.view.lock:
+            leaving: dict[str, list[str]] = {}
+            for k, p in self.view.pods.items():
+                if k in taken or p.deleting:
+                    leaving.setdefault(p.node, []).append(k)
             nodes: dict[str, Node] = {}
             for name, node in self.view.state.nodes.items():
                 info = self.view.nodes.get(name)
                 if info is None or info.slots <= 0 or not node.gpus:
                     continue  # no device plugin there: no GPU pod can start on it
-                nodes[name] = resv.hold(node, self.view.active_reservations(name, now))
+                base = without(node, leaving[name]) if name in leaving else node
+                nodes[name] = resv.hold(base, self.view.active_reservations(name, now))
             classes = {k: p.assignment.pod_class for k, p in self.view.pods.items()}
             host = {k: (p.host.cpu_milli, ram_mib(p.host.mem_bytes)) for k, p in self.view.pods.items()}
             return nodes, classes, host

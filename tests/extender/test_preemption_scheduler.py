@@ -256,3 +256,67 @@ def test_a_lower_priority_pod_never_takes_the_held_room(cluster, ns, sfx, sched,
     assert not get_pod(cluster.core, ns, "low")["spec"].get("nodeName")
     assert "off-1" in present(cluster, ns)
     check_all_bound_no_overcommit(cluster, ns)
+
+
+def template(cls: str, prio: str, mem: int, sm: int, app: str) -> dict:
+    return {
+        "metadata": {"labels": {"app": app, "gpupack.io/class": cls}},
+        "spec": {
+            "schedulerName": "gpupack-scheduler",
+            "priorityClassName": prio,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [container("main", gpu=1, mem=mem, sm=sm)],
+        },
+    }
+
+
+def test_online_deployment_scaling_2_to_8_takes_the_fewest_gpus_from_offline_jobs(
+    cluster, ns, sfx, sched, kubelet
+):
+    """8 GPUs full of offline Job pods (four 20,000 MiB shares each); an online Deployment of
+    40,000 MiB replicas scales from 2 to 8. Two replicas fit on one GPU, so the minimum is 4 GPUs'
+    offline pods: 16 evictions (one GPU's worth per replica would be 32)."""
+    for n in ("a", "b"):
+        gpu_node(cluster, f"gpu-{n}-{sfx}", n=4)
+    batch = client.BatchV1Api(cluster.api_client())
+    apps = client.AppsV1Api(cluster.api_client())
+    job_spec = {"parallelism": 32, "completions": 32, "backoffLimit": 1000,
+                "template": {**template("offline", OFFLINE, 20000, 20, "batch"),}}  # fmt: skip
+    job_spec["template"]["spec"]["restartPolicy"] = "Never"
+    batch.create_namespaced_job(ns, {"metadata": {"name": "batch"}, "spec": job_spec})
+
+    def offline_running() -> int:
+        return sum(
+            1
+            for p in list_pods(cluster.core, ns)
+            if p["metadata"]["labels"].get("app") == "batch"
+            and p["spec"].get("nodeName")
+            and not p["metadata"].get("deletionTimestamp")
+        )
+
+    until(lambda: offline_running() == 32, 120, "32 offline Job pods on the 8 GPUs")
+    victims = "gpupack_extender_preemption_victims_total"
+    before = metric(sched, victims, pod_class="offline", priority="100")
+    dep = {"metadata": {"name": "web"}, "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+           "template": template("online", ONLINE, 40000, 40, "web")}}  # fmt: skip
+    apps.create_namespaced_deployment(ns, dep)
+
+    def online_bound() -> int:
+        return sum(
+            1
+            for p in list_pods(cluster.core, ns)
+            if p["metadata"]["labels"].get("app") == "web"
+            and p["spec"].get("nodeName")
+            and annotations(p).get(ANN_HANDOFF) == HANDOFF_DONE
+        )
+
+    try:
+        until(lambda: online_bound() == 2, 90, "2 online replicas placed")
+        apps.patch_namespaced_deployment_scale("web", ns, {"spec": {"replicas": 8}})
+        until(lambda: online_bound() == 8, 180, "8 online replicas placed")
+    except AssertionError as e:
+        raise AssertionError(f"{e}{diag(sched)}") from None
+    assert metric(sched, victims, pod_class="offline", priority="100") - before == 16
+    bound = [p for p in list_pods(cluster.core, ns) if p["spec"].get("nodeName")]
+    check_no_overcommit(gpu_use(bound))
+    assert offline_running() == 16  # the Job's replacements wait for idle GPUs
