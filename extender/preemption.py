@@ -172,7 +172,10 @@ class Preempter:
                 done["no-room"] += 1
                 continue
             if not choice.victims:
+                # room that is there, or will be once the pods on their way out are gone: counted
+                # as this pod's for the rest of the pass, so no other preemptor counts it again
                 self.metrics.preemptions.labels("fits").inc()
+                nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
                 continue
             r = self._execute(p, pre, choice, nodes[choice.node], by_key, pool, allowed, now)
             if r is None:
@@ -428,3 +431,10 @@ class Preempter:
                 f"evicted by gpupack for pod {for_key} (priority {priority} > {int((v.get('spec') or {}).get('priority') or 0)}), "
                 f"which needs this pod's GPU room on node {node}",
             )  # fmt: skip
+
+
+def _charged(node: Node, pre: Preemptor, choice: Choice) -> Node:
+    out = node.copy()
+    for i, (mem, milli, ex) in choice.fit.charged.items():
+        out.gpus[i].charge(pre.pod.key, mem, milli, ex, pre.pod.pod_class)
+    return out
