@@ -242,8 +242,13 @@ def test_a_lower_priority_pod_never_takes_the_held_room(cluster, ns, sfx, sched,
     until(
         lambda: get_pod(cluster.core, ns, "off-0")["metadata"].get("deletionTimestamp"), 30, "off-0 evicted"
     )
-    web = get_pod(cluster.core, ns, "web")
-    assert (web.get("status") or {}).get("nominatedNodeName") == record_of(web).node  # type: ignore[union-attr]
+
+    def nominated() -> bool:
+        web = get_pod(cluster.core, ns, "web")
+        rec = record_of(web)
+        return rec is not None and (web.get("status") or {}).get("nominatedNodeName") == rec.node
+
+    until(nominated, 15, "web nominated to the node its victim is leaving")
     # a pod of lower priority than web that would fit the room web waits for (and can evict no one)
     create_pod(cluster.core, pod("low", "online", LOW, container("main", gpu=1)), ns)
     until(lambda: any(c.get("reason") == "Unschedulable" for c in
