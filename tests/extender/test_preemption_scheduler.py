@@ -27,6 +27,7 @@ from ext_helpers import (
     pod_obj,
 )
 from kubernetes import client
+from processes import ExtenderProcess
 from test_extender_scheduler import check_no_overcommit, diag, gpu_use
 
 from extender.preempt_inputs import ANN_PREEMPTION, record_of
@@ -249,6 +250,10 @@ def test_a_lower_priority_pod_never_takes_the_held_room(cluster, ns, sfx, sched,
         return rec is not None and (web.get("status") or {}).get("nominatedNodeName") == rec.node
 
     until(nominated, 15, "web nominated to the node its victim is leaving")
+    # a new leader: everything it needs is in the Node's and the pods' annotations
+    sched.ext.stop()
+    sched.ext = ExtenderProcess(sched.kc, sched.tmp / f"extender-{sfx}.log", *sched.flags, port=sched.port)
+    sched.ext.wait_ready()
     # a pod of lower priority than web that would fit the room web waits for (and can evict no one)
     create_pod(cluster.core, pod("low", "online", LOW, container("main", gpu=1)), ns)
     until(lambda: any(c.get("reason") == "Unschedulable" for c in
@@ -260,6 +265,8 @@ def test_a_lower_priority_pod_never_takes_the_held_room(cluster, ns, sfx, sched,
     assert web["spec"]["nodeName"] == record_of(web).node  # type: ignore[union-attr]
     assert not get_pod(cluster.core, ns, "low")["spec"].get("nodeName")
     assert "off-1" in present(cluster, ns)
+    # the new leader evicted no one: web's victim was already on its way out
+    assert metric(sched, "gpupack_extender_preemptions_total", outcome="evicted") == 0
     check_all_bound_no_overcommit(cluster, ns)
 
 
