@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-interval-s", type=float, default=5.0, help="how often stale handoffs are looked for"
     )
     p.add_argument(
+        "--preemption-interval-s",
+        type=float,
+        default=2.0,
+        help="how often the leader looks for pending GPU pods that may preempt lower-priority pods "
+        "(docs/operator-guide.md, Preemption); 0 turns GPU-aware preemption off",
+    )
+    p.add_argument(
         "--api-timeout-s",
         type=float,
         default=2.0,
@@ -228,6 +235,11 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet).start()
         Janitor(ext, args.sweep_interval_s).start()
+        if args.preemption_interval_s > 0:
+            from .preemption import Preempter
+
+            Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
+                      args.preemption_interval_s).start()  # fmt: skip
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,
                  args.workload_file or "learnt from the pods seen")  # fmt: skip

@@ -1,8 +1,9 @@
 """Defrag reservations as the extender honours them (pure; no I/O, the clock is passed in).
 
-A reservation on a node holds GPU shares for the replacement of an evicted pod. Unexpired and
-not yet consumed, it counts as used for every pod except one that matches it (same namespace,
-same controlling owner kind and name, same class). A matching pod is steered onto exactly the
+A reservation on a node holds GPU shares for the replacement of an evicted pod, or for the pod a
+preemption evicted others for. Unexpired and not yet consumed, it counts as used for every pod
+except one that matches it (same namespace, same controlling owner kind and name, same class; a
+preemption's, owner kind `Pod`: that pod by name). A matching pod is steered onto exactly the
 reserved GPUs; its Assignment then names the reservation, which marks it consumed.
 """
 
@@ -34,6 +35,8 @@ def active(
 
 
 def matches(r: Reservation, pod: PodRequest) -> bool:
+    if r.owner_kind == "Pod":  # a preemption's hold: for that one pod (extender/preemption.py)
+        return pod.key == f"{r.namespace}/{r.owner_name}" and r.pod_class == pod.pod_class
     return (
         pod.owner is not None
         and r.namespace == pod.namespace

@@ -34,7 +34,7 @@ import yaml
 from faultproxy import FaultProxy
 from kubernetes import client, config
 from processes import ExtenderProcess, free_port
-from realk8s import ControlPlane, kubeconfig_dict, until
+from realk8s import ControlPlane, kubeconfig_dict, running_ready_status, until
 
 from deviceplugin.api import api_pb2, api_pb2_grpc
 from gpupack import certs
@@ -48,6 +48,7 @@ RBAC_FILES = ("scheduler/rbac.yaml", "deviceplugin/rbac.yaml")
 ROLE_OWNER = {
     "gpupack-scheduler-leader-election": "kube-scheduler",
     "gpupack-extender": "extender",
+    "gpupack-extender-preemption": "extender",
     "gpupack-webhook-certs": "certs",
     "gpupack-webhook-cabundle": "certs",
     "gpupack-device-plugin": "device-plugin",
@@ -294,6 +295,10 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     late = ext.post("bind", {"PodName": "p", "PodNamespace": flow.work, "PodUID": uid, "Node": flow.node})
     assert late.status_code == 404 and "not found" in late.text, late.text
     assert flow.proxies["extender"].count("GET", rf"/namespaces/{flow.work}/pods/p$") >= 1
+    # 5. a preemption (issue 26) whose only choice breaks a budget: the controller holds the GPU
+    #    (Node patch), reads the budgets, is refused by the Eviction API, deletes the victim, and
+    #    nominates the node for the preemptor, which kube-scheduler then binds there
+    _preemption(cluster, flow, dp)
     # a Prometheus scrape of the plugin (it reads its node's pods for the per-pod series)
     assert requests.get(f"http://127.0.0.1:{dp.metrics_port}/metrics", timeout=10).status_code == 200
     # kube-scheduler's port authenticates (TokenReview) and authorizes (SubjectAccessReview) a
@@ -344,6 +349,51 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
             assert only, (
                 f"{sa}: binding to {b[0]} {b[1]} grants nothing its components needed that others do not"
             )
+
+
+def _preemption(cluster: ControlPlane, flow: Flow, dp: _DevicePlugin) -> None:
+    sch = client.SchedulingV1Api(cluster.api_client())
+    low, high = f"{flow.work}-low", f"{flow.work}-high"
+    for name, value in ((low, 10), (high, 1000)):
+        sch.create_priority_class({"metadata": {"name": name}, "value": value})
+    core, w = cluster.core, flow.work
+    core.create_namespaced_pod(w, {"metadata": {"name": "v", "labels": {"app": "v"}}, "spec": {
+        "priorityClassName": low, "terminationGracePeriodSeconds": 0, "containers": [
+            {"name": "a", "image": "registry.invalid/x:1", "resources": {"limits": {"gpupack.io/gpu-mem": "1024"}}}]}})  # fmt: skip
+    until(lambda: _bound(cluster, w, "v"), 60, "the victim bound")
+    dp.allocate_one()
+    until(
+        lambda: core.read_namespaced_pod("v", w).metadata.annotations[ANN_HANDOFF] == "done",
+        30,
+        "v handed off",
+    )
+    # Running and Ready, as its kubelet would report it (the Eviction API lets a Pending pod go
+    # whatever its budget says)
+    core.patch_namespaced_pod_status("v", w, running_ready_status(core.read_namespaced_pod("v", w)))
+    pol = client.PolicyV1Api(cluster.api_client())
+    pol.create_namespaced_pod_disruption_budget(w, {"metadata": {"name": "keep-v"}, "spec": {
+        "minAvailable": 1, "selector": {"matchLabels": {"app": "v"}}}})  # fmt: skip
+
+    def computed() -> bool:
+        st = pol.read_namespaced_pod_disruption_budget("keep-v", w).status
+        return bool(st and st.observed_generation and st.current_healthy == 1 and st.disruptions_allowed == 0)
+
+    until(computed, 30, "the budget computed")
+    core.create_namespaced_pod(w, {"metadata": {"name": "hi", "labels": {"gpupack.io/class": "online"}}, "spec": {
+        "priorityClassName": high, "containers": [
+            {"name": "a", "image": "registry.invalid/x:1", "resources": {"limits": {"gpupack.io/gpu": "1"}}}]}})  # fmt: skip
+    until(
+        lambda: not core.list_namespaced_pod(w, field_selector="metadata.name=v").items, 60, "the victim gone"
+    )
+    until(lambda: _bound(cluster, w, "hi"), 60, "the preemptor bound")
+    px = flow.proxies["extender"]
+    assert px.count("POST", rf"/namespaces/{w}/pods/v/eviction$") >= 1
+    assert px.count("DELETE", rf"/namespaces/{w}/pods/v$") == 1
+    assert px.count("PATCH", rf"/namespaces/{w}/pods/hi/status$") == 1
+    assert px.count("PATCH", rf"/nodes/{flow.node}$") >= 1
+    until(lambda: px.count("PATCH", rf"/nodes/{flow.node}$") >= 2, 30, "the hold released")
+    for name in (low, high):
+        sch.delete_priority_class(name)
 
 
 def test_what_the_accounts_must_never_do(cluster: ControlPlane):
