@@ -6,8 +6,9 @@ with `set_scheduler_name`, the pod gets gpupack's scheduler name.
 Validating: requests equal limits; gpu-sm in 1..100; gpu-mem positive and no larger than the
 largest GPU in the cluster; a known class label; placed by gpupack's scheduler (no preset
 spec.nodeName, no other scheduler). A denial names the rule and the value.
-State: on CREATE and UPDATE of any pod, gpupack's own annotations and the managed label may be
-written by gpupack's ServiceAccounts only (deploy/webhook/webhooks.yaml sends only requests that
+State: on CREATE and UPDATE of any pod, and on a pod's Binding (whose annotations the API server
+copies onto the pod), gpupack's own annotations and the managed label may be written by gpupack's
+ServiceAccounts only (deploy/webhook/webhooks.yaml sends only requests that
 change them, so gpupack's own patches never wait on this webhook).
 """
 
@@ -332,6 +333,9 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
     op = req.get("operation")
     if kind == "validate" and isinstance(obj, dict):
         errors = plugin_node_errors(req, cfg)
+        if not errors and kind_ == "Binding" and op == "CREATE":
+            # the API server copies a Binding's annotations onto the pod it binds
+            errors = state_errors(obj, None, _username(req), cfg)
         if errors:
             return _deny(out, errors)
     if op not in ("CREATE", "UPDATE", None) or kind_ not in ("Pod", None) or not isinstance(obj, dict):
@@ -347,12 +351,17 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
             resp["patchType"] = "JSONPatch"
             resp["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
         return out
-    user = req.get("userInfo").get("username") if isinstance(req.get("userInfo"), dict) else None
+    user = _username(req)
     old = req.get("oldObject") if op == "UPDATE" else None
     errors = state_errors(obj, old if isinstance(old, dict) else {}, user, cfg) if op == "UPDATE" else []
     if op != "UPDATE":
         errors = state_errors(obj, None, user, cfg) + validate(obj, largest_gpu_mib, cfg.scheduler_name)
     return _deny(out, errors) if errors else out
+
+
+def _username(req: dict[str, Any]) -> Any:
+    info = req.get("userInfo")
+    return info.get("username") if isinstance(info, dict) else None
 
 
 def _deny(out: dict[str, Any], errors: list[str]) -> dict[str, Any]:

@@ -193,6 +193,44 @@ def test_gpupack_state_is_written_by_gpupack_only_without_a_policy_api(webhook):
     assert webhook.admissions() == before + 2
 
 
+def test_a_binding_cannot_carry_gpupack_state_without_a_policy_api(webhook):
+    """The API server copies a Binding's annotations onto the pod: `state.pods.gpupack.io` sees
+    pods/binding too, and only the extender's Bindings may carry gpupack's state."""
+    ns = webhook.namespace("wh-bind")
+    rbac = client.RbacAuthorizationV1Api(webhook.cp.api_client())
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "binder"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods", "pods/binding", "bindings"], "verbs": ["create", "get"]}]})  # fmt: skip
+    for sa_ns, sa in ((ns, "app"), (webhook.system, "gpupack-scheduler")):
+        rbac.create_namespaced_role_binding(ns, {
+            "metadata": {"name": f"binder-{sa}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "binder"},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": sa_ns}]})  # fmt: skip
+    tenant = client.CoreV1Api(webhook.cp.new_api_client(webhook.cp.service_account_token(ns, "app")))
+    sched = client.CoreV1Api(
+        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-scheduler"))
+    )
+    node = f"wh-{webhook.sfx}"
+
+    def bind(api: client.CoreV1Api, pod: str, anns: dict[str, str], door: str = "pods/binding") -> None:
+        body = {"metadata": {"name": pod, "annotations": anns}, "target": {"kind": "Node", "name": node}}
+        if door == "bindings":  # the answers are a Status, which the client cannot read: raw
+            api.create_namespaced_binding(ns, body, _preload_content=False)
+        else:
+            api.create_namespaced_pod_binding(pod, ns, body, _preload_content=False)
+
+    for name in ("f", "ok", "ext"):
+        tenant.create_namespaced_pod(ns, {"metadata": {"name": name}, "spec": {"containers": [c("a")]}})
+    for door in ("pods/binding", "bindings"):
+        with pytest.raises(client.ApiException) as e:
+            bind(tenant, "f", {"gpupack.io/assignment": "{}", "gpupack.io/handoff": "pending"}, door)
+        assert 'admission webhook \\"state.pods.gpupack.io\\" denied the request' in e.value.body
+        assert "gpupack.io/assignment, gpupack.io/handoff may be set" in e.value.body
+    assert not webhook.core.read_namespaced_pod("f", ns).spec.node_name
+    bind(tenant, "ok", {"gpupack.io/gpu-models": "NVIDIA-L4"}, "bindings")
+    bind(sched, "ext", {"gpupack.io/handoff": "pending"})
+    assert webhook.core.read_namespaced_pod("ext", ns).metadata.annotations["gpupack.io/handoff"] == "pending"
+
+
 def test_bad_requests_are_refused_with_a_readable_message(webhook):
     ns = webhook.namespace("wh-deny")
     body = webhook.denied(ns, "sm", [c("a", {"gpupack.io/gpu-mem": "1024", "gpupack.io/gpu-sm": "150"})])

@@ -211,3 +211,43 @@ def test_with_a_node_claim_the_device_plugin_touches_only_its_own_node(s: Setup)
     assert f"on node {s.n1}: may touch only its own node" in msg
     on_a.patch_node(s.n1, {"metadata": {"labels": {LABEL_GPU_MODEL: "NVIDIA-L4"}}})
     refused(on_a.patch_node, s.n2, {"metadata": {"labels": {LABEL_GPU_MODEL: "NVIDIA-L4"}}})
+
+
+def _bind(
+    api: client.CoreV1Api, ns: str, pod: str, node: str, anns: dict[str, str], door: str = "pods/binding"
+) -> None:
+    body = {"metadata": {"name": pod, "annotations": anns}, "target": {"kind": "Node", "name": node}}
+    # the answer is a Status, which the client's Binding model cannot read: take it raw
+    if door == "bindings":
+        api.create_namespaced_binding(ns, body, _preload_content=False)
+    else:
+        api.create_namespaced_pod_binding(pod, ns, body, _preload_content=False)
+
+
+def test_a_binding_cannot_carry_gpupack_state(s: Setup):
+    """The API server copies a Binding's annotations onto the pod it binds: pods/binding is the
+    same door as a pod update, and the policy covers it (issue 31 item 5)."""
+    client.RbacAuthorizationV1Api(s.cp.api_client()).create_namespaced_role(s.ns, {
+        "metadata": {"name": "binder"},
+        "rules": [{"apiGroups": [""], "resources": ["pods/binding", "bindings"], "verbs": ["create"]}]})  # fmt: skip
+    client.RbacAuthorizationV1Api(s.cp.api_client()).create_namespaced_role_binding(s.ns, {
+        "metadata": {"name": "app-binder"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "binder"},
+        "subjects": [{"kind": "ServiceAccount", "name": "app", "namespace": s.ns}]})  # fmt: skip
+    for name in ("b1", "b2", "b3"):
+        s.pod(s.tenant, name)
+    uid = s.cp.core.read_namespaced_pod("b1", s.ns).metadata.uid
+    forged = {ANN_ASSIGNMENT: _assignment(uid, s.n2), ANN_HANDOFF: "pending"}
+    # both doors: the pod's binding subresource (kube-scheduler's) and the namespace's bindings
+    for api in (s.tenant, client.CoreV1Api(s.cp.api_client())):
+        for door in ("pods/binding", "bindings"):
+            msg = refused(_bind, api, s.ns, "b1", s.n1, forged, door)
+            assert FORBIDDEN in msg and ANN_ASSIGNMENT in msg, (door, msg)
+    p = s.cp.core.read_namespaced_pod("b1", s.ns)
+    assert not p.spec.node_name and ANN_ASSIGNMENT not in (p.metadata.annotations or {})
+    # a Binding without gpupack state, or one the user-facing key only, binds as before
+    _bind(s.tenant, s.ns, "b2", s.n1, {ANN_GPU_MODELS: "NVIDIA-L4"}, "bindings")
+    assert s.cp.core.read_namespaced_pod("b2", s.ns).spec.node_name == s.n1
+    # the extender's own Binding carries the assignment
+    _bind(s.extender, s.ns, "b3", s.n1, {ANN_ASSIGNMENT: _assignment("u", s.n1)})
+    assert ANN_ASSIGNMENT in s.cp.core.read_namespaced_pod("b3", s.ns).metadata.annotations
