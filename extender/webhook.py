@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from gpupack.core.request import RequestError, parse_pod
 
 from .wire import WireError
 
+log = logging.getLogger("gpupack.extender.webhook")
+
 EXTENDER_SA = "gpupack-scheduler"
 DEVICE_PLUGIN_SA = "gpupack-device-plugin"
 # The device plugin's whole say in a pod's state: it records Allocate, nothing else.
@@ -55,6 +58,7 @@ def _own_namespace() -> str:
 
 CLAIM_NODE = "authentication.kubernetes.io/node-name"  # in pod-bound tokens from Kubernetes 1.30
 CLAIM_POD = "authentication.kubernetes.io/pod-name"  # in pod-bound tokens since 1.21
+CLAIM_POD_UID = "authentication.kubernetes.io/pod-uid"  # with the pod's name
 
 
 @dataclass(frozen=True)
@@ -220,26 +224,34 @@ def plugin_node_errors(req: dict[str, Any], cfg: WebhookConfig) -> list[str]:
     else:
         return []
     node = _claim(info, CLAIM_NODE)
-    if not node:
-        pod = _claim(info, CLAIM_POD)
-        if not pod:
+    if node:
+        if target != node:
             return [
-                "gpupack device plugin: its token names neither its pod nor its node; use the pod's own token"
+                f"gpupack device plugin on node {node}: may touch only its own node and the pods on it, not {what}"
             ]
-        if cfg.pod_lookup is None:
-            return []
-        try:
-            node = str(((cfg.pod_lookup(cfg.namespace, pod) or {}).get("spec") or {}).get("nodeName") or "")
-        except Exception as e:  # unknown: refuse (the plugin retries), never guess
-            return [
-                f"gpupack device plugin: cannot read its pod {cfg.namespace}/{pod} to learn its node: {e}"
-            ]
-        if not node:
-            return [f"gpupack device plugin: its pod {cfg.namespace}/{pod} is on no node"]
-    if target != node:
+        return []
+    pod, pod_uid = _claim(info, CLAIM_POD), _claim(info, CLAIM_POD_UID)
+    if not pod or not pod_uid:
         return [
-            f"gpupack device plugin on node {node}: may touch only its own node and the pods on it, not {what}"
+            "gpupack device plugin: its token names neither its pod nor its node; use the pod's own token"
         ]
+    if cfg.pod_lookup is None:
+        return []
+    # Anyone who reaches this port can send a review with any userInfo: the answer must tell them
+    # nothing they did not send (no node, no pod's existence, no API error). The pod's UID, which
+    # only its real token carries, must match, and every refusal reads the same; the details go
+    # to the log.
+    try:
+        found = cfg.pod_lookup(cfg.namespace, pod) or {}
+        node = str((found.get("spec") or {}).get("nodeName") or "")
+        uid = str((found.get("metadata") or {}).get("uid") or "")
+    except Exception as e:  # unknown: refuse (the plugin retries), never guess
+        log.warning("plugin-node: cannot read pod %s/%s to learn its node: %s", cfg.namespace, pod, e)
+        node = uid = ""
+    if not node or uid != pod_uid or target != node:
+        log.info("plugin-node: refused %s for pod %s/%s (uid %s) on node %r", what, cfg.namespace, pod,
+                 "matches" if uid == pod_uid else "differs", node)  # fmt: skip
+        return [f"gpupack device plugin: may touch only its own node and the pods on it, not {what}"]
     return []
 
 
@@ -300,9 +312,10 @@ def validate(pod: dict[str, Any], largest_gpu_mib: int, scheduler_name: str | No
                 if mem <= 0:
                     errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; got {mem}")
                 elif largest_gpu_mib and mem > largest_gpu_mib:
+                    # not the size: the webhook's callers are unauthenticated (an operator reads
+                    # the GPU sizes with `gpupack status`)
                     errors.append(
-                        f"{where}: {RES_GPU_MEM} must be at most the largest GPU in the cluster "
-                        f"({largest_gpu_mib} MiB); got {mem} MiB"
+                        f"{where}: {RES_GPU_MEM} must be at most the largest GPU in the cluster; got {mem} MiB"
                     )
             except ContractError as e:
                 errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; {e}")
