@@ -93,6 +93,7 @@ def webhook(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # the webhook trusts the ServiceAccounts of its own namespace (the Deployment's POD_NAMESPACE)
     with deploy_objects.pod_namespace(system):
         ext = ExtenderProcess(k8s.kubeconfig, tmp / "extender.log", "--webhook-port", str(port),
+                              "--metrics-port", str(free_port()),
                               "--tls-cert", str(tmp / "tls" / "tls.crt"), "--tls-key", str(tmp / "tls" / "tls.key"),
                               "--set-scheduler-name")  # fmt: skip
     url = f"https://localhost:{port}"
