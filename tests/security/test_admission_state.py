@@ -251,3 +251,39 @@ def test_a_binding_cannot_carry_gpupack_state(s: Setup):
     # the extender's own Binding carries the assignment
     _bind(s.extender, s.ns, "b3", s.n1, {ANN_ASSIGNMENT: _assignment("u", s.n1)})
     assert ANN_ASSIGNMENT in s.cp.core.read_namespaced_pod("b3", s.ns).metadata.annotations
+
+
+def test_the_schedulers_account_changes_only_gpupack_state_and_scheduling_status(s: Setup):
+    """Issue 31 item 3: the extender's token (shared with kube-scheduler) patched a kube-system
+    pod's image, set labels and status.phase. It may write gpupack.io/ annotations and what
+    kube-scheduler writes (conditions, nominatedNodeName), nothing else of a pod."""
+    s.cp.ensure_namespace("kube-system")
+    body = {"metadata": {"name": f"sys-{s.ns}", "labels": {"tier": "control-plane"}},
+            "spec": {"nodeName": s.n1, "containers": [{"name": "a", "image": "registry.invalid/x:1"}]}}  # fmt: skip
+    name = s.cp.core.create_namespaced_pod("kube-system", body).metadata.name
+    scope = "may change only a pod's gpupack.io/"
+    image = {"spec": {"containers": [{"name": "a", "image": "registry.invalid/evil:1"}]}}
+    assert scope in refused(s.extender.patch_namespaced_pod, name, "kube-system", image)
+    assert scope in refused(
+        s.extender.patch_namespaced_pod, name, "kube-system", {"metadata": {"labels": {"tier": "x"}}}
+    )
+    assert scope in refused(
+        s.extender.patch_namespaced_pod, name, "kube-system", {"metadata": {"annotations": {"a": "b"}}}
+    )
+    assert scope in refused(
+        s.extender.patch_namespaced_pod_status, name, "kube-system", {"status": {"phase": "Failed"}}
+    )
+    refused(s.extender.create_namespaced_pod, s.ns, {  # RBAC, and the policy behind it
+        "metadata": {"name": "made"}, "spec": {"containers": [{"name": "a", "image": "registry.invalid/x:1"}]}})  # fmt: skip
+    p = s.cp.core.read_namespaced_pod(name, "kube-system")
+    assert p.spec.containers[0].image == "registry.invalid/x:1" and p.metadata.labels == {
+        "tier": "control-plane"
+    }
+    # what the extender and kube-scheduler do write still goes through
+    s.extender.patch_namespaced_pod(
+        name, "kube-system", {"metadata": {"annotations": {ANN_HANDOFF: "failed"}}}
+    )
+    s.extender.patch_namespaced_pod_status(name, "kube-system", {"status": {"nominatedNodeName": s.n2,
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}})  # fmt: skip
+    assert s.cp.core.read_namespaced_pod(name, "kube-system").status.nominated_node_name == s.n2
+    s.cp.core.delete_namespaced_pod(name, "kube-system", grace_period_seconds=0)
