@@ -82,7 +82,8 @@ def s(k8s: ControlPlane) -> Iterator[Setup]:
     k8s.ensure_namespace(sys_ns)
     k8s.ensure_namespace(ns)
     shipped = [o for f in ("scheduler/serviceaccount.yaml", "deviceplugin/serviceaccount.yaml", "scheduler/rbac.yaml",
-                           "deviceplugin/rbac.yaml", "webhook/policies.yaml") for o in deploy_objects.load(f)]  # fmt: skip
+                           "deviceplugin/rbac.yaml", "defrag/serviceaccount.yaml", "defrag/rbac.yaml",
+                           "webhook/policies.yaml") for o in deploy_objects.load(f)]  # fmt: skip
     # the policies in the version this server serves (v1, or v1beta1 before 1.30; the fields are the same)
     deploy_objects.apply(k8s, k8s.for_this_server(deploy_objects.remap(shipped, sys_ns)))
     # the tenant may do what the built-in `edit` role allows in its namespace: create and patch pods
@@ -287,3 +288,24 @@ def test_the_schedulers_account_changes_only_gpupack_state_and_scheduling_status
         "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}})  # fmt: skip
     assert s.cp.core.read_namespaced_pod(name, "kube-system").status.nominated_node_name == s.n2
     s.cp.core.delete_namespaced_pod(name, "kube-system", grace_period_seconds=0)
+
+
+def test_defrag_changes_only_reservations_and_its_own_taint(s: Setup):
+    """Issue 31 item 4: the defrag account could cordon, NoExecute-taint or rewrite the inventory of
+    any node. It may write the reservations annotation and its own NoSchedule taint, nothing else."""
+    defrag = client.CoreV1Api(s.cp.new_api_client(s.cp.service_account_token(s.sys_ns, "gpupack-defrag")))
+    key = "status-taint.cluster-autoscaler.kubernetes.io/gpupack-defrag"
+    scope = "gpupack defrag: may change only a Node's gpupack.io/reservations"
+    for body in ({"spec": {"unschedulable": True}},
+                 {"spec": {"taints": [{"key": "evil", "effect": "NoExecute"}]}},
+                 {"spec": {"taints": [{"key": key, "value": "emptying", "effect": "NoExecute"}]}},
+                 {"metadata": {"annotations": {ANN_INVENTORY: "{}"}}},
+                 {"metadata": {"labels": {LABEL_GPU_MODEL: "x"}}}):  # fmt: skip
+        assert scope in refused(defrag.patch_node, s.n2, body), body
+    node = s.cp.core.read_node(s.n2)
+    assert not node.spec.unschedulable and not node.spec.taints
+    # what defrag writes
+    defrag.patch_node(s.n2, {"metadata": {"annotations": {ANN_RESERVATIONS: "{}"}}})
+    defrag.patch_node(s.n2, {"spec": {"taints": [{"key": key, "value": "emptying", "effect": "NoSchedule"}]}})
+    assert [t.key for t in s.cp.core.read_node(s.n2).spec.taints] == [key]
+    defrag.patch_node(s.n2, {"spec": {"taints": None}})
