@@ -274,6 +274,12 @@ def create_webhook_app(
     app = Flask("gpupack-webhook")
     _common(app, view, metrics, max_body)
 
+    @app.errorhandler(Exception)
+    def _crash(e: Exception) -> Response:
+        # the webhook's callers are unauthenticated: the error stays in the log
+        log.exception("unhandled error on %s", request.path)
+        return _error(500, "internal error")
+
     def handle(kind: str) -> Response:
         t0 = time.perf_counter()
         try:

@@ -245,7 +245,19 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
                  args.workload_file or "learnt from the pods seen")  # fmt: skip
         IdleCollector(ext.activity, on_collect=metrics.full_collection).install()
         app = create_extender_app(ext, args.max_body_bytes)
-        return only_probes_on(app, args.metrics_port) if args.metrics_port else app
+        if not args.metrics_port:
+            return app
+        # the metrics port is open to the network: served apart from the verbs, with a budget of
+        # its own, by a server that slow or idle connections cannot stall (guarded.py)
+        from .guarded import GuardedServer, metrics_limits
+
+        probes = only_probes_on(app, args.metrics_port)
+        metrics_server = GuardedServer()
+        metrics_server.add(
+            probes, args.metrics_host, args.metrics_port, metrics_limits(args.max_body_bytes), name="metrics"
+        )
+        metrics_server.start()
+        return probes
 
     return make
 
@@ -298,10 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     from . import app, framework, kube, serving, sync, webhook  # noqa: F401
 
     if args.role == "webhook":
-        binds = [f"{args.webhook_host}:{args.webhook_port}"]
-        opts = serving.options(binds, 8, args.log_level, "gpupack-webhook")
-        opts.update(certfile=args.tls_cert, keyfile=args.tls_key)
-        serving.Server(_webhook_factory(args), opts).run()
+        # open to the network (the API server calls it): served so that slow or idle connections
+        # cannot stall admission (guarded.py)
+        from .guarded import GuardedServer, raise_fd_limit, tls_context, webhook_limits
+
+        raise_fd_limit()
+        server = GuardedServer()
+        server.add(_webhook_factory(args)(), args.webhook_host, args.webhook_port,
+                   webhook_limits(args.max_body_bytes), tls_context(args.tls_cert, args.tls_key), "webhook")  # fmt: skip
+        server.run()
         return 0
 
     child = None
@@ -315,9 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             "webhook",
         ]
         child = subprocess.Popen(cmd)
-    binds = [f"{args.host}:{args.port}"]
-    if args.metrics_port:
-        binds.append(f"{args.metrics_host}:{args.metrics_port}")
+    binds = [f"{args.host}:{args.port}"]  # the metrics port: its own server, in the worker
+    from .guarded import raise_fd_limit
+
+    raise_fd_limit()
     opts = serving.options(binds, args.threads, args.log_level, "gpupack-extender")
     try:
         serving.Server(_extender_factory(args), opts).run()

@@ -89,6 +89,18 @@ class PodInfo:
         )
 
 
+def foreign_assignment(a: Assignment, uid: str, bound_node: str) -> str:
+    """Why `a` is not this pod's to be charged (empty when it is): written for another pod UID, or
+    for another node than the one the pod is bound to. Only gpupack's scheduler writes assignments
+    (admission), and it binds each pod to its assignment's node; anything else was forged or
+    copied, and the device plugin will not serve it, so the extender must not charge it either."""
+    if a.pod_uid != uid:
+        return f"its {ANN_ASSIGNMENT} was written for pod UID {a.pod_uid!r}, the pod is {uid!r}"
+    if bound_node and a.node != bound_node:
+        return f"its {ANN_ASSIGNMENT} is for node {a.node!r}, the pod is bound to {bound_node!r}"
+    return ""
+
+
 def node_from_inventory(
     name: str, inv: NodeInventory | None, unschedulable: bool, labels: dict[str, str]
 ) -> Node:

@@ -48,6 +48,7 @@ from .records import (
     NodeInfo,
     PodInfo,
     charged_from_assignment,
+    foreign_assignment,
     init_names,
     pod_slots,
 )
@@ -200,6 +201,10 @@ class ClusterView:
                 self.problems.pop(f"pod/{key}", None)
             except ContractError as e:
                 self.problem("corrupt-assignment", f"pod/{key}", str(e))
+            why = foreign_assignment(a, uid, str((obj.get("spec") or {}).get("nodeName") or "")) if a else ""
+            if why:  # not charged: the device plugin will not serve it either
+                self.problem("foreign-assignment", f"pod/{key}", f"pod {key}: {why}; not charged")
+                a = None
         with self.lock:
             old = self.pods.get(key)
             if a is None and old is None:

@@ -6,8 +6,9 @@ with `set_scheduler_name`, the pod gets gpupack's scheduler name.
 Validating: requests equal limits; gpu-sm in 1..100; gpu-mem positive and no larger than the
 largest GPU in the cluster; a known class label; placed by gpupack's scheduler (no preset
 spec.nodeName, no other scheduler). A denial names the rule and the value.
-State: on CREATE and UPDATE of any pod, gpupack's own annotations and the managed label may be
-written by gpupack's ServiceAccounts only (deploy/webhook/webhooks.yaml sends only requests that
+State: on CREATE and UPDATE of any pod, and on a pod's Binding (whose annotations the API server
+copies onto the pod), gpupack's own annotations and the managed label may be written by gpupack's
+ServiceAccounts only (deploy/webhook/webhooks.yaml sends only requests that
 change them, so gpupack's own patches never wait on this webhook).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +43,8 @@ from gpupack.core.request import RequestError, parse_pod
 
 from .wire import WireError
 
+log = logging.getLogger("gpupack.extender.webhook")
+
 EXTENDER_SA = "gpupack-scheduler"
 DEVICE_PLUGIN_SA = "gpupack-device-plugin"
 # The device plugin's whole say in a pod's state: it records Allocate, nothing else.
@@ -54,6 +58,7 @@ def _own_namespace() -> str:
 
 CLAIM_NODE = "authentication.kubernetes.io/node-name"  # in pod-bound tokens from Kubernetes 1.30
 CLAIM_POD = "authentication.kubernetes.io/pod-name"  # in pod-bound tokens since 1.21
+CLAIM_POD_UID = "authentication.kubernetes.io/pod-uid"  # with the pod's name
 
 
 @dataclass(frozen=True)
@@ -219,26 +224,34 @@ def plugin_node_errors(req: dict[str, Any], cfg: WebhookConfig) -> list[str]:
     else:
         return []
     node = _claim(info, CLAIM_NODE)
-    if not node:
-        pod = _claim(info, CLAIM_POD)
-        if not pod:
+    if node:
+        if target != node:
             return [
-                "gpupack device plugin: its token names neither its pod nor its node; use the pod's own token"
+                f"gpupack device plugin on node {node}: may touch only its own node and the pods on it, not {what}"
             ]
-        if cfg.pod_lookup is None:
-            return []
-        try:
-            node = str(((cfg.pod_lookup(cfg.namespace, pod) or {}).get("spec") or {}).get("nodeName") or "")
-        except Exception as e:  # unknown: refuse (the plugin retries), never guess
-            return [
-                f"gpupack device plugin: cannot read its pod {cfg.namespace}/{pod} to learn its node: {e}"
-            ]
-        if not node:
-            return [f"gpupack device plugin: its pod {cfg.namespace}/{pod} is on no node"]
-    if target != node:
+        return []
+    pod, pod_uid = _claim(info, CLAIM_POD), _claim(info, CLAIM_POD_UID)
+    if not pod or not pod_uid:
         return [
-            f"gpupack device plugin on node {node}: may touch only its own node and the pods on it, not {what}"
+            "gpupack device plugin: its token names neither its pod nor its node; use the pod's own token"
         ]
+    if cfg.pod_lookup is None:
+        return []
+    # Anyone who reaches this port can send a review with any userInfo: the answer must tell them
+    # nothing they did not send (no node, no pod's existence, no API error). The pod's UID, which
+    # only its real token carries, must match, and every refusal reads the same; the details go
+    # to the log.
+    try:
+        found = cfg.pod_lookup(cfg.namespace, pod) or {}
+        node = str((found.get("spec") or {}).get("nodeName") or "")
+        uid = str((found.get("metadata") or {}).get("uid") or "")
+    except Exception as e:  # unknown: refuse (the plugin retries), never guess
+        log.warning("plugin-node: cannot read pod %s/%s to learn its node: %s", cfg.namespace, pod, e)
+        node = uid = ""
+    if not node or uid != pod_uid or target != node:
+        log.info("plugin-node: refused %s for pod %s/%s (uid %s) on node %r", what, cfg.namespace, pod,
+                 "matches" if uid == pod_uid else "differs", node)  # fmt: skip
+        return [f"gpupack device plugin: may touch only its own node and the pods on it, not {what}"]
     return []
 
 
@@ -299,9 +312,10 @@ def validate(pod: dict[str, Any], largest_gpu_mib: int, scheduler_name: str | No
                 if mem <= 0:
                     errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; got {mem}")
                 elif largest_gpu_mib and mem > largest_gpu_mib:
+                    # not the size: the webhook's callers are unauthenticated (an operator reads
+                    # the GPU sizes with `gpupack status`)
                     errors.append(
-                        f"{where}: {RES_GPU_MEM} must be at most the largest GPU in the cluster "
-                        f"({largest_gpu_mib} MiB); got {mem} MiB"
+                        f"{where}: {RES_GPU_MEM} must be at most the largest GPU in the cluster; got {mem} MiB"
                     )
             except ContractError as e:
                 errors.append(f"{where}: {RES_GPU_MEM} must be a positive number of MiB; {e}")
@@ -332,6 +346,9 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
     op = req.get("operation")
     if kind == "validate" and isinstance(obj, dict):
         errors = plugin_node_errors(req, cfg)
+        if not errors and kind_ == "Binding" and op == "CREATE":
+            # the API server copies a Binding's annotations onto the pod it binds
+            errors = state_errors(obj, None, _username(req), cfg)
         if errors:
             return _deny(out, errors)
     if op not in ("CREATE", "UPDATE", None) or kind_ not in ("Pod", None) or not isinstance(obj, dict):
@@ -347,12 +364,17 @@ def review(body: Any, kind: str, cfg: WebhookConfig, largest_gpu_mib: int) -> di
             resp["patchType"] = "JSONPatch"
             resp["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
         return out
-    user = req.get("userInfo").get("username") if isinstance(req.get("userInfo"), dict) else None
+    user = _username(req)
     old = req.get("oldObject") if op == "UPDATE" else None
     errors = state_errors(obj, old if isinstance(old, dict) else {}, user, cfg) if op == "UPDATE" else []
     if op != "UPDATE":
         errors = state_errors(obj, None, user, cfg) + validate(obj, largest_gpu_mib, cfg.scheduler_name)
     return _deny(out, errors) if errors else out
+
+
+def _username(req: dict[str, Any]) -> Any:
+    info = req.get("userInfo")
+    return info.get("username") if isinstance(info, dict) else None
 
 
 def _deny(out: dict[str, Any], errors: list[str]) -> dict[str, Any]:

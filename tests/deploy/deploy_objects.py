@@ -62,7 +62,12 @@ def container_args(
     raise KeyError(f"{relpath} has no container {container}")
 
 
-POLICIES = ("gpupack-pod-state", "gpupack-device-plugin-scope")
+POLICIES = (
+    "gpupack-pod-state",
+    "gpupack-device-plugin-scope",
+    "gpupack-scheduler-scope",
+    "gpupack-defrag-scope",
+)
 
 
 def drop_policies(cluster: Any, timeout: float = 30.0) -> None:

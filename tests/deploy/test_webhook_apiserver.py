@@ -93,6 +93,7 @@ def webhook(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # the webhook trusts the ServiceAccounts of its own namespace (the Deployment's POD_NAMESPACE)
     with deploy_objects.pod_namespace(system):
         ext = ExtenderProcess(k8s.kubeconfig, tmp / "extender.log", "--webhook-port", str(port),
+                              "--metrics-port", str(free_port()),
                               "--tls-cert", str(tmp / "tls" / "tls.crt"), "--tls-key", str(tmp / "tls" / "tls.key"),
                               "--set-scheduler-name")  # fmt: skip
     url = f"https://localhost:{port}"
@@ -193,6 +194,44 @@ def test_gpupack_state_is_written_by_gpupack_only_without_a_policy_api(webhook):
     assert webhook.admissions() == before + 2
 
 
+def test_a_binding_cannot_carry_gpupack_state_without_a_policy_api(webhook):
+    """The API server copies a Binding's annotations onto the pod: `state.pods.gpupack.io` sees
+    pods/binding too, and only the extender's Bindings may carry gpupack's state."""
+    ns = webhook.namespace("wh-bind")
+    rbac = client.RbacAuthorizationV1Api(webhook.cp.api_client())
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "binder"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods", "pods/binding", "bindings"], "verbs": ["create", "get"]}]})  # fmt: skip
+    for sa_ns, sa in ((ns, "app"), (webhook.system, "gpupack-scheduler")):
+        rbac.create_namespaced_role_binding(ns, {
+            "metadata": {"name": f"binder-{sa}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "binder"},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": sa_ns}]})  # fmt: skip
+    tenant = client.CoreV1Api(webhook.cp.new_api_client(webhook.cp.service_account_token(ns, "app")))
+    sched = client.CoreV1Api(
+        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-scheduler"))
+    )
+    node = f"wh-{webhook.sfx}"
+
+    def bind(api: client.CoreV1Api, pod: str, anns: dict[str, str], door: str = "pods/binding") -> None:
+        body = {"metadata": {"name": pod, "annotations": anns}, "target": {"kind": "Node", "name": node}}
+        if door == "bindings":  # the answers are a Status, which the client cannot read: raw
+            api.create_namespaced_binding(ns, body, _preload_content=False)
+        else:
+            api.create_namespaced_pod_binding(pod, ns, body, _preload_content=False)
+
+    for name in ("f", "ok", "ext"):
+        tenant.create_namespaced_pod(ns, {"metadata": {"name": name}, "spec": {"containers": [c("a")]}})
+    for door in ("pods/binding", "bindings"):
+        with pytest.raises(client.ApiException) as e:
+            bind(tenant, "f", {"gpupack.io/assignment": "{}", "gpupack.io/handoff": "pending"}, door)
+        assert 'admission webhook \\"state.pods.gpupack.io\\" denied the request' in e.value.body
+        assert "gpupack.io/assignment, gpupack.io/handoff may be set" in e.value.body
+    assert not webhook.core.read_namespaced_pod("f", ns).spec.node_name
+    bind(tenant, "ok", {"gpupack.io/gpu-models": "NVIDIA-L4"}, "bindings")
+    bind(sched, "ext", {"gpupack.io/handoff": "pending"})
+    assert webhook.core.read_namespaced_pod("ext", ns).metadata.annotations["gpupack.io/handoff"] == "pending"
+
+
 def test_bad_requests_are_refused_with_a_readable_message(webhook):
     ns = webhook.namespace("wh-deny")
     body = webhook.denied(ns, "sm", [c("a", {"gpupack.io/gpu-mem": "1024", "gpupack.io/gpu-sm": "150"})])
@@ -200,7 +239,7 @@ def test_bad_requests_are_refused_with_a_readable_message(webhook):
     assert "container 'a': gpupack.io/gpu-sm must be a whole percent in 1..100; got 150" in body
     body = webhook.denied(ns, "big", [c("a", {"gpupack.io/gpu-mem": "30000"})])
     # the API server canonicalises 30000 to "30k" before the webhook sees it; the message must not
-    assert f"at most the largest GPU in the cluster ({L4_MIB} MiB); got 30000 MiB" in body
+    assert "at most the largest GPU in the cluster; got 30000 MiB" in body and str(L4_MIB) not in body
     body = webhook.denied(
         ns, "cls", [c("a", {"gpupack.io/gpu-mem": "1024"})], labels={"gpupack.io/class": "batch"}
     )
@@ -341,10 +380,9 @@ def test_the_device_plugin_touches_only_its_own_node_with_its_pods_token(webhook
         with pytest.raises(client.ApiException) as e:
             dp.patch_namespaced_pod("on-b", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "done"}}})
         assert e.value.status == 403, e.value.body
-        assert (
-            f"gpupack device plugin on node {node_a}: may touch only its own node and the pods on it"
-            in e.value.body
-        )
+        # the policy names the token's node (the API server authenticated it); the webhook does not
+        on_a = f"gpupack device plugin on node {node_a}: " if claim else "gpupack device plugin: "
+        assert on_a + "may touch only its own node and the pods on it" in e.value.body
         with pytest.raises(client.ApiException) as e:
             dp.patch_node(node_b, {"metadata": {"labels": {"gpupack.io/gpu-model": "NVIDIA-L4"}}})
         assert e.value.status == 403, e.value.body
@@ -367,3 +405,42 @@ def test_the_device_plugin_touches_only_its_own_node_with_its_pods_token(webhook
     with pytest.raises(client.ApiException) as e:
         loose.patch_node(node_a, {"metadata": {"labels": {"gpupack.io/gpu-model": "x"}}})
     assert "names neither its pod nor its node" in e.value.body
+
+
+def test_the_webhook_tells_a_stranger_nothing_it_did_not_send(webhook):
+    """Issue 31 item 8: anyone who reaches the webhook port can post a review with any userInfo.
+    A review in the device plugin's name, naming a real plugin pod, a missing one, or its own
+    node, is refused in the same words, never with the pod's node, its existence or an API error;
+    a too-large gpu-mem is refused without the largest GPU's size."""
+    cp, sys_ns, sfx = webhook.cp, webhook.system, webhook.sfx
+    node = f"wh-{sfx}"
+    cp.ensure_namespace(sys_ns)
+    real = cp.core.create_namespaced_pod(sys_ns, {"metadata": {"name": "dp-s"}, "spec": {
+        "nodeName": node, "containers": [c("p")]}})  # fmt: skip
+
+    def ask(pod: str, uid: str, target: str) -> dict:
+        extra = {
+            "authentication.kubernetes.io/pod-name": [pod],
+            "authentication.kubernetes.io/pod-uid": [uid],
+        }
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "r", "kind": {"kind": "Node"}, "operation": "UPDATE",
+            "userInfo": {"username": f"system:serviceaccount:{sys_ns}:gpupack-device-plugin", "extra": extra},
+            "object": {"metadata": {"name": target}}, "oldObject": {"metadata": {"name": target}}}}  # fmt: skip
+        out = requests.post(webhook.url + "/validate", json=review, verify=str(webhook.ca), timeout=5)
+        assert out.status_code == 200, out.text
+        return out.json()["response"]
+
+    answers = [ask("dp-s", "guessed", "x"), ask("dp-s", "guessed", node), ask("no-such-pod", "guessed", "x")]
+    assert all(not a["allowed"] for a in answers)
+    assert {a["status"]["message"].replace(node, "x") for a in answers} == {
+        "gpupack: gpupack device plugin: may touch only its own node and the pods on it, not node x"
+    }
+    # with the pod's UID (which only its own token carries) its own node is allowed
+    assert ask("dp-s", real.metadata.uid, node)["allowed"]
+    pod = {"metadata": {"name": "big", "namespace": "t"}, "spec": {"schedulerName": "gpupack-scheduler",
+           "containers": [c("a", {"gpupack.io/gpu": "1", "gpupack.io/gpu-mem": "999999"})]}}  # fmt: skip
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "request": {"uid": "r", "kind": {"kind": "Pod"}, "operation": "CREATE", "object": pod}}  # fmt: skip
+    out = requests.post(webhook.url + "/validate", json=review, verify=str(webhook.ca), timeout=5).json()
+    assert not out["response"]["allowed"] and str(L4_MIB) not in out["response"]["status"]["message"]

@@ -375,3 +375,21 @@ def test_learning_batches_in_a_burst():
         plain.filter(args(p, ["b"]))
         t[0] += fw.OBSERVE_FLUSH_S + 1
     assert plain.learner.epoch == 0
+
+
+def test_an_assignment_for_another_pod_or_node_is_not_charged():
+    """Issue 31 item 5: a Binding that carried another pod's assignment, or put the pod on another
+    node than its assignment's, is not what gpupack placed; the device plugin will not serve it,
+    and the view charges nothing for it (it charged the other node's GPU before)."""
+    view, _, problems = make([node_obj("a", 1), node_obj("b", 1)])
+    share = {"c": (GPUShare("GPU-a-0", 0, 70000, 0),)}
+    other_uid = assigned(pod_obj("x", [container("c", 1, 70000)]), "a", share, uid="someone-else")
+    other_uid["metadata"]["uid"] = "uid-x"
+    wrong_node = assigned(pod_obj("y", [container("c", 1, 70000)]), "a", share)
+    wrong_node["spec"]["nodeName"] = "b"
+    for pod in (other_uid, wrong_node):
+        view.apply_pod(pod)
+    assert usage(view) == {} and problems.count("foreign-assignment") == 2
+    # the pod's own assignment on its own node is charged as ever
+    view.apply_pod(assigned(pod_obj("z", [container("c", 1, 70000)]), "a", share))
+    assert usage(view) == {("a", 0): (70000, 0, "online", False)}

@@ -82,7 +82,8 @@ def s(k8s: ControlPlane) -> Iterator[Setup]:
     k8s.ensure_namespace(sys_ns)
     k8s.ensure_namespace(ns)
     shipped = [o for f in ("scheduler/serviceaccount.yaml", "deviceplugin/serviceaccount.yaml", "scheduler/rbac.yaml",
-                           "deviceplugin/rbac.yaml", "webhook/policies.yaml") for o in deploy_objects.load(f)]  # fmt: skip
+                           "deviceplugin/rbac.yaml", "defrag/serviceaccount.yaml", "defrag/rbac.yaml",
+                           "webhook/policies.yaml") for o in deploy_objects.load(f)]  # fmt: skip
     # the policies in the version this server serves (v1, or v1beta1 before 1.30; the fields are the same)
     deploy_objects.apply(k8s, k8s.for_this_server(deploy_objects.remap(shipped, sys_ns)))
     # the tenant may do what the built-in `edit` role allows in its namespace: create and patch pods
@@ -211,3 +212,100 @@ def test_with_a_node_claim_the_device_plugin_touches_only_its_own_node(s: Setup)
     assert f"on node {s.n1}: may touch only its own node" in msg
     on_a.patch_node(s.n1, {"metadata": {"labels": {LABEL_GPU_MODEL: "NVIDIA-L4"}}})
     refused(on_a.patch_node, s.n2, {"metadata": {"labels": {LABEL_GPU_MODEL: "NVIDIA-L4"}}})
+
+
+def _bind(
+    api: client.CoreV1Api, ns: str, pod: str, node: str, anns: dict[str, str], door: str = "pods/binding"
+) -> None:
+    body = {"metadata": {"name": pod, "annotations": anns}, "target": {"kind": "Node", "name": node}}
+    # the answer is a Status, which the client's Binding model cannot read: take it raw
+    if door == "bindings":
+        api.create_namespaced_binding(ns, body, _preload_content=False)
+    else:
+        api.create_namespaced_pod_binding(pod, ns, body, _preload_content=False)
+
+
+def test_a_binding_cannot_carry_gpupack_state(s: Setup):
+    """The API server copies a Binding's annotations onto the pod it binds: pods/binding is the
+    same door as a pod update, and the policy covers it (issue 31 item 5)."""
+    client.RbacAuthorizationV1Api(s.cp.api_client()).create_namespaced_role(s.ns, {
+        "metadata": {"name": "binder"},
+        "rules": [{"apiGroups": [""], "resources": ["pods/binding", "bindings"], "verbs": ["create"]}]})  # fmt: skip
+    client.RbacAuthorizationV1Api(s.cp.api_client()).create_namespaced_role_binding(s.ns, {
+        "metadata": {"name": "app-binder"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "binder"},
+        "subjects": [{"kind": "ServiceAccount", "name": "app", "namespace": s.ns}]})  # fmt: skip
+    for name in ("b1", "b2", "b3"):
+        s.pod(s.tenant, name)
+    uid = s.cp.core.read_namespaced_pod("b1", s.ns).metadata.uid
+    forged = {ANN_ASSIGNMENT: _assignment(uid, s.n2), ANN_HANDOFF: "pending"}
+    # both doors: the pod's binding subresource (kube-scheduler's) and the namespace's bindings
+    for api in (s.tenant, client.CoreV1Api(s.cp.api_client())):
+        for door in ("pods/binding", "bindings"):
+            msg = refused(_bind, api, s.ns, "b1", s.n1, forged, door)
+            assert FORBIDDEN in msg and ANN_ASSIGNMENT in msg, (door, msg)
+    p = s.cp.core.read_namespaced_pod("b1", s.ns)
+    assert not p.spec.node_name and ANN_ASSIGNMENT not in (p.metadata.annotations or {})
+    # a Binding without gpupack state, or one the user-facing key only, binds as before
+    _bind(s.tenant, s.ns, "b2", s.n1, {ANN_GPU_MODELS: "NVIDIA-L4"}, "bindings")
+    assert s.cp.core.read_namespaced_pod("b2", s.ns).spec.node_name == s.n1
+    # the extender's own Binding carries the assignment
+    _bind(s.extender, s.ns, "b3", s.n1, {ANN_ASSIGNMENT: _assignment("u", s.n1)})
+    assert ANN_ASSIGNMENT in s.cp.core.read_namespaced_pod("b3", s.ns).metadata.annotations
+
+
+def test_the_schedulers_account_changes_only_gpupack_state_and_scheduling_status(s: Setup):
+    """Issue 31 item 3: the extender's token (shared with kube-scheduler) patched a kube-system
+    pod's image, set labels and status.phase. It may write gpupack.io/ annotations and what
+    kube-scheduler writes (conditions, nominatedNodeName), nothing else of a pod."""
+    s.cp.ensure_namespace("kube-system")
+    body = {"metadata": {"name": f"sys-{s.ns}", "labels": {"tier": "control-plane"}},
+            "spec": {"nodeName": s.n1, "containers": [{"name": "a", "image": "registry.invalid/x:1"}]}}  # fmt: skip
+    name = s.cp.core.create_namespaced_pod("kube-system", body).metadata.name
+    scope = "may change only a pod's gpupack.io/"
+    image = {"spec": {"containers": [{"name": "a", "image": "registry.invalid/evil:1"}]}}
+    assert scope in refused(s.extender.patch_namespaced_pod, name, "kube-system", image)
+    assert scope in refused(
+        s.extender.patch_namespaced_pod, name, "kube-system", {"metadata": {"labels": {"tier": "x"}}}
+    )
+    assert scope in refused(
+        s.extender.patch_namespaced_pod, name, "kube-system", {"metadata": {"annotations": {"a": "b"}}}
+    )
+    assert scope in refused(
+        s.extender.patch_namespaced_pod_status, name, "kube-system", {"status": {"phase": "Failed"}}
+    )
+    refused(s.extender.create_namespaced_pod, s.ns, {  # RBAC, and the policy behind it
+        "metadata": {"name": "made"}, "spec": {"containers": [{"name": "a", "image": "registry.invalid/x:1"}]}})  # fmt: skip
+    p = s.cp.core.read_namespaced_pod(name, "kube-system")
+    assert p.spec.containers[0].image == "registry.invalid/x:1" and p.metadata.labels == {
+        "tier": "control-plane"
+    }
+    # what the extender and kube-scheduler do write still goes through
+    s.extender.patch_namespaced_pod(
+        name, "kube-system", {"metadata": {"annotations": {ANN_HANDOFF: "failed"}}}
+    )
+    s.extender.patch_namespaced_pod_status(name, "kube-system", {"status": {"nominatedNodeName": s.n2,
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}})  # fmt: skip
+    assert s.cp.core.read_namespaced_pod(name, "kube-system").status.nominated_node_name == s.n2
+    s.cp.core.delete_namespaced_pod(name, "kube-system", grace_period_seconds=0)
+
+
+def test_defrag_changes_only_reservations_and_its_own_taint(s: Setup):
+    """Issue 31 item 4: the defrag account could cordon, NoExecute-taint or rewrite the inventory of
+    any node. It may write the reservations annotation and its own NoSchedule taint, nothing else."""
+    defrag = client.CoreV1Api(s.cp.new_api_client(s.cp.service_account_token(s.sys_ns, "gpupack-defrag")))
+    key = "status-taint.cluster-autoscaler.kubernetes.io/gpupack-defrag"
+    scope = "gpupack defrag: may change only a Node's gpupack.io/reservations"
+    for body in ({"spec": {"unschedulable": True}},
+                 {"spec": {"taints": [{"key": "evil", "effect": "NoExecute"}]}},
+                 {"spec": {"taints": [{"key": key, "value": "emptying", "effect": "NoExecute"}]}},
+                 {"metadata": {"annotations": {ANN_INVENTORY: "{}"}}},
+                 {"metadata": {"labels": {LABEL_GPU_MODEL: "x"}}}):  # fmt: skip
+        assert scope in refused(defrag.patch_node, s.n2, body), body
+    node = s.cp.core.read_node(s.n2)
+    assert not node.spec.unschedulable and not node.spec.taints
+    # what defrag writes
+    defrag.patch_node(s.n2, {"metadata": {"annotations": {ANN_RESERVATIONS: "{}"}}})
+    defrag.patch_node(s.n2, {"spec": {"taints": [{"key": key, "value": "emptying", "effect": "NoSchedule"}]}})
+    assert [t.key for t in s.cp.core.read_node(s.n2).spec.taints] == [key]
+    defrag.patch_node(s.n2, {"spec": {"taints": None}})

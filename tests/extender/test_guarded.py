@@ -1,0 +1,89 @@
+"""extender/guarded.py on its own: a thread gets a request only once it is whole, each stage has
+its deadline, and a listener at its connection limit closes the connection that waited longest."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from realk8s import until
+
+from extender.guarded import GuardedServer, Limits, Listener
+
+CALLS: list[str] = []
+
+
+def app(environ, start_response):  # type: ignore[no-untyped-def]
+    CALLS.append(threading.current_thread().name)
+    body = environ["wsgi.input"].read()
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"got " + body]
+
+
+@pytest.fixture
+def listener() -> Iterator[Listener]:
+    srv = GuardedServer()
+    lim = Limits(header_s=0.5, body_s=0.5, idle_s=0.5, max_connections=4, max_body=100, threads=1)
+    lst = srv.add(app, "127.0.0.1", 0, lim, name="t")
+    srv.start()
+    CALLS.clear()
+    yield lst
+    srv.stop()
+
+
+@pytest.fixture
+def port(listener: Listener) -> int:
+    return listener.port
+
+
+def _talk(port: int, data: bytes) -> bytes:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(data)
+    out = b""
+    while chunk := s.recv(4096):
+        out += chunk
+    s.close()
+    return out
+
+
+def test_requests_are_answered_and_kept_alive(port: int) -> None:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    for _ in range(2):
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        answer = s.recv(4096)
+        assert (
+            answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"got hi") and b"keep-alive" in answer
+        )
+    s.close()
+
+
+def test_what_is_refused_before_any_thread_sees_it(port: int) -> None:
+    assert _talk(port, b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n").startswith(b"HTTP/1.1 413")
+    assert _talk(port, b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").startswith(b"HTTP/1.1 411")
+    assert _talk(port, b"GET / HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n").startswith(b"HTTP/1.1 431")
+    assert _talk(port, b"nonsense\r\n\r\n").startswith(b"HTTP/1.1 400")
+    assert CALLS == []
+
+
+def test_slow_heads_and_bodies_are_closed_at_their_deadline(port: int) -> None:
+    t0 = time.monotonic()
+    assert _talk(port, b"POST / HTTP/1.1\r\n") == b""  # the head never ends
+    assert _talk(port, b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nab") == b""  # nor the body
+    assert time.monotonic() - t0 < 3 and CALLS == []
+
+
+def test_at_its_limit_a_listener_closes_the_connection_that_waited_longest(
+    listener: Listener, port: int
+) -> None:
+    idle = []
+    for _ in range(4):  # accepted one after another, so the first is the oldest
+        idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        until(lambda: len(listener.conns) == len(idle), 5, "the connection accepted")
+    answer = _talk(port, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert idle[0].recv(10) == b""  # the oldest was closed to make room
+    for s in idle:
+        s.close()

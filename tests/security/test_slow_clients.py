@@ -1,0 +1,110 @@
+"""Issue 31 item 2: a few connections cannot stall gpupack's servers. Idle connections (connected,
+nothing sent) and trickling ones (a byte at a time) are opened to the listeners of a real
+extender open to the network — the webhook (TLS, registered in the real API server) and the
+metrics port — and, 8 of them, to the verbs; meanwhile a GPU pod is admitted through the webhook
+by the API server, a verb is answered and a scrape is served, none more than 1 s slower than the
+same calls without the crowd (measured first, in the same run: this machine's CPUs are shared)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+from realk8s import until
+from test_webhook_apiserver import Webhook, c, webhook  # noqa: F401  (the module's fixture)
+
+from gpupack.contract import SCHEDULER_NAME
+
+DELAY_S = 1.0
+
+
+class Crowd:
+    """`n` connections to each port, idle or trickling a byte of a request head a second."""
+
+    def __init__(self, ports: list[int], n: int, trickle: bool) -> None:
+        self.socks = [socket.create_connection(("127.0.0.1", p), timeout=5) for p in ports for _ in range(n)]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True) if trickle else None
+        if self.thread:
+            self.thread.start()
+
+    def _trickle(self) -> None:
+        head = b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+        i = 0
+        while not self.stop.wait(1.0):
+            for s in self.socks:
+                with contextlib.suppress(OSError):  # closed by the server: right for a client this slow
+                    s.send(head[i % len(head) : i % len(head) + 1])
+            i += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread:
+            self.thread.join(5)
+        for s in self.socks:
+            s.close()
+
+
+@pytest.fixture
+def crowd() -> Iterator[list[Crowd]]:
+    made: list[Crowd] = []
+    yield made
+    for cr in made:
+        cr.close()
+
+
+def _accept_queues(ports: set[int]) -> int:
+    """Connections waiting in the accept queues of the listening sockets on `ports` (Linux)."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                port, state = int(fields[1].rsplit(":", 1)[1], 16), fields[3]
+                if state == "0A" and port in ports:  # LISTEN: rx_queue is the accept queue
+                    waiting += int(fields[4].split(":")[1], 16)
+    return waiting
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("n", [8, 100, 1000])
+@pytest.mark.parametrize("trickle", [False, True], ids=["idle", "trickling"])
+def test_idle_and_trickling_connections_delay_nothing(webhook: Webhook, crowd: list[Crowd], n: int,  # noqa: F811
+                                                      trickle: bool) -> None:  # fmt: skip
+    ext = webhook.ext
+    metrics_port = int(ext.proc.args[ext.proc.args.index("--metrics-port") + 1])
+    webhook_port = int(webhook.url.rsplit(":", 1)[1])
+    ns = webhook.namespace(f"slow-{n}-{int(trickle)}")
+    pod = {"metadata": {"name": "p", "namespace": ns, "uid": "u"}, "spec": {"schedulerName": SCHEDULER_NAME,
+           "containers": [c("a", {"gpupack.io/gpu": "1", "gpupack.io/gpu-mem": "1024"})]}}  # fmt: skip
+
+    def calls(tag: str) -> tuple[float, float, float]:
+        """The slowest of three of each: an admission, a verb, a scrape."""
+        times = [(_timed(lambda i=i: webhook.create(ns, f"gpu-{tag}-{i}", [c("a", {"gpupack.io/gpu-mem": "1024"})])),
+                  _timed(lambda: requests.post(ext.url + "/filter", json={"Pod": pod, "NodeNames": [f"wh-{webhook.sfx}"]},
+                                               timeout=10).raise_for_status()),
+                  _timed(lambda: requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).raise_for_status()))
+                 for i in range(3)]  # fmt: skip
+        return tuple(max(t[k] for t in times) for k in range(3))  # type: ignore[return-value]
+
+    base = calls("base")  # this machine's own pace, measured in the same run
+    # the verbs listen on loopback (only the containers of the scheduler pod reach them) and are
+    # served by gunicorn's gthread worker, which gives a new connection a thread for up to 5 s
+    # and a trickling one for as long as it trickles: 8 of them, not more (see the operator guide)
+    crowd.append(Crowd([webhook_port, metrics_port] + ([ext.port] if n <= 8 else []), n, trickle))
+    ports = {webhook_port, metrics_port, ext.port}
+    until(lambda: _accept_queues(ports) == 0, 30, "the servers to accept the crowd")
+    loaded = calls("crowd")
+    delays = [round(b - a, 3) for a, b in zip(base, loaded, strict=True)]
+    print(f"n={n} trickle={trickle} base={base} crowd={loaded} delays={delays}")
+    assert max(delays) < DELAY_S, (base, loaded)
