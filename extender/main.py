@@ -24,6 +24,7 @@ from gpupack.contract import SCHEDULER_NAME
 from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
 from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy
 
+from . import autoscale
 from .app import DEFAULT_MAX_BODY
 
 log = logging.getLogger("gpupack.extender")
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
     )
+    autoscale.add_flags(p)
     logs.add_log_flags(p)
     p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
     return p
@@ -229,6 +231,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet).start()
         Janitor(ext, args.sweep_interval_s).start()
+        autoscale.start_from_args(args, api, None if fence is None else fence.problem)
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,
                  args.workload_file or "learnt from the pods seen")  # fmt: skip

@@ -133,11 +133,13 @@ def pods_on(state: ClusterState) -> dict[str, list[PodRequest]]:
     return out
 
 
-def moves_off(state: ClusterState, node: str, pods: Sequence[PodRequest]) -> dict[str, str] | str:
+def moves_off(
+    state: ClusterState, node: str, pods: Sequence[PodRequest], targets: Iterable[str] | None = None
+) -> dict[str, str] | str:
     """Where each of `pods` (those on `node`) would go if `node` went away, first-fit decreasing
-    on the other nodes: pod key -> node; or, when one has no place, why. `state` is left as it was
-    (the trial placements are released again)."""
-    others = [n for n in state.nodes if n != node]
+    on `targets` (default: every other node): pod key -> node; or, when one has no place, why.
+    `state` is left as it was (the trial placements are released again)."""
+    others = [n for n in (state.nodes if targets is None else targets) if n != node]
     trial: list[str] = []
     out: dict[str, str] = {}
     try:
@@ -156,13 +158,16 @@ def moves_off(state: ClusterState, node: str, pods: Sequence[PodRequest]) -> dic
 
 def pinned_nodes(state: ClusterState) -> dict[str, str]:
     """Nodes the autoscaler must not remove, with the reason: those holding a pod that would find
-    no place on the other nodes. Each node is judged alone (the autoscaler drains one at a time);
-    a node without pods is never pinned. `state` is left as it was."""
+    no place on the other nodes that hold pods. Empty nodes are no place: they are the first the
+    autoscaler removes, in the same pass perhaps. Each node is judged alone (the autoscaler drains
+    one at a time); a node without pods is never pinned. `state` is left as it was."""
     out: dict[str, str] = {}
-    for node, pods in sorted(pods_on(state).items()):
+    held = pods_on(state)
+    busy = [n for n in state.nodes if n in held]
+    for node, pods in sorted(held.items()):
         if node not in state.nodes:
             continue
-        r = moves_off(state, node, pods)
+        r = moves_off(state, node, pods, busy)
         if isinstance(r, str):
             out[node] = r
     return out
