@@ -36,12 +36,16 @@ class NodeGroup:
     mem_mib: int
     max_new: int | None = None
     sm_count: int = 0
+    cpu_milli: int = 0  # host CPU and RAM of a node; 0 = not counted (the controller's case)
+    ram_mib: int = 0
 
     def template(self, name: str) -> Node:
         """An empty node of this group, as its device plugin would publish it."""
         return Node(
             name,
             [GPU(f"{name}-gpu-{i}", i, self.model, self.mem_mib, self.sm_count) for i in range(self.gpus)],
+            self.cpu_milli,
+            self.ram_mib,
         )
 
 
