@@ -101,6 +101,7 @@ class AutoscaleController:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self._owner: dict[str, str] | None = None
+        self._unplaceable: set[str] = set()  # logged when it changes, not every pass
 
     # --- the loop -------------------------------------------------------------------------------
     def start(self) -> AutoscaleController:
@@ -161,7 +162,9 @@ class AutoscaleController:
         self._reconcile(plan.nodes, holders, slots, out)
         out.pinned = pinned_nodes(state)
         self._mark(nodes, state.nodes.keys(), out.pinned)
-        if out.created or out.deleted or plan.unplaceable:
+        news = set(plan.unplaceable) != self._unplaceable
+        self._unplaceable = set(plan.unplaceable)
+        if out.created or out.deleted or news:
             log.info("autoscale: %d pod(s) waiting, upcoming %s, placeholders wanted %s (+%d -%d), %d fit no group: %s",
                      len(pending), upcoming, plan.nodes, out.created, out.deleted, len(plan.unplaceable),
                      "; ".join(f"{k}: {v}" for k, v in list(plan.unplaceable.items())[:3]))  # fmt: skip
@@ -169,9 +172,20 @@ class AutoscaleController:
 
     def _requests(self, pods: list[dict[str, Any]]) -> list[PodRequest]:
         out = []
+        labels: dict[str, dict[str, str]] = {}  # a namespace's label sets its pods' default class
         for p in pods:
+            ns = str((p.get("metadata") or {}).get("namespace") or "default")
+            if ns not in labels:
+                try:
+                    meta = self.kube.json(self.kube.core.read_namespace, ns).get("metadata") or {}
+                    labels[ns] = dict(meta.get("labels") or {})
+                except ApiException as e:
+                    log.debug(
+                        "autoscale: namespace %s unreadable (%s); its pods count as online", ns, api_reason(e)
+                    )
+                    labels[ns] = {}
             try:
-                r = parse_pod(p)
+                r = parse_pod(p, labels[ns])
             except (RequestError, ContractError) as e:
                 log.debug("autoscale: skipping a pod: %s", e)
                 continue
