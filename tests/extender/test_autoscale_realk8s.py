@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import realk8s
+import yaml
 from ca_harness import (
     GROUP_LABEL,
     Autoscaler,
@@ -42,14 +43,28 @@ def stack(
     """start(groups) -> the running stack; everything it started is stopped after the test."""
     st = SimpleNamespace(procs=[], ca=None, ext=None)
 
-    def start(groups: list[Group], with_ca: bool = True) -> SimpleNamespace:
+    def start(groups: list[Group], with_ca: bool = True, rbac: bool = False) -> SimpleNamespace:
         sysns = f"gpupack-{sfx}"
-        cluster.ensure_namespace(sysns)
+        cluster.ensure_namespace(sysns, {"gpupack.io/webhook": "skip"})
         st.sysns = sysns
         st.templates = write_configmaps(cluster.core, sysns, groups)
+        ext_kc = kubeconfig
+        if rbac:  # the extender as the shipped ServiceAccount, with deploy/autoscale's RBAC too
+            text = "\n---\n".join((realk8s.REPO / "deploy" / f).read_text()
+                                   for f in ("scheduler/rbac.yaml", "autoscale/rbac.yaml", "scheduler/serviceaccount.yaml"))  # fmt: skip
+            objs = [o for o in yaml.safe_load_all(text.replace("gpupack-system", sysns)) if o]
+            cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(objs))
+            text = cluster.core.read_namespaced_config_map("kwok-provider-templates", sysns).data["templates"]
+            cluster.core.create_namespaced_config_map(
+                sysns, {"metadata": {"name": "gpupack-node-templates"}, "data": {"templates": text}}
+            )
+            st.templates = f"{sysns}/gpupack-node-templates"
+            ext_kc = cluster.service_account_kubeconfig(
+                tmp_path / "sa.kubeconfig", sysns, "gpupack-scheduler"
+            )
         st.flags = ("--log-level", "info", "--autoscale-templates", st.templates, "--autoscale-namespace", sysns,
                     "--autoscale-group-label", GROUP_LABEL, "--autoscale-interval-s", "1")  # fmt: skip
-        st.ext = ExtenderProcess(kubeconfig, tmp_path / "extender-0.log", *st.flags)
+        st.ext = ExtenderProcess(ext_kc, tmp_path / "extender-0.log", *st.flags)
         st.ext.wait_ready()
         st.sched = cluster.start_scheduler(
             realk8s.gpupack_scheduler_config(st.ext.url), name="kube-scheduler"
@@ -224,3 +239,19 @@ def test_restarts_mid_way_add_no_duplicate_nodes(stack, cluster):
     until(lambda: all_bound(st, 12), 120, what="all 12 pods bound")
     assert len(kwok_nodes(cluster.core)) == 2, diag(st)
     assert len(placeholders(st)) <= 2
+
+
+def test_the_controller_works_with_exactly_the_shipped_rbac(stack, cluster):
+    existing_node(cluster, "h100-old-0", H100)
+    st = stack([H100], rbac=True)
+    fill(st, [], H100.mem_mib, 8, "full-")
+    for i in range(4):
+        create_pod(cluster.core, share_pod(f"more-{i}", 40000), st.ns)
+    until(lambda: all_bound(st, 12), 120, what="all 12 pods bound")
+    added = [n for n in kwok_nodes(cluster.core) if n["metadata"]["name"] != "h100-old-0"]
+    assert len(added) == 1, diag(st)
+    ann = json.loads(cluster.core.read_node("h100-old-0", _preload_content=False).data)["metadata"][
+        "annotations"
+    ]
+    assert ann.get(ANN_SCALE_DOWN_DISABLED) == "true", diag(st)  # its pods fit no other node
+    assert "403" not in st.ext.tail() and "Forbidden" not in st.ext.tail(), diag(st)
