@@ -24,6 +24,7 @@ from gpupack.contract import SCHEDULER_NAME
 from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
 from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy, policy_spec
 
+from . import autoscale
 from .app import DEFAULT_MAX_BODY
 
 log = logging.getLogger("gpupack.extender")
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
     )
+    autoscale.add_flags(p)
     logs.add_log_flags(p)
     p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
     return p
@@ -240,6 +242,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
                       args.preemption_interval_s).start()  # fmt: skip
+        autoscale.start_from_args(args, api, None if fence is None else fence.problem)
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,
                  args.workload_file or "learnt from the pods seen")  # fmt: skip

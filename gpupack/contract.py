@@ -38,6 +38,9 @@ ANN_GPU_MODELS = f"{DOMAIN}/gpu-models"
 LABEL_GPU_NODE = f"{DOMAIN}/gpu-node"
 LABEL_GPU_MODEL = f"{DOMAIN}/gpu-model"
 LABEL_GPU_COUNT = f"{DOMAIN}/gpu-count"
+# Node-template label (an autoscaler node group's nodes): MiB of each GPU, which a template node,
+# having no device plugin, cannot publish in an inventory.
+LABEL_GPU_MEM_MIB = f"{DOMAIN}/gpu-mem-mib"
 # Node annotation: JSON NodeInventory written by the device plugin, read by the extender.
 ANN_INVENTORY = f"{DOMAIN}/inventory"
 # Node annotation: JSON list of Reservation written by defrag, honoured by the extender.

@@ -395,6 +395,12 @@ def _print_result(result: RunResult) -> None:
             + (f" ({r.detail})" if r.detail else "")
             + (f" -> {r.replacement}" if r.replacement else "")
         )
+    if result.used_gpus_after >= 0:
+        print(
+            f"GPUs in use {result.used_gpus_before} -> {result.used_gpus_after} "
+            f"({result.used_gpus_before - result.used_gpus_after} fewer), nodes in use "
+            f"{result.used_nodes_before} -> {result.used_nodes_after}"
+        )
     print(
         f"evicted {result.evictions}; freed {len(result.gpus_freed)} GPU(s), "
         f"{len(result.nodes_freed)} node(s)"

@@ -37,7 +37,7 @@ from gpupack.contract import (
     Reservation,
     decode_assignment,
 )
-from gpupack.core.defrag import Move, Plan
+from gpupack.core.defrag import Move, Plan, used_gpus
 from gpupack.core.model import PlacementError
 from gpupack.events import EventRecorder
 from gpupack.kubeclient import ApiException, KubeClient
@@ -91,6 +91,12 @@ class RunResult:
     taint_kept: list[str] = field(default_factory=list)  # ... of which still tainted after it
     budget_waits_s: float = 0.0  # time spent waiting for disruption budgets
     evictions: int = 0
+    # What the cluster gained, counted on the cluster before and after (a pod moved onto a GPU that
+    # was idle frees one and fills one): GPUs and nodes holding any pod; -1 when not read.
+    used_gpus_before: int = -1
+    used_gpus_after: int = -1
+    used_nodes_before: int = -1
+    used_nodes_after: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,6 +108,10 @@ class RunResult:
             "tainted": list(self.tainted),
             "taint_kept": list(self.taint_kept),
             "budget_waits_s": round(self.budget_waits_s, 3),
+            "used_gpus_before": self.used_gpus_before,
+            "used_gpus_after": self.used_gpus_after,
+            "used_nodes_before": self.used_nodes_before,
+            "used_nodes_after": self.used_nodes_after,
             "moves": [m.to_dict() for m in self.moves],
         }
 
@@ -273,8 +283,17 @@ class Executor:
             self._release(node, set(ids))
 
     # --- the loop ------------------------------------------------------------------------------
+    def _usage(self) -> tuple[int, int]:
+        """GPUs and nodes holding a pod now, as a fresh read of the cluster shows them."""
+        state = self.rebuild().state
+        return used_gpus(state), sum(1 for n in state.nodes.values() if any(not g.empty for g in n.gpus))
+
     def run(self, plan: Plan) -> RunResult:
         res = RunResult()
+        try:
+            res.used_gpus_before, res.used_nodes_before = self._usage()
+        except ApiException as e:
+            log.warning("could not read the cluster to count the GPUs in use: %s", e)
         self.evictor.budget_waited = 0.0
         broken: set[int] = set()
         done_per_group: dict[int, int] = {}
@@ -323,6 +342,11 @@ class Executor:
                 if any(grp in whole for *_, grp in self.evicted):
                     self._settle(res, whole)
                 self._tally(plan, res, done_per_group)
+                if res.used_gpus_before >= 0:
+                    try:
+                        res.used_gpus_after, res.used_nodes_after = self._usage()
+                    except ApiException as e:
+                        log.warning("could not read the cluster to count the GPUs in use: %s", e)
             finally:
                 self._untaint_all(res)
         return res

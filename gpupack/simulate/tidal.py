@@ -12,12 +12,15 @@ first night's state is not an artefact of the start):
   then those on the node with the most replicas of the service, newest first.
 - **Placement** of new replicas through :func:`gpupack.core.policies.schedule` with gpupack's
   default policy, as the extender places them, on the nodes that are up.
-- **A cluster autoscaler**: pods that find no place make it add nodes from the pool (the first
-  node type where the pod fits an empty node, packing the waiting pods on the nodes it adds);
-  an added node takes `boot_min` minutes before it takes pods. A node with no GPU pod for
+- **A cluster autoscaler** driven by gpupack's autoscale controller: pods that find no place make
+  it add the nodes `gpupack.core.autoscale.plan_scale_up` asks for (the first node type where the
+  pod fits an empty node, packing the waiting pods on the nodes that are up, then booting, then
+  added), as the real cluster-autoscaler does with gpupack's placeholder pods (calibrated against
+  it: tests/extender/test_autoscale_realk8s.py; nodes still booting count, so none is added twice
+  for the same pods); an added node takes `boot_min` minutes before it takes pods. A node with no GPU pod for
   `unneeded_min` minutes (CA's scale-down-unneeded-time) is removed. It never drains a node that
-  holds gpupack pods (they carry `cluster-autoscaler.kubernetes.io/safe-to-evict: "false"` in
-  the recommended set-up: CA cannot see GPU memory, so it cannot know where they would fit).
+  holds gpupack pods (CA finds no place for a pod asking `gpupack.io/gpu-mem`, and gpupack marks
+  `scale-down-disabled` on nodes whose pods have no other place).
 - **Night consolidation** (`gpupack defrag --objective nodes`), hourly inside the window: the
   planner empties whole nodes within its eviction budget and the plan's verified target state
   replaces the cluster; CA removes the emptied nodes after its unneeded time. Modes: `none` (no
@@ -46,8 +49,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from gpupack.core.autoscale import NodeGroup, plan_scale_up
 from gpupack.core.defrag import Limits, plan_nodes, verify_plan
-from gpupack.core.fit import Fit
 from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import DEFAULT_POLICY, get_policy, schedule
 
@@ -167,42 +170,30 @@ class _Sim:
         ]
 
     def autoscale_up(self, step: int) -> None:
-        """CA scale-up: add nodes for the pods that found no place (binpacking them on new nodes)."""
+        """CA scale-up as gpupack's autoscale controller drives it (extender/autoscale.py): the nodes
+        `gpupack.core.autoscale.plan_scale_up` asks for the waiting pods, counting the nodes still
+        booting as upcoming, as the real autoscaler counts them (tests/extender/
+        test_autoscale_realk8s.py: no node is added twice for the same pods)."""
         if not self.pending:
             return
-        opened: list[Node] = []
-        for key in self.pending:
-            pod = self.requests[key]
-            placed = False
-            for node in opened:
-                f = self.policy.fit(node, pod)
-                if isinstance(f, Fit):
-                    self._charge(node, pod, f)
-                    placed = True
-                    break
-            if placed:
-                continue
-            taken = {o.name for o in opened}
-            for t in self.day.node_types:
-                free = [n for n in self._free_names(t) if n not in taken]
-                if not free:
-                    continue
-                node = self._new_node(free[0])
-                f = self.policy.fit(node, pod)
-                if not isinstance(f, Fit):
-                    continue
-                self._charge(node, pod, f)
-                opened.append(node)
-                break
+        groups = [
+            NodeGroup(
+                t.name,
+                t.model,
+                t.gpus,
+                t.mem_mib,
+                max_new=len(self._free_names(t)),
+                cpu_milli=t.cpu_milli,
+                ram_mib=t.ram_mib,
+            )  # fmt: skip
+            for t in self.day.node_types
+        ]
+        upcoming = Counter(self.pool[n].name for n in self.booting)
+        plan = plan_scale_up(self.state, [self.requests[k] for k in self.pending], groups, upcoming)
         boot = max(1, round(self.s.boot_min / self.s.step_min))
-        for node in opened:
-            self.booting[node.name] = step + boot
-
-    def _charge(self, node: Node, pod: PodRequest, f: Fit) -> None:
-        self.serial += 1
-        ClusterState({node.name: node}).place(
-            replace(pod, key=f"ca-estimate/{self.serial}"), f.placement, f.charged
-        )
+        for t in self.day.node_types:
+            for name in self._free_names(t)[: plan.nodes.get(t.name, 0)]:
+                self.booting[name] = step + boot
 
     def autoscale_down(self, step: int) -> None:
         unneeded = max(1, round(self.s.unneeded_min / self.s.step_min))

@@ -233,6 +233,12 @@ def test_objective_nodes_empties_a_node_and_keeps_it_empty_while_the_run_lasts(
         why = {k: applied[k] for k in ("excluded", "movable", "plan")}
         assert result["nodes_freed"] == [n2] and result["tainted"] == [n2] and result["taint_kept"] == [], why
         assert sorted(result["gpus_freed"]) == [f"{n2}/GPU-{n2}-0", f"{n2}/GPU-{n2}-1"]
+        # what the cluster gained, counted before and after: w1 and w2 joined busy GPUs of n1
+        counts = [
+            result[k]
+            for k in ("used_gpus_before", "used_gpus_after", "used_nodes_before", "used_nodes_after")
+        ]
+        assert counts == [5, 3, 3, 2], counts
         # Marked the cluster autoscaler's way while emptied: its status-taint prefix, NoSchedule.
         assert [(TAINT_VALUE, "NoSchedule")] in seen["taint"], (seen["taint"][-3:], errors[:3])
         assert seen["late_node_while_tainted"] and set(seen["late_node_while_tainted"]) == {None}, (

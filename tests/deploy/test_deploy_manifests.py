@@ -356,5 +356,25 @@ def test_every_component_folder_is_in_the_base():
     k = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     included = {str(r).split("/")[0] for r in k["resources"]}
     for sub in DEPLOY.iterdir():
-        if sub.is_dir() and sub.name != "examples" and any(sub.glob("*.yaml")):
+        opt_in = (sub / "kustomization.yaml").is_file() and "kind: Component" in (
+            sub / "kustomization.yaml"
+        ).read_text()
+        if sub.is_dir() and sub.name != "examples" and not opt_in and any(sub.glob("*.yaml")):
             assert sub.name in included, f"deploy/{sub.name}/ is not in deploy/kustomization.yaml"
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kustomize Components need the real kubectl kustomize")
+def test_the_autoscale_component_renders_validates_and_starts_the_controller(tmp_path):
+    """deploy/autoscale/ (opt-in, a kustomize Component) switched on as the operator guide says."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    k = yaml.safe_load((copy / "kustomization.yaml").read_text())
+    k["components"] = ["autoscale"]
+    (copy / "kustomization.yaml").write_text(yaml.safe_dump(k))
+    n, errs = V.validate_dir(copy, "kubectl", VERSIONS, KUBECTL)
+    assert errs == [] and n >= 7
+    objs = kustomize.render(copy, "kubectl", KUBECTL)
+    dep = find(objs, "Deployment", "gpupack-scheduler")
+    (ext,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "extender"]
+    assert "--autoscale-templates=gpupack-system/gpupack-node-templates" in ext["args"]
+    assert find(objs, "Role", "gpupack-autoscale")["metadata"]["namespace"] == "gpupack-system"

@@ -1,0 +1,257 @@
+"""Issue 28 against the real parts: control plane, kube-scheduler with gpupack's profile, the
+`gpupack extender` process with its autoscale controller, and the unmodified cluster-autoscaler
+1.29.5 (kwok provider). The kubelets are emulated (ca_harness.NewNodeKubelet for the nodes the
+autoscaler adds, the `kubelet` fixture for pods)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import pytest
+import realk8s
+import yaml
+from ca_harness import (
+    GROUP_LABEL,
+    Autoscaler,
+    Group,
+    NewNodeKubelet,
+    existing_node,
+    kwok_nodes,
+    share_pod,
+    write_configmaps,
+)
+from ext_helpers import annotations, create_pod, list_pods
+from kubernetes import client
+from processes import ExtenderProcess
+
+from extender.autoscale_groups import ANN_PINNED, ANN_SCALE_DOWN_DISABLED, LABEL_PLACEHOLDER
+from gpupack.contract import ANN_ASSIGNMENT, decode_assignment
+
+pytestmark = pytest.mark.k8s
+until = realk8s.until
+H100 = Group("h100", "NVIDIA-H100-80GB-HBM3", 8, 81559)
+A100 = Group("a100", "NVIDIA-A100-SXM4-40GB", 4, 40960)
+
+
+@pytest.fixture
+def stack(
+    cluster: realk8s.ControlPlane, ns: str, sfx: str, kubeconfig, tmp_path, kubelet
+) -> Iterator[Callable]:
+    """start(groups) -> the running stack; everything it started is stopped after the test."""
+    st = SimpleNamespace(procs=[], ca=None, ext=None)
+
+    def start(groups: list[Group], with_ca: bool = True, rbac: bool = False) -> SimpleNamespace:
+        sysns = f"gpupack-{sfx}"
+        cluster.ensure_namespace(sysns, {"gpupack.io/webhook": "skip"})
+        st.sysns = sysns
+        st.templates = write_configmaps(cluster.core, sysns, groups)
+        ext_kc = kubeconfig
+        if rbac:  # the extender as the shipped ServiceAccount, with deploy/autoscale's RBAC too
+            text = "\n---\n".join((realk8s.REPO / "deploy" / f).read_text()
+                                   for f in ("scheduler/rbac.yaml", "autoscale/rbac.yaml", "scheduler/serviceaccount.yaml"))  # fmt: skip
+            objs = [o for o in yaml.safe_load_all(text.replace("gpupack-system", sysns)) if o]
+            cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(objs))
+            text = cluster.core.read_namespaced_config_map("kwok-provider-templates", sysns).data["templates"]
+            cluster.core.create_namespaced_config_map(
+                sysns, {"metadata": {"name": "gpupack-node-templates"}, "data": {"templates": text}}
+            )
+            st.templates = f"{sysns}/gpupack-node-templates"
+            ext_kc = cluster.service_account_kubeconfig(
+                tmp_path / "sa.kubeconfig", sysns, "gpupack-scheduler"
+            )
+        st.flags = ("--log-level", "info", "--autoscale-templates", st.templates, "--autoscale-namespace", sysns,
+                    "--autoscale-group-label", GROUP_LABEL, "--autoscale-interval-s", "1")  # fmt: skip
+        st.ext = ExtenderProcess(ext_kc, tmp_path / "extender-0.log", *st.flags)
+        st.ext.wait_ready()
+        st.sched = cluster.start_scheduler(
+            realk8s.gpupack_scheduler_config(st.ext.url), name="kube-scheduler"
+        )
+        st.procs.append(st.sched)
+        st.kubelet = NewNodeKubelet(cluster, groups).__enter__()
+        st.kubeconfig, st.tmp, st.cluster, st.ns = kubeconfig, tmp_path, cluster, ns
+        if with_ca:
+            st.ca = Autoscaler(cluster, sysns, tmp_path / "ca.log", kubeconfig)
+        return st
+
+    yield start
+    if st.ca is not None:
+        st.ca.stop()
+    if st.ext is not None:
+        st.ext.stop()
+    for p in st.procs:
+        p.stop()
+    if getattr(st, "kubelet", None) is not None:
+        st.kubelet.__exit__()
+        assert not [e for e in st.kubelet.errors if "Conflict" not in e and "404" not in e], st.kubelet.errors
+
+
+def diag(st: SimpleNamespace) -> str:
+    ca = st.ca.text()[-4000:] if st.ca else ""
+    return f"\n--- extender ---\n{st.ext.tail()}\n--- autoscaler ---\n{ca}"
+
+
+def placeholders(st: SimpleNamespace) -> list[dict]:
+    return [
+        p
+        for p in list_pods(st.cluster.core, st.sysns)
+        if LABEL_PLACEHOLDER in p["metadata"].get("labels", {})
+    ]
+
+
+def all_bound(st: SimpleNamespace, n: int) -> list[dict] | None:
+    pods = list_pods(st.cluster.core, st.ns)
+    return pods if len(pods) == n and all(p["spec"].get("nodeName") for p in pods) else None
+
+
+def fill(st: SimpleNamespace, names: list[str], per_gpu_mib: int, count: int, prefix: str) -> None:
+    for i in range(count):
+        create_pod(st.cluster.core, share_pod(f"{prefix}{i}", per_gpu_mib), st.ns)
+    until(lambda: len([p for p in list_pods(st.cluster.core, st.ns) if p["spec"].get("nodeName")]) >= count, 90,
+          what=f"{count} pods bound")  # fmt: skip
+
+
+def over_committed(core: client.CoreV1Api, ns: str, capacity: dict[str, int]) -> list[str]:
+    used: dict[str, int] = {}
+    for p in list_pods(core, ns):
+        raw = annotations(p).get(ANN_ASSIGNMENT)
+        if raw and p["spec"].get("nodeName"):
+            for shares in decode_assignment(raw).containers.values():
+                for s in shares:
+                    used[s.uuid] = used.get(s.uuid, 0) + s.mem_mib
+    return [u for u, mib in used.items() if mib > capacity[u.split("-")[1]]]
+
+
+def test_forty_share_pods_on_three_full_nodes_get_the_packed_count_of_nodes(stack, cluster):
+    for i in range(3):
+        existing_node(cluster, f"h100-old-{i}", H100)
+    st = stack([H100])
+    fill(st, [], H100.mem_mib, 24, "full-")  # one whole-memory share on each of the 24 GPUs
+    for i in range(40):  # a quarter of a GPU each: 40 need 10 GPUs, 2 nodes at best
+        create_pod(cluster.core, share_pod(f"burst-{i}", 20000, 25), st.ns)
+    pods = until(lambda: all_bound(st, 64), 180, what="all 64 pods bound") or []
+    added = kwok_nodes(cluster.core)
+    added = [n for n in added if not n["metadata"]["name"].startswith("h100-old")]
+    lower = math.ceil(40 / (4 * 8))
+    assert lower <= len(added) <= lower + 1, f"{len(added)} nodes added{diag(st)}"
+    assert {p["spec"]["nodeName"] for p in pods if p["metadata"]["name"].startswith("burst-")} <= {
+        n["metadata"]["name"] for n in added
+    }
+    assert over_committed(cluster.core, st.ns, {"h100": H100.mem_mib}) == []
+    until(lambda: not placeholders(st), 30, what="placeholders gone once the nodes took the pods")
+
+
+def test_model_restricted_pods_get_a_node_of_their_models_group(stack, cluster):
+    st = stack([H100, A100])
+    for i in range(3):
+        create_pod(cluster.core, share_pod(f"a-{i}", 30000, models=A100.model), st.ns)
+    for i in range(2):
+        create_pod(cluster.core, share_pod(f"h-{i}", 70000, models=H100.model), st.ns)
+    pods = until(lambda: all_bound(st, 5), 120, what="all 5 pods bound") or []
+    groups = {n["metadata"]["name"]: n["metadata"]["labels"][GROUP_LABEL] for n in kwok_nodes(cluster.core)}
+    for p in pods:
+        want = "a100" if p["metadata"]["name"].startswith("a-") else "h100"
+        assert groups[p["spec"]["nodeName"]] == want, diag(st)
+    assert sorted(groups.values()) == ["a100", "h100"], f"{groups}{diag(st)}"  # one node each suffices
+
+
+def test_a_pod_that_fits_after_a_deletion_adds_no_node(stack, cluster):
+    existing_node(cluster, "h100-old-0", H100)
+    st = stack([H100])
+    fill(st, [], H100.mem_mib, 8, "full-")
+    cluster.core.delete_namespaced_pod("full-3", st.ns, grace_period_seconds=0)
+    create_pod(cluster.core, share_pod("late", H100.mem_mib), st.ns)
+    until(lambda: all_bound(st, 8), 60, what="the late pod bound")
+    scans = st.ca.text().count("Starting scale down") + 3
+    until(lambda: st.ca.text().count("Starting scale down") >= scans, 60, what="three more autoscaler loops")
+    assert [n["metadata"]["name"] for n in kwok_nodes(cluster.core)] == ["h100-old-0"], diag(st)
+    assert st.ca.scale_ups() == [] and not placeholders(st)
+
+
+def test_scale_down_removes_the_emptied_nodes_and_never_a_node_whose_pod_has_no_other_place(stack, cluster):
+    for name in ("keep-whole", "keep-full", "empty-0", "empty-1"):
+        existing_node(cluster, name, H100)
+    st = stack([H100], with_ca=False)
+    # a whole GPU, owned by a ReplicaSet (so the autoscaler would drain its node), on keep-whole
+    apps = client.AppsV1Api(cluster.api_client())
+    tmpl = share_pod("x", 0)
+    c = tmpl["spec"]["containers"][0]
+    c["resources"] = {"limits": {"gpupack.io/gpu": "1"}, "requests": {"gpupack.io/gpu": "1"}}
+    tmpl["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "keep-whole"}
+    rs = {"metadata": {"name": "whole"}, "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "whole"}},
+          "template": {"metadata": {"labels": {"app": "whole", "gpupack.io/class": "online"}}, "spec": tmpl["spec"]}}}  # fmt: skip
+    apps.create_namespaced_replica_set(st.ns, rs)
+    # keep-full: a big share on every GPU, so no whole GPU is free there
+    for i in range(8):
+        body = share_pod(f"big-{i}", 50000)
+        body["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "keep-full"}
+        create_pod(cluster.core, body, st.ns)
+    # the nodes night consolidation empties held pods until now
+    for i in range(2):
+        body = share_pod(f"night-{i}", 20000)
+        body["spec"]["nodeSelector"] = {"kubernetes.io/hostname": f"empty-{i}"}
+        create_pod(cluster.core, body, st.ns)
+    until(lambda: all_bound(st, 11), 60, what="11 pods bound")
+    for i in range(2):
+        cluster.core.delete_namespaced_pod(f"night-{i}", st.ns, grace_period_seconds=0)
+
+    def pinned() -> bool:
+        ann = json.loads(cluster.core.read_node("keep-whole", _preload_content=False).data)["metadata"][
+            "annotations"
+        ]
+        return ann.get(ANN_SCALE_DOWN_DISABLED) == "true" and ANN_PINNED in ann
+
+    until(pinned, 30, what="keep-whole marked")
+    st.ca = Autoscaler(cluster, st.sysns, st.tmp / "ca.log", st.kubeconfig)
+    until(lambda: sorted(n["metadata"]["name"] for n in kwok_nodes(cluster.core)) == ["keep-full", "keep-whole"],
+          90, what="the two emptied nodes removed")  # fmt: skip
+    scans = st.ca.text().count("Starting scale down") + 4
+    until(lambda: st.ca.text().count("Starting scale down") >= scans, 60, what="four more autoscaler loops")
+    assert sorted(n["metadata"]["name"] for n in kwok_nodes(cluster.core)) == ["keep-full", "keep-whole"], (
+        diag(st)
+    )
+    assert "keep-whole" in st.ca.text() and "no scale down" in st.ca.text(), diag(st)
+    # the mark goes once the pod could move: a node with a free whole GPU and a pod joins
+    existing_node(cluster, "spare", H100)
+    body = share_pod("spare-pod", 1000)
+    body["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "spare"}
+    create_pod(cluster.core, body, st.ns)
+    until(lambda: not pinned(), 60, what="keep-whole unmarked")
+
+
+def test_restarts_mid_way_add_no_duplicate_nodes(stack, cluster):
+    st = stack([H100], with_ca=False)
+    for i in range(12):  # 12 whole-memory shares: 12 GPUs, 2 nodes
+        create_pod(cluster.core, share_pod(f"p-{i}", H100.mem_mib), st.ns)
+    until(lambda: len(placeholders(st)) == 2, 60, what="two placeholders")
+    st.ext.stop()  # the extender restarts: it finds its placeholders and adds none
+    st.ext = ExtenderProcess(st.kubeconfig, st.tmp / "extender-1.log", *st.flags, port=st.ext.port)
+    st.ext.wait_ready()
+    st.ca = Autoscaler(cluster, st.sysns, st.tmp / "ca.log", st.kubeconfig)
+    until(lambda: st.ca.scale_ups(), 60, what="a scale-up")
+    st.ca.stop()  # ... and the autoscaler, right after it acted
+    st.ext.stop()
+    st.ext = ExtenderProcess(st.kubeconfig, st.tmp / "extender-2.log", *st.flags, port=st.ext.port)
+    st.ext.wait_ready()
+    st.ca = Autoscaler(cluster, st.sysns, st.tmp / "ca-2.log", st.kubeconfig)
+    until(lambda: all_bound(st, 12), 120, what="all 12 pods bound")
+    assert len(kwok_nodes(cluster.core)) == 2, diag(st)
+    assert len(placeholders(st)) <= 2
+
+
+def test_the_controller_works_with_exactly_the_shipped_rbac(stack, cluster):
+    existing_node(cluster, "h100-old-0", H100)
+    st = stack([H100], rbac=True)
+    fill(st, [], H100.mem_mib, 8, "full-")
+    for i in range(4):
+        create_pod(cluster.core, share_pod(f"more-{i}", 40000), st.ns)
+    until(lambda: all_bound(st, 12), 120, what="all 12 pods bound")
+    added = [n for n in kwok_nodes(cluster.core) if n["metadata"]["name"] != "h100-old-0"]
+    assert len(added) == 1, diag(st)
+    ann = json.loads(cluster.core.read_node("h100-old-0", _preload_content=False).data)["metadata"][
+        "annotations"
+    ]
+    assert ann.get(ANN_SCALE_DOWN_DISABLED) == "true", diag(st)  # its pods fit no other node
+    assert "403" not in st.ext.tail() and "Forbidden" not in st.ext.tail(), diag(st)
