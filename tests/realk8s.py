@@ -54,18 +54,23 @@ SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-no
 # --- finding and unpacking the binaries ------------------------------------------------------------
 def assets_dir() -> Path | None:
     """The folder holding ``bin/*.xz`` and ``SHA256SUMS``, or None when it cannot be found."""
-    candidates = []
     if os.environ.get("GPUPACK_K8S_ASSETS"):
         # asked for by name (.ci/run: one version per run): that folder or none, never another version
         explicit = Path(os.environ["GPUPACK_K8S_ASSETS"])
         return explicit if (explicit / "SHA256SUMS").is_file() and (explicit / "bin").is_dir() else None
-    if os.environ.get("GPUPACK_SHARED"):
-        candidates.append(Path(os.environ["GPUPACK_SHARED"]) / "k8s")
-    candidates.append(REPO.parent / "shared" / "k8s")
-    for c in candidates:
+    for c in default_assets_dirs():
         if (c / "SHA256SUMS").is_file() and (c / "bin").is_dir():
             return c
     return None
+
+
+def default_assets_dirs() -> list[Path]:
+    """Where the binaries are looked for when GPUPACK_K8S_ASSETS names no folder, in order."""
+    candidates = []
+    if os.environ.get("GPUPACK_SHARED"):
+        candidates.append(Path(os.environ["GPUPACK_SHARED"]) / "k8s")
+    candidates.append(REPO.parent / "shared" / "k8s")
+    return candidates
 
 
 def _checksums(assets: Path) -> dict[str, str]:

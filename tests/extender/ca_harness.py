@@ -118,6 +118,22 @@ def write_configmaps(core: client.CoreV1Api, namespace: str, groups: list[Group]
     return f"{namespace}/kwok-provider-templates"
 
 
+def autoscaler_binary(assets: Path) -> Path:
+    """The cluster-autoscaler binary for a control plane of `assets`. Only ../shared/k8s ships one
+    (1.29.5): a run against another version's binaries (.ci/run's v1.36 suite) takes it from
+    $GPUPACK_CA_ASSETS, else from the default binaries folder, and runs it against that version's
+    API server, as a cluster upgraded before its autoscaler would."""
+    if "cluster-autoscaler" in (assets / "SHA256SUMS").read_text():
+        return realk8s.binary("cluster-autoscaler", assets)
+    named = os.environ.get("GPUPACK_CA_ASSETS")
+    for folder in [Path(named)] if named else realk8s.default_assets_dirs():
+        if (folder / "SHA256SUMS").is_file() and "cluster-autoscaler" in (folder / "SHA256SUMS").read_text():
+            return realk8s.binary("cluster-autoscaler", folder)
+    raise FileNotFoundError(
+        f"no cluster-autoscaler in {assets} nor in {named or 'the default binaries folder'} (set GPUPACK_CA_ASSETS)"
+    )
+
+
 class Autoscaler:
     """The cluster-autoscaler process; `log` is its -v=4 output."""
 
@@ -125,7 +141,7 @@ class Autoscaler:
         self.log = log
         env = dict(os.environ, KUBECONFIG=str(kubeconfig), KWOK_PROVIDER_MODE="local", POD_NAMESPACE=namespace,
                    KWOK_PROVIDER_CONFIGMAP="kwok-provider-config")  # fmt: skip
-        args = [str(realk8s.binary("cluster-autoscaler", cp.assets)), f"--kubeconfig={kubeconfig}",
+        args = [str(autoscaler_binary(cp.assets)), f"--kubeconfig={kubeconfig}",
                 "--namespace=kube-system", f"--address=127.0.0.1:{realk8s.free_port()}", *CA_FLAGS]  # fmt: skip
         self.proc = subprocess.Popen(args, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
