@@ -1,9 +1,10 @@
 """`gpupack extender`: the scheduler extender (HTTP) and the admission webhook (HTTPS).
 
-Both are served by gunicorn, embedded (serving.py): the extender in ONE worker process with
-threads, since the reservation state (assumed pods, per-node bind locks) must live in a single
-process. The webhook needs TLS on its own port, so it runs as a second gunicorn in a child process
-with its own small node watch (for the largest GPU in the cluster); it holds no reservation state.
+The verbs are served by gunicorn, embedded (serving.py), in ONE worker process with threads,
+since the reservation state (assumed pods, per-node bind locks) must live in a single process;
+the metrics port, open to the network, by guarded.py in that worker. The webhook needs TLS on its
+own port, so it runs in a child process, served by guarded.py, with its own small node watch (for
+the largest GPU in the cluster); it holds no reservation state.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""How the extender and the webhook are served: gunicorn, embedded, with its stock `gthread`
-worker (a poller thread and a pool of request threads), configured through its documented
+"""How the extender's verbs are served (the webhook and the metrics port: guarded.py): gunicorn,
+embedded, with its stock `gthread` worker (a poller thread and a pool of request threads), configured through its documented
 settings only: nothing here subclasses or calls gunicorn's private classes, so a gunicorn release
 cannot take away what serving relies on.
 
