@@ -7,6 +7,7 @@ clock (CLOCK_MONOTONIC on Linux), so they compare with the caller's time.monoton
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
@@ -53,6 +54,39 @@ def _create(job: tuple[str, list[dict[str, Any]], int]) -> dict[str, float]:
     return out
 
 
+def _patch_status(job: tuple[str, list[str], float, float, int]) -> int:
+    """Patch the status of pods `names` in `ns` round-robin at `rate` a second until `until`
+    (monotonic), as kubelets reporting probes do; the number of patches answered."""
+    ns, names, rate, until, threads = job
+    done = 0
+    lock = threading.Lock()
+    start = time.monotonic()
+
+    def worker(w: int) -> None:
+        nonlocal done
+        i = w
+        while True:
+            due = start + i / rate
+            now = time.monotonic()
+            if due >= until:
+                return
+            if due > now:
+                time.sleep(due - now)
+            name = names[i % len(names)]
+            body = {"status": {"conditions": [{"type": "Ready", "status": "True" if i % 2 else "False"}]}}
+            try:
+                _api.patch_namespaced_pod_status(name, ns, body, _preload_content=False).release_conn()
+                with lock:
+                    done += 1
+            except Exception:  # a pod gone: its update is not counted
+                pass
+            i += threads
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(worker, range(threads)))
+    return done
+
+
 class PodCreator:
     """`procs` worker processes, started (and their clients built) before any timing begins."""
 
@@ -71,6 +105,13 @@ class PodCreator:
         for part in self.pool.map(_create, jobs):
             out.update(part)
         return out
+
+    def patch_status(self, ns: str, names: list[str], rate: float, seconds: float) -> int:
+        """Status updates of `names` at `rate` a second in all, for `seconds`: how many were made."""
+        until = time.monotonic() + seconds
+        parts = [names[i :: self.procs] for i in range(self.procs)]
+        jobs = [(ns, part, rate / self.procs, until, self.threads) for part in parts if part]
+        return sum(self.pool.map(_patch_status, jobs))
 
     def close(self) -> None:
         self.pool.shutdown()
