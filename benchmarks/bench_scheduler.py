@@ -179,7 +179,7 @@ class Observer:
 def scrape(url: str, verify: bool = True) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
-        return requests.get(url, timeout=10, verify=verify).text
+        return requests.get(url, timeout=30, verify=verify).text  # a loaded machine answers slowly
 
 
 def histogram(text: str, name: str, match: str = "") -> dict[float, float]:
