@@ -4,6 +4,7 @@ kube-scheduler is about to bind there; and the Bindings whose outcome is not kno
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,9 @@ class BindLocks:
 
     def __init__(self, view: ClusterView) -> None:
         self.view = view
-        self.pending: dict[str, set[str]] = {}  # node -> keys of its pods whose handoff is pending
+        # node -> keys of its pods whose handoff is pending; only nodes that have one (an empty set is
+        # dropped), so its size is the number of pending handoffs, not of nodes that ever had one
+        self.pending: dict[str, set[str]] = {}
         self.inflight: set[str] = set()  # pods this process is binding now (assumed, Binding not answered)
         # Pods whose Binding got no answer and whose fate could not be found out yet: pod key ->
         # (uid, the Binding's resourceVersion precondition, its assignment). It stays charged, and
@@ -103,12 +106,41 @@ class BindLocks:
                         break
         return out
 
+    def lock_check(
+        self, exclude_uid: str, now: float | None = None, handoffs: bool = True
+    ) -> Callable[[str], str | None]:
+        """What `locked_nodes` would say of one node, asked node by node: the key of the pod that
+        locks it, or None. Its cost per node does not depend on how many handoffs are pending
+        elsewhere, so a filter asks only about the nodes it would answer with. View lock held
+        while the check is used."""
+        expected: dict[str, str] = {}
+        if self.expected and now is not None:
+            for uid, (until, key, nodes) in list(self.expected.items()):
+                if until <= now:
+                    del self.expected[uid]
+                elif uid != exclude_uid:
+                    expected.update(dict.fromkeys(nodes, key))
+        pending = self.pending if handoffs else {}
+        claims, pods = self.claims, self.view.pods
+
+        def check(node: str) -> str | None:
+            # the same precedence as locked_nodes: a pending handoff, then a bind, then an expectation
+            for k in pending.get(node, ()):
+                p = pods.get(k)
+                if p is not None and p.pending and p.uid != exclude_uid and self.may_be_admitted(p):
+                    return k
+            for k, uid in claims.get(node, {}).items():
+                if uid != exclude_uid or not uid:
+                    return k
+            return expected.get(node)
+
+        return check
+
     def index_pending(self, p: PodInfo) -> None:
-        pend = self.pending.setdefault(p.node, set())
         if p.pending:
-            pend.add(p.key)
+            self.pending.setdefault(p.node, set()).add(p.key)
         else:
-            pend.discard(p.key)
+            self.unindex(p.node, p.key)
 
     def hold_doubtful(self, key: str, uid: str, rv: str) -> None:
         """Keep the assumed assignment of `key` charged: its Binding may yet have taken effect."""
@@ -137,3 +169,5 @@ class BindLocks:
         pend = self.pending.get(node)
         if pend is not None:
             pend.discard(key)
+            if not pend:
+                del self.pending[node]

@@ -102,10 +102,11 @@ class Filter:
                     failed[n] = f"pod is steered to node {target} by defrag reservation {steer.id}"
                     codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
             passed = steered
-        locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
         if cand is not None:
-            passed = self._best_of(pod, names, cand, locked, failed, codes, now)
-        elif locked and any(n in locked for n in passed):
+            passed = self._best_of(pod, names, cand, failed, codes, now)
+        else:
+            locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        if cand is None and locked and any(n in locked for n in passed):
             free = [n for n in passed if n not in locked]
             if free:
                 # A bind there would wait for the kubelet to admit the other pod first; another
@@ -167,22 +168,31 @@ class Filter:
         pod: PodRequest,
         names: list[str],
         cand: set[str],
-        locked: dict[str, str],
         failed: dict[str, str],
         codes: dict[str, int],
         now: datetime,
     ) -> list[str]:
         """filter's answer with keep_best from `cand`, the nodes that pass (no defrag steering):
         as filter would answer from them in the request's order, without that list. Nodes locked
-        by another pod's bind or handoff are left out (with the reason) while another passes."""
-        busy = [n for n in locked if n in cand]
+        by another pod's bind or handoff are left out (with the reason) while another passes. Only
+        the nodes the answer looks at are asked whether they are locked (BindLocks.lock_check), so
+        handoffs pending elsewhere in the cluster cost nothing here."""
+        with self.view.lock:
+            busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+            if len(cand) > self.keep_best:
+                skipped: dict[str, str] = {}
+                kept = self.scorer.best(pod, names, cand, now, self.keep_best, busy_on, skipped)
+                for n, k in skipped.items():
+                    failed[n] = busy_reason(n, k)
+                if skipped:
+                    codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(skipped)
+                # the others pass too but are left out (see filter)
+                codes["not-best"] = codes.get("not-best", 0) + len(cand) - len(kept) - len(skipped)
+                return kept
+            busy = {n: by for n in cand if (by := busy_on(n)) is not None}
         if busy and len(busy) < len(cand):
-            for n in busy:
-                failed[n] = busy_reason(n, locked[n])
+            for n, by in busy.items():
+                failed[n] = busy_reason(n, by)
             codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(busy)
             cand.difference_update(busy)
-        if len(cand) > self.keep_best:
-            kept = self.scorer.best(pod, names, cand, now, self.keep_best)
-            codes["not-best"] = codes.get("not-best", 0) + len(cand) - len(kept)
-            return kept
         return [n for n in names if n in cand]

@@ -4,7 +4,8 @@ CPU-only pods this process binds until that watch shows them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from gpupack.core.model import PlacementError
@@ -30,6 +31,8 @@ class HostLedger:
         # posted), charged from `assume` until the assigned-pod watch shows them (then from there).
         self.assumed: dict[str, tuple[HostPod, bool]] = {}
         self.assumed_by_node: dict[str, set[str]] = {}
+        # while a list's page is applied (see deferred): node -> its count before the page
+        self._deferred: dict[str, tuple[HostUse, int]] | None = None
 
     def recount(self, name: str) -> bool:
         """Set the node's requested host resources and pod count (NodeInfo.requested, pod_count)
@@ -40,6 +43,9 @@ class HostLedger:
         node = self.view.state.nodes.get(name)
         info = self.view.nodes.get(name)
         if node is None or info is None or not self.view.track_host:
+            return False
+        if self._deferred is not None:
+            self._deferred.setdefault(name, (info.requested, info.pod_count))
             return False
         uses: list[HostUse] = [self.pods[k].use for k in self.by_node.get(name, ())]
         for k in self.view.slot_use.get(name, ()):
@@ -71,6 +77,36 @@ class HostLedger:
             return changed
         node.cpu_milli, node.ram_mib, node.cpu_used, node.ram_used = new
         return True
+
+    def hold(self) -> bool:
+        """Count each node once, at `flush`, not once per pod: a node's count sums all its pods, so
+        applying its pods one by one cost the square of the pods a node holds. False when already
+        held (the holder flushes). View lock held."""
+        if self._deferred is not None:
+            return False
+        self._deferred = {}
+        return True
+
+    def flush(self) -> None:
+        """Count the nodes changed since `hold`, then as apply_pod would: a new version, and room
+        if any was freed. View lock held."""
+        todo, self._deferred = self._deferred or {}, None
+        for n, (before, count) in todo.items():
+            if self.recount(n):
+                self.view.bump(n)
+                ni = self.view.nodes[n]
+                if ni.pod_count < count or grew(ni.requested, before):
+                    self.view.on_room(n, "host-freed")
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """hold ... flush (nothing when held already). View lock held."""
+        mine = self.hold()
+        try:
+            yield
+        finally:
+            if mine:
+                self.flush()
 
     def apply_pod(self, obj: dict[str, Any], deleted: bool = False) -> None:
         """An event of the assigned-pod watch (every pod with a node, not terminal)."""

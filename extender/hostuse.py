@@ -3,6 +3,7 @@ kube-scheduler's NodeResourcesFit counts them: a pod's request and a node's allo
 
 from __future__ import annotations
 
+import functools
 from decimal import ROUND_CEILING, ROUND_FLOOR
 from typing import Any, NamedTuple
 
@@ -43,6 +44,18 @@ def _amount(raw: Any, scale: int, rounding: str) -> int:
     an unreadable one counts 0 (the API server validated it, so none should be)."""
     if raw is None:
         return 0
+    if isinstance(raw, str):
+        return _amount_of_text(raw, scale, rounding)
+    return _parsed_amount(raw, scale, rounding)
+
+
+@functools.lru_cache(maxsize=4096)
+def _amount_of_text(raw: str, scale: int, rounding: str) -> int:
+    # a fleet's pods ask for a few dozen distinct quantities; every watch event parsed them again
+    return _parsed_amount(raw, scale, rounding)
+
+
+def _parsed_amount(raw: Any, scale: int, rounding: str) -> int:
     try:
         q = parse_quantity(raw, "quantity")
     except ContractError:

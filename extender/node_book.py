@@ -129,16 +129,27 @@ class NodeBook:
             self.view.reserved.discard(name)
             node = self.view.state.nodes.pop(name, None)
             if node is not None:
-                for key in [k for k, (_, p, _) in self.view.state.pods.items() if p.node == name]:
-                    self.view.state.pods.pop(key, None)
+                self._uncharge(name)
             self.view.changed.notify_all()
 
+    def _on(self, name: str) -> list[str]:
+        """Keys of the pods charged on node `name`: every pod record is in the view's per-node
+        slot index (charge, assume), so this does not walk the cluster's pods."""
+        return list(self.view.slot_use.get(name, ()))
+
+    def _uncharge(self, name: str) -> None:
+        state = self.view.state.pods
+        for key in self._on(name):
+            held = state.get(key)
+            if held is not None and held[1].node == name:
+                del state[key]
+
     def _rebuild(self, name: str, node: Node) -> None:
-        for key in [k for k, (_, p, _) in self.view.state.pods.items() if p.node == name]:
-            self.view.state.pods.pop(key, None)
+        self._uncharge(name)
         self.view.state.nodes[name] = node
-        for p in self.view.pods.values():
-            if p.node == name:
+        for key in self._on(name):
+            p = self.view.pods.get(key)
+            if p is not None and p.node == name:
                 self.view.charge(p)
         self.view.host.recount(name)
 

@@ -4,7 +4,7 @@ few nodes that filter keeps (keep_best), cached per (pod shape, learning epoch) 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from datetime import datetime
 
 from gpupack.contract import Reservation
@@ -199,7 +199,14 @@ class Scorer:
 
     # --- keep_best -------------------------------------------------------------------------------
     def best(
-        self, pod: PodRequest, names: list[str], passed: Collection[str], now: datetime, keep: int
+        self,
+        pod: PodRequest,
+        names: list[str],
+        passed: Collection[str],
+        now: datetime,
+        keep: int,
+        busy: Callable[[str], str | None] | None = None,
+        skipped: dict[str, str] | None = None,
     ) -> list[str]:
         """The `keep` nodes the policy prefers among those that pass (`passed`, out of the
         request's `names`). Order as :func:`gpupack.core.policies.schedule` picks: highest score,
@@ -229,11 +236,22 @@ class Scorer:
             idx.pos = pos
             want = passed if isinstance(passed, set) else set(passed)
             kept: list[str] = []
+            held: list[str] = []  # passing nodes `busy` holds, better than the last one kept
             for _key, n in idx.order:
                 if n in want:
+                    if busy is not None and (k := busy(n)) is not None:
+                        held.append(n)
+                        if skipped is not None:
+                            skipped[n] = k
+                        continue
                     kept.append(n)
                     if len(kept) == keep:
                         break
+            if not kept and held:
+                # every passing node is held: the best of them, as without `busy`, none left out for it
+                kept = held[:keep]
+                if skipped is not None:
+                    skipped.clear()
         return kept
 
     def _tie_ranked(self) -> list[str]:

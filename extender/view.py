@@ -119,12 +119,22 @@ class ClusterView:
         """Apply a list's pages, the lock held per page (the view stays usable between pages); the
         keys of the pods listed."""
         seen: set[str] = set()
-        for page in pages:
+        whole = False
+        if not self.synced.is_set():
+            # the first list: no verb is answered before it ends, so nodes are counted once at its end
             with self.lock:
-                for o in page:
-                    m = o.get("metadata") or {}
-                    seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
-                    apply(o)
+                whole = self.host.hold()
+        try:
+            for page in pages:
+                with self.lock, self.host.deferred():
+                    for o in page:
+                        m = o.get("metadata") or {}
+                        seen.add(f"{m.get('namespace') or 'default'}/{m.get('name')}")
+                        apply(o)
+        finally:
+            if whole:
+                with self.lock:
+                    self.host.flush()
         return seen
 
     # --- pods ----------------------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""The extender's cluster view at a fleet's size, in one process (issue 29): what each kind of watch
+event costs with N nodes and M running pods, to find work proportional to the cluster's size.
+
+The pods are bench_scale.py's (60 % CPU-only, 30 % GPU shares, 10 % whole GPUs, bound round-robin),
+as the API server would list them. Measured: the initial lists (nodes, then every assigned pod, as
+the extender's start reads them), the memory they take (this process's RSS before and after), a pod-status update (a
+MODIFIED event changing nothing gpupack counts), a node whose GPU inventory changes (a device
+plugin restarting), a node deleted and added back (the autoscaler), and a filter (keep_best 1);
+times are this process's CPU time (on a shared machine wall time measures the neighbours).
+
+    python benchmarks/bench_view.py [--nodes 5000 --pods 100000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "extender"))
+
+from bench_scale import running_pods  # noqa: E402
+from ext_helpers import container, node_obj, pod_obj  # noqa: E402
+
+from extender.config import ExtenderConfig  # noqa: E402
+from extender.framework import Extender  # noqa: E402
+from extender.view import ClusterView  # noqa: E402
+from extender.wire import ExtenderArgs  # noqa: E402
+from gpupack.contract import ANN_INVENTORY  # noqa: E402
+from gpupack.core.policies import get_policy  # noqa: E402
+
+NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def timed(fn: Any, n: int) -> dict[str, float]:
+    t = []
+    for i in range(n):
+        t0 = time.process_time()
+        fn(i)
+        t.append(time.process_time() - t0)
+    t.sort()
+    return {
+        "mean_ms": round(1000 * statistics.fmean(t), 4),
+        "p99_ms": round(1000 * t[int(0.99 * (len(t) - 1))], 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=500)
+    ap.add_argument("--pods", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="one JSON line")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    names = [f"n{i:05d}" for i in range(args.nodes)]
+    nodes = [node_obj(n) for n in names]
+    pods = running_pods(rng, names, args.pods)
+    for i, p in enumerate(pods):  # as listed: with a uid, Running
+        p["metadata"]["uid"] = f"uid-{i}"
+        p["metadata"]["resourceVersion"] = str(i + 1)
+        p["status"] = {"phase": "Running"}
+    res: dict[str, Any] = {"bench": "view", "nodes": args.nodes, "pods": args.pods}
+
+    gc.collect()
+    rss0 = rss_bytes()
+    t0 = time.process_time()
+    view = ClusterView(track_host=True)
+    view.replace_nodes(nodes)
+    t1 = time.process_time()
+    view.replace_assigned_pages([pods[i : i + 500] for i in range(0, len(pods), 500)])
+    view.synced.set()
+    t2 = time.process_time()
+    gc.collect()
+    mem = rss_bytes() - rss0
+    res["list_nodes_s"], res["list_pods_s"] = round(t1 - t0, 2), round(t2 - t1, 2)
+    res["view_mib"] = round(mem / 2**20, 1)
+    res["view_bytes_per_pod"] = round(mem / max(args.pods, 1))
+    ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
+
+    gpu_pods = [p for p in pods if p["metadata"]["annotations"]]
+    cpu_pods = [p for p in pods if not p["metadata"]["annotations"]]
+
+    def status(sample: list[dict[str, Any]]) -> Any:
+        def one(i: int) -> None:
+            p = copy.copy(sample[i % len(sample)])
+            p["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": str(i % 2 == 0)}]}
+            view.apply_assigned(p)
+
+        return one
+
+    res["status_update_gpu_pod"] = timed(status(gpu_pods), 5000)
+    res["status_update_cpu_pod"] = timed(status(cpu_pods), 5000)
+
+    def inventory_change(i: int) -> None:
+        n = copy.deepcopy(nodes[i % len(nodes)])
+        inv = json.loads(n["metadata"]["annotations"][ANN_INVENTORY])
+        inv["driver"] = f"bench-{i}"  # a field the decoder ignores or keeps: the raw text differs
+        n["metadata"]["annotations"][ANN_INVENTORY] = json.dumps(inv)
+        view.apply_node(n)
+
+    res["node_inventory_change"] = timed(inventory_change, 200)
+
+    def node_cycle(i: int) -> None:
+        n = nodes[(i * 7) % len(nodes)]
+        view.delete_node(n["metadata"]["name"])
+        view.apply_node(n)
+
+    res["node_delete_and_add"] = timed(node_cycle, 100)
+    names_all = list(view.nodes)
+    share = lambda i: pod_obj(f"asked-{i}", [container("main", 1, 20000, 30)], uid=f"uid-a{i}")  # noqa: E731
+    ext.filter(ExtenderArgs(share(-1), names_all, None))
+    res["filter"] = timed(lambda i: ext.filter(ExtenderArgs(share(i), names_all, None)), 200)
+    print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Creating many pods fast, from several processes (issue 29): one Python process with the official
+client creates under ~90 pods/s on the shared 2-core machine, slower than plain kube-scheduler
+binds them, so a benchmark creating from one process measures its creator. Each worker process
+has its own client and a few threads; the creation times are taken on the system-wide monotonic
+clock (CLOCK_MONOTONIC on Linux), so they compare with the caller's time.monotonic()."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any
+
+_api: Any = None  # the worker's CoreV1Api
+
+
+def _init(url: str, ca_file: str, token: str, threads: int) -> None:
+    global _api
+    from kubernetes import client
+
+    cfg = client.Configuration()
+    cfg.host = url
+    cfg.ssl_ca_cert = ca_file
+    cfg.api_key = {"authorization": f"Bearer {token}"}
+    cfg.connection_pool_maxsize = threads
+    _api = client.CoreV1Api(client.ApiClient(cfg))
+
+
+def _ready(_: int) -> bool:
+    time.sleep(0.3)  # every worker takes one of these: all have started and built their client
+    return _api is not None
+
+
+def _create(job: tuple[str, list[dict[str, Any]], int]) -> dict[str, float]:
+    ns, pods, threads = job
+    out: dict[str, float] = {}
+
+    def one(p: dict[str, Any]) -> None:
+        for attempt in range(5):
+            try:
+                _api.create_namespaced_pod(ns, p, _preload_content=False).release_conn()
+                break
+            except Exception as e:  # a 409 after a lost answer: it was created
+                if getattr(e, "status", 0) == 409:
+                    break
+                if attempt == 4:
+                    raise
+                time.sleep(0.2)
+        out[p["metadata"]["name"]] = time.monotonic()
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, pods))
+    return out
+
+
+def _patch_status(job: tuple[str, list[str], float, float, int]) -> int:
+    """Patch the status of pods `names` in `ns` round-robin at `rate` a second until `until`
+    (monotonic), as kubelets reporting probes do; the number of patches answered."""
+    ns, names, rate, until, threads = job
+    done = 0
+    lock = threading.Lock()
+    start = time.monotonic()
+
+    def worker(w: int) -> None:
+        nonlocal done
+        i = w
+        while True:
+            due = start + i / rate
+            now = time.monotonic()
+            if due >= until:
+                return
+            if due > now:
+                time.sleep(due - now)
+            name = names[i % len(names)]
+            body = {"status": {"conditions": [{"type": "Ready", "status": "True" if i % 2 else "False"}]}}
+            try:
+                _api.patch_namespaced_pod_status(name, ns, body, _preload_content=False).release_conn()
+                with lock:
+                    done += 1
+            except Exception:  # a pod gone: its update is not counted
+                pass
+            i += threads
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(worker, range(threads)))
+    return done
+
+
+class PodCreator:
+    """`procs` worker processes, started (and their clients built) before any timing begins."""
+
+    def __init__(self, url: str, ca_file: str, token: str, procs: int = 4, threads: int = 8) -> None:
+        self.procs, self.threads = procs, threads
+        ctx = multiprocessing.get_context("spawn")  # the caller has threads: no fork
+        self.pool = ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init,
+                                        initargs=(url, ca_file, token, threads))  # fmt: skip
+        assert all(self.pool.map(_ready, range(procs * 2)))
+
+    def create(self, ns: str, pods: list[dict[str, Any]]) -> dict[str, float]:
+        """Create `pods` in `ns` as fast as the workers can: name -> when its creation was answered."""
+        chunks = [pods[i :: self.procs] for i in range(self.procs)]
+        jobs = [(ns, c, self.threads) for c in chunks if c]
+        out: dict[str, float] = {}
+        for part in self.pool.map(_create, jobs):
+            out.update(part)
+        return out
+
+    def patch_status(self, ns: str, names: list[str], rate: float, seconds: float) -> int:
+        """Status updates of `names` at `rate` a second in all, for `seconds`: how many were made."""
+        until = time.monotonic() + seconds
+        parts = [names[i :: self.procs] for i in range(self.procs)]
+        jobs = [(ns, part, rate / self.procs, until, self.threads) for part in parts if part]
+        return sum(self.pool.map(_patch_status, jobs))
+
+    def close(self) -> None:
+        self.pool.shutdown()
