@@ -9,6 +9,7 @@ share; the device plugin's `patch pods`/`patch nodes` reached every pod (image i
 
 from __future__ import annotations
 
+import copy
 import json
 import urllib.parse
 from collections.abc import Iterator
@@ -309,3 +310,72 @@ def test_defrag_changes_only_reservations_and_its_own_taint(s: Setup):
     defrag.patch_node(s.n2, {"spec": {"taints": [{"key": key, "value": "emptying", "effect": "NoSchedule"}]}})
     assert [t.key for t in s.cp.core.read_node(s.n2).spec.taints] == [key]
     defrag.patch_node(s.n2, {"spec": {"taints": None}})
+
+
+def test_the_schedulers_account_writes_only_holds_and_scale_down_marks_on_nodes(s: Setup):
+    """Preemption (issue 26) gave the scheduler's account `patch nodes` for its holds, and
+    deploy/autoscale (issue 28) uses it for the autoscaler's scale-down mark: nothing else of a
+    Node, whatever RBAC allows (issue 31: no rewritten inventory, no cordon)."""
+    node_scope = "may change only a Node's gpupack.io/reservations"
+    bad = ({"spec": {"unschedulable": True}}, {"spec": {"taints": [{"key": "evil", "effect": "NoExecute"}]}},
+           {"metadata": {"annotations": {ANN_INVENTORY: "{}"}}}, {"metadata": {"labels": {LABEL_GPU_MODEL: "x"}}})  # fmt: skip
+
+    def enforced() -> bool:  # each policy is compiled on its own
+        try:
+            s.extender.patch_node(s.n2, bad[0])
+        except client.ApiException as e:
+            return e.status in (403, 422) and node_scope in e.body
+        s.cp.core.patch_node(s.n2, {"spec": {"unschedulable": None}})
+        return False
+
+    until(enforced, 30, "gpupack-scheduler-node-scope enforced")
+    for body in bad:
+        assert node_scope in refused(s.extender.patch_node, s.n2, body), body
+    node = s.cp.core.read_node(s.n2)
+    assert not node.spec.unschedulable and not node.spec.taints
+    s.extender.patch_node(s.n2, {"metadata": {"annotations": {ANN_RESERVATIONS: "{}"}}})
+    mark = {
+        "cluster-autoscaler.kubernetes.io/scale-down-disabled": "true",
+        "gpupack.io/scale-down-pinned": "x",
+    }
+    s.extender.patch_node(s.n2, {"metadata": {"annotations": mark}})
+    s.extender.patch_node(s.n2, {"metadata": {"annotations": dict.fromkeys([*mark, ANN_RESERVATIONS])}})
+
+
+def test_the_schedulers_account_creates_only_autoscale_placeholders(s: Setup):
+    """deploy/autoscale lets the scheduler's account create pods in gpupack's namespace for its
+    placeholders; the policy admits exactly their shape (no image, token or node of its choosing)."""
+    from extender.autoscale_groups import PLACEHOLDER_IMAGE, placeholder_pod
+
+    rbac = client.RbacAuthorizationV1Api(s.cp.api_client())
+    rbac.create_namespaced_role(s.sys_ns, {"metadata": {"name": "placeholders"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete"]}]})  # fmt: skip
+    rbac.create_namespaced_role_binding(s.sys_ns, {"metadata": {"name": "placeholders"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "placeholders"},
+        "subjects": [{"kind": "ServiceAccount", "name": SCHED_SA, "namespace": s.sys_ns}]})  # fmt: skip
+    owner = s.cp.core.create_namespaced_config_map(s.sys_ns, {"metadata": {"name": "gpupack-autoscale"}})
+    good = placeholder_pod("g1", 64, "gpupack.io/node-group", s.sys_ns,
+                           {"name": "gpupack-autoscale", "uid": owner.metadata.uid})  # fmt: skip
+    assert good["spec"]["containers"][0]["image"] == PLACEHOLDER_IMAGE
+    made = until(lambda: _created(s, good), 30, "RBAC for the placeholder in effect")
+    s.extender.delete_namespaced_pod(made, s.sys_ns, grace_period_seconds=0)
+    scope = "may not create pods but gpupack's autoscale placeholders"
+    evil = copy.deepcopy(good)
+    evil["spec"]["containers"][0]["image"] = "registry.invalid/evil:1"
+    token = copy.deepcopy(good)
+    token["spec"]["automountServiceAccountToken"] = True
+    pinned = copy.deepcopy(good)
+    pinned["spec"]["nodeName"] = s.n1
+    plain = copy.deepcopy(good)
+    plain["spec"]["schedulerName"] = "default-scheduler"
+    for body in (evil, token, pinned, plain):
+        assert scope in refused(s.extender.create_namespaced_pod, s.sys_ns, body), body["spec"]
+
+
+def _created(s: Setup, body: dict[str, Any]) -> str | None:
+    try:
+        return s.extender.create_namespaced_pod(s.sys_ns, body).metadata.name
+    except client.ApiException as e:
+        if e.status == 403 and "cannot create resource" in e.body:  # the RoleBinding not yet seen
+            return None
+        raise
