@@ -581,9 +581,16 @@ def running_ready_status(pod: Any, pod_ip: str = "10.0.0.1") -> dict[str, Any]:
 
 
 def confirm_deletion(core: client.CoreV1Api, pod: Any) -> None:
-    """The kubelet's confirmation that a pod being deleted is gone: a grace-period-0 delete with the
-    pod's UID as precondition, as the kubelet's status manager sends it. Without the precondition a
-    late event of an old pod deletes its successor of the same name (a StatefulSet's replacement)."""
+    """The kubelet's confirmation that a pod being deleted is gone: its terminal phase first (the
+    kubelet writes Failed or Succeeded before it lets a pod go; from v1.29 the Job controller removes
+    its tracking finalizer only from a terminal pod, so an evicted Job pod would otherwise stay
+    Terminating), then a grace-period-0 delete with the pod's UID as precondition, as the kubelet's
+    status manager sends it. Without the precondition a late event of an old pod deletes its
+    successor of the same name (a StatefulSet's replacement)."""
+    if (pod.status.phase if pod.status else None) not in ("Succeeded", "Failed"):
+        with contextlib.suppress(client.ApiException):  # gone already
+            core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace,
+                                             {"status": {"phase": "Failed"}})  # fmt: skip
     opts = client.V1DeleteOptions(
         grace_period_seconds=0, preconditions=client.V1Preconditions(uid=pod.metadata.uid)
     )

@@ -96,9 +96,12 @@ def check_assignment(pod: dict) -> Any:
 
 
 def gpu_use(pods: list[dict]) -> dict[str, dict[str, Any]]:
-    """Per GPU: MiB and SM % reserved, classes, whether held whole, and how many pods."""
+    """Per GPU: MiB and SM % reserved, classes, whether held whole, and how many pods. A pod in a
+    terminal phase holds nothing (its containers are gone), even while a finalizer keeps it."""
     use: dict[str, dict[str, Any]] = {}
     for p in pods:
+        if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
         a = decode_assignment(annotations(p)[ANN_ASSIGNMENT])
         on_gpu: dict[str, list] = {}
         for shares in a.containers.values():
