@@ -53,7 +53,9 @@ def stack(
             text = "\n---\n".join((realk8s.REPO / "deploy" / f).read_text()
                                    for f in ("scheduler/rbac.yaml", "autoscale/rbac.yaml", "scheduler/serviceaccount.yaml"))  # fmt: skip
             objs = [o for o in yaml.safe_load_all(text.replace("gpupack-system", sysns)) if o]
-            cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(objs))
+            # the cluster-wide bindings other tests applied name their own namespaces: taken over
+            cluster.kubectl("apply", "--server-side", "--field-manager=gpupack-test", "--force-conflicts", "-f", "-",
+                            input=yaml.safe_dump_all(objs))  # fmt: skip
             text = cluster.core.read_namespaced_config_map("kwok-provider-templates", sysns).data["templates"]
             cluster.core.create_namespaced_config_map(
                 sysns, {"metadata": {"name": "gpupack-node-templates"}, "data": {"templates": text}}
