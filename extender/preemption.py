@@ -247,6 +247,11 @@ class Preempter:
             if not (p.get("metadata") or {}).get("deletionTimestamp"):
                 self._evict(p, pin.key_of(pod), deleting_ok=False)
         if alive:
+            # kube-scheduler keeps a nomination only while victims it marked itself are terminating
+            # (v1.36: their DisruptionTarget condition says PreemptionByScheduler); a failed attempt
+            # in between clears ours, so it is written again while the room is held
+            if (pod.get("status") or {}).get("nominatedNodeName") != rec.node:
+                self._nominate(pod, rec.node)
             return 1
         mark = (pin.uid_of(pod), rec.at)
         if mark not in self.touched:
@@ -358,17 +363,22 @@ class Preempter:
             self._evict(v, pre.pod.key, deleting_ok=must, priority=pre.priority, node=choice.node)
             self.metrics.victims.labels(vic.pod_class, str(vic.priority)).inc()
         # after the evictions, as kube-scheduler does: its next failed attempt then sees lower-priority
-        # pods terminating on the nominated node and keeps the nomination
+        # pods terminating on the nominated node and keeps the nomination (up to v1.28; later
+        # versions clear it, and _wait_victims writes it again)
+        self._nominate(pod, choice.node)
+        return r
+
+    def _nominate(self, pod: dict[str, Any], node: str) -> None:
+        meta = pod.get("metadata") or {}
         try:
             self.kc.merge_patch(
                 self.kc.core.patch_namespaced_pod_status,
-                name,
-                ns,
-                {"status": {"nominatedNodeName": choice.node}},
+                str(meta.get("name")),
+                meta.get("namespace") or "default",
+                {"status": {"nominatedNodeName": node}},
             )
-        except ApiException as e:
-            log.info("pod %s: cannot set its nominatedNodeName: %s", pre.pod.key, api_reason(e))
-        return r
+        except ApiException as e:  # bound meanwhile (refused on v1.36), or gone
+            log.info("pod %s: cannot set its nominatedNodeName: %s", pin.key_of(pod), api_reason(e))
 
     def _reservation(
         self, pre: Preemptor, choice: Choice, node: Node, ns: str, name: str, uid: str, expires: datetime

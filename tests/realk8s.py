@@ -580,6 +580,11 @@ def running_ready_status(pod: Any, pod_ip: str = "10.0.0.1") -> dict[str, Any]:
     }}  # fmt: skip
 
 
+# A test's finalizer that stands for containers still stopping: the pod keeps its phase (and so its
+# GPU) until the test removes it, where without it the emulated kubelet ends the pod at once.
+STILL_STOPPING = "gpupack.io/test-terminating"
+
+
 def confirm_deletion(core: client.CoreV1Api, pod: Any) -> None:
     """The kubelet's confirmation that a pod being deleted is gone: its terminal phase first (the
     kubelet writes Failed or Succeeded before it lets a pod go; from v1.29 the Job controller removes
@@ -587,7 +592,8 @@ def confirm_deletion(core: client.CoreV1Api, pod: Any) -> None:
     Terminating), then a grace-period-0 delete with the pod's UID as precondition, as the kubelet's
     status manager sends it. Without the precondition a late event of an old pod deletes its
     successor of the same name (a StatefulSet's replacement)."""
-    if (pod.status.phase if pod.status else None) not in ("Succeeded", "Failed"):
+    stopping = STILL_STOPPING in (pod.metadata.finalizers or [])
+    if not stopping and (pod.status.phase if pod.status else None) not in ("Succeeded", "Failed"):
         with contextlib.suppress(client.ApiException):  # gone already
             core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace,
                                              {"status": {"phase": "Failed"}})  # fmt: skip

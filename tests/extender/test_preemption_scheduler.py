@@ -41,7 +41,7 @@ ONLINE, OFFLINE, OFFLINE_LOW, ONLINE_NEVER, LOW = (
     "gpupack-test-online-never",
     "gpupack-test-low",
 )
-FINALIZER = "gpupack.io/test-terminating"
+FINALIZER = realk8s.STILL_STOPPING  # the emulated kubelet leaves such a pod Running
 
 
 @pytest.fixture(scope="module")
