@@ -4,7 +4,9 @@ Kubernetes' rules first: a pod evicts only pods of strictly lower priority, neve
 preemptionPolicy is Never, and never a pod of the system priority classes (value >= 1e9). Within
 them the fit rules decide (gpupack.core.fit): per GPU share, online and offline never on one GPU
 (so freeing a GPU for an online pod means every offline pod on it goes), whole GPUs, multi-GPU
-pods and init containers as fit counts them.
+pods and init containers as fit counts them; the node's host CPU and memory (when its Node tracks
+them) and its pod slots (when the caller gives them) too, so pods holding no GPU can be victims,
+and a pod needing no GPU can be the preemptor.
 
 The choice, per node: every eligible pod removed must make the pod fit, or the node is no
 candidate (no eviction for a pod that cannot fit anyway); then victims are given back (reprieved)
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpupack.contract import CLASS_OFFLINE
 from gpupack.core.fit import Fit, GpuRank, fit, tightest
@@ -51,6 +54,7 @@ class Victim:
     budgets: tuple[str, ...] = ()  # PodDisruptionBudgets covering it
     cpu_milli: int = 0  # host CPU and memory it frees, when the nodes track them
     ram_mib: int = 0
+    node: str = ""  # where it runs: how a pod that holds no GPU is found on its node
 
 
 @dataclass(frozen=True)
@@ -123,11 +127,29 @@ def _fits(node: Node, pod: PodRequest, rank: GpuRank) -> Fit | None:
     return f if isinstance(f, Fit) else None
 
 
+def _host_short(node: Node, pod: PodRequest, slots_short: int) -> bool:
+    """Whether the node lacks host room for the pod as it is: victims that hold no GPU the pod
+    will use may then be needed too."""
+    return (
+        slots_short > 0
+        or bool(node.cpu_milli and pod.cpu_milli > node.free_cpu)
+        or bool(node.ram_mib and pod.ram_mib > node.free_ram)
+    )
+
+
 def _reprieve(
-    node: Node, pod: PodRequest, victims: list[Victim], pods: Mapping[str, Victim], rank: GpuRank
+    node: Node,
+    pod: PodRequest,
+    victims: list[Victim],
+    pods: Mapping[str, Victim],
+    rank: GpuRank,
+    slots_short: int = 0,
 ) -> tuple[list[Victim], Fit] | None:
-    """Give victims back while the pod still fits, until none can be; None if it never fits."""
+    """Give victims back while the pod still fits, until none can be; None if it never fits.
+    `slots_short`: pod slots the node lacks for it (each victim frees one)."""
     chosen = list(victims)
+    if len(chosen) < slots_short:
+        return None
     best = _fits(without(node, (v.key for v in chosen), pods), pod, rank)
     if best is None:
         return None
@@ -135,6 +157,8 @@ def _reprieve(
     while changed:  # a second round proves minimality: no victim of the final set can be spared
         changed = False
         for v in list(chosen):
+            if len(chosen) <= slots_short:
+                break
             rest = [x for x in chosen if x is not v]
             f = _fits(without(node, (x.key for x in rest), pods), pod, rank)
             if f is not None:
@@ -170,6 +194,11 @@ def _scopes(node: Node, pod: PodRequest) -> list[frozenset[int] | None]:
     return out
 
 
+def _one_gpu(pod: PodRequest) -> bool:
+    """The pod uses one GPU at any time: its victims on other GPUs can only free host room."""
+    return pod.gpu_slots == 1 and len(pod.containers) + len(pod.init_containers) >= 1
+
+
 def _on_node(
     node: Node,
     pre: Preemptor,
@@ -177,26 +206,34 @@ def _on_node(
     pods: Mapping[str, Victim],
     allowed: Mapping[str, int],
     rank: GpuRank,
+    slots_short: int = 0,
 ) -> Choice | None:
     pod = pre.pod
     size: dict[str, int] = {}
     for g in node.gpus:
         for k, (mem, _) in g.holders.items():
             size[k] = size.get(k, 0) + mem
+    # With host room to spare, a pod on one GPU needs victims on that GPU only, and the per-GPU
+    # scopes have tried each: the whole-node scope (quadratic in the node's pods) cannot do better.
+    per_gpu_enough = _one_gpu(pod) and not _host_short(node, pod, slots_short)
     best: Choice | None = None
     for scope in _scopes(node, pod):
+        if scope is None and per_gpu_enough and best is not None:
+            break
         scoped = _scoped(node, scope)
         on = [v for v in candidates if scope is None or any(v.key in node.gpus[i].holders for i in scope)]
         if not on:
             continue
         on.sort(key=lambda v: _keep_first(v, allowed, size.get(v.key, 0)))
-        got = _reprieve(scoped, pod, on, pods, rank)
+        got = _reprieve(scoped, pod, on, pods, rank, slots_short)
         if got is None:
             continue
         chosen, f = got
-        if scope is not None:
+        if scope is not None and not per_gpu_enough:
             # minimal over the whole node too: a victim the pod could spare by using another GPU
-            again = _reprieve(node, pod, chosen, pods, rank)
+            # (with host room and one GPU, none: the pod would then fit as it is, which choose
+            # has ruled out)
+            again = _reprieve(node, pod, chosen, pods, rank, slots_short)
             if again is None:
                 continue
             chosen, f = again
@@ -212,17 +249,32 @@ def choose(
     pods: Mapping[str, Victim],
     allowed: Mapping[str, int] | None = None,
     rank: GpuRank = tightest,
+    pod_room: Mapping[str, int] | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> Choice | None:
     """Where and whom to evict so that `pre` fits; None when no eviction the rules allow helps.
 
     `pods`: the running pods that may be evicted, by holder key (pods missing from it, already
-    terminating or picked for another preemptor, stay where they are). `allowed`: per budget name,
-    the disruptions it allows now (a budget missing from it allows none). A node where the pod
-    fits as it is gives a Choice with no victims: nothing needs evicting.
+    terminating or picked for another preemptor, stay where they are); a pod holding no GPU is
+    found on its node by `Victim.node`. `allowed`: per budget name, the disruptions it allows now
+    (a budget missing from it allows none). `pod_room`: per node, the pods it can still take (its
+    allocatable pods less those on it); a node missing from it is not limited. A node where the
+    pod fits as it is gives a Choice with no victims: nothing needs evicting.
+
+    `memo`: a dict the caller keeps across calls over the same Node objects (one controller
+    pass): a node's answer for a pod of the same shape and priority, with the same candidates
+    and budgets, is reused. Replace a Node object to change it; never mutate one in place.
     """
     budgets = dict(allowed or {})
     nodes = list(nodes)
+    room = dict(pod_room or {})
+
+    def short(n: Node) -> int:
+        return max(0, 1 - room[n.name]) if n.name in room else 0
+
     for n in nodes:
+        if short(n):
+            continue
         f = _fits(n, pre.pod, rank)
         if f is not None:
             return Choice(n.name, (), f, 0)
@@ -231,14 +283,21 @@ def choose(
     eligible = {k: v for k, v in pods.items() if may_evict(pre, v)}
     # first without the pods an exhausted budget protects; only if that finds nothing, with them
     unprotected = {k: v for k, v in eligible.items() if all(budgets.get(b, 0) > 0 for b in v.budgets)}
+    hostonly: dict[str, set[str]] = {}
+    for k, v in eligible.items():
+        if v.node:
+            hostonly.setdefault(v.node, set()).add(k)
     for pool in (unprotected, eligible):
         best: Choice | None = None
         for n in nodes:
-            on = {k for g in n.gpus for k in g.holders}
+            on = {k for g in n.gpus for k in g.holders} | hostonly.get(n.name, set())
             cands = [pool[k] for k in sorted(on) if k in pool]
             if not cands:
                 continue
-            c = _on_node(n, pre, cands, pods, budgets, rank)
+            if memo is None:
+                c = _on_node(n, pre, cands, pods, budgets, rank, short(n))
+            else:
+                c = _remembered(memo, n, pre, cands, pods, budgets, rank, short(n))
             if c is not None and (best is None or _order_key(c, pods) < _order_key(best, pods)):
                 best = c
         if best is not None:
@@ -246,3 +305,33 @@ def choose(
         if len(unprotected) == len(eligible):
             break
     return None
+
+
+def _remembered(
+    memo: dict[Any, Any],
+    node: Node,
+    pre: Preemptor,
+    cands: list[Victim],
+    pods: Mapping[str, Victim],
+    allowed: Mapping[str, int],
+    rank: GpuRank,
+    slots_short: int,
+) -> Choice | None:
+    # Preemptors of one Deployment ask the same question of every unchanged node; the answer
+    # depends only on the node, the pod's shape and priority, the candidates and their budgets.
+    # Keyed by id(node) with the node kept in the value, so a reused id never matches.
+    pod = pre.pod
+    shape = (pod.pod_class, pod.containers, pod.init_containers, pod.cpu_milli, pod.ram_mib, pod.gpu_models)
+    key = (
+        id(node),
+        shape,
+        pre.priority,
+        slots_short,
+        tuple((v, tuple(allowed.get(b, 0) for b in v.budgets)) for v in cands),
+    )
+    hit = memo.get(key)
+    if hit is not None and hit[0] is node:
+        return hit[1]  # type: ignore[no-any-return]
+    c = _on_node(node, pre, cands, pods, allowed, rank, slots_short)
+    memo[key] = (node, c)
+    return c

@@ -266,3 +266,160 @@ def test_budget_violations_count_in_order() -> None:
     vs = [Victim("a", budgets=("b",)), Victim("b", budgets=("b",)), Victim("c")]
     assert budget_violations(vs, {"b": 1}) == 1
     assert budget_violations(vs, {}) == 2
+
+
+# --- host room: CPU, memory and pod slots ------------------------------------------------------
+
+CPU = 8000
+
+
+def host_cluster(nodes: int, gpus: int) -> ClusterState:
+    s = ClusterState()
+    for n in range(nodes):
+        gs = [GPU(f"G-{n}-{i}", i, "H100", MIB) for i in range(gpus)]
+        s.add_node(Node(f"n{n}", gs, cpu_milli=CPU, ram_mib=64000))
+    return s
+
+
+def host_put(s: ClusterState, key: str, cls: str, cs: tuple, cpu: int, node: str) -> bool:
+    pod = PodRequest(key, cls, cs, cpu_milli=cpu)
+    f = fit(s.nodes[node], pod)
+    if not isinstance(f, Fit):
+        return False
+    s.place(pod, f.placement, f.charged)
+    return True
+
+
+def test_cpu_only_preemptor_evicts_a_cpu_only_pod() -> None:
+    s = host_cluster(1, 1)
+    assert host_put(s, "batch/cruncher", "offline", (), 6000, "n0")
+    pods = {"batch/cruncher": Victim("batch/cruncher", 100, "offline", cpu_milli=6000, node="n0")}
+    pre = Preemptor(PodRequest("web/api", "online", (), cpu_milli=4000), 1000)
+    c = choose(s.nodes.values(), pre, pods)
+    assert c is not None and c.victims == ("batch/cruncher",)
+
+
+def test_gpu_pod_short_of_cpu_also_evicts_a_cpu_only_pod() -> None:
+    # the GPU is free, the CPU is not: the lower-priority CPU-only pod goes, nothing else
+    s = host_cluster(1, 2)
+    assert host_put(s, "batch/cpu", "offline", (), 7000, "n0")
+    assert host_put(s, "batch/gpu", "offline", (share(20000, 20),), 500, "n0")
+    pods = {
+        "batch/cpu": Victim("batch/cpu", 100, "offline", cpu_milli=7000, node="n0"),
+        "batch/gpu": Victim("batch/gpu", 100, "offline", cpu_milli=500),
+    }
+    pre = Preemptor(PodRequest("web/a", "online", (share(40000, 40),), cpu_milli=2000), 1000)
+    c = choose(s.nodes.values(), pre, pods)
+    assert c is not None and c.victims == ("batch/cpu",)
+
+
+def test_pod_slots_count() -> None:
+    # room on the GPU, none in the pod slots: one pod must go, the cheapest
+    s = host_cluster(1, 2)
+    assert host_put(s, "batch/a", "offline", (share(20000, 20),), 100, "n0")
+    assert host_put(s, "batch/b", "offline", (), 100, "n0")
+    pods = {
+        "batch/a": Victim("batch/a", 100, "offline", cpu_milli=100),
+        "batch/b": Victim("batch/b", 50, "offline", cpu_milli=100, node="n0"),
+    }
+    pre = Preemptor(PodRequest("web/a", "online", (share(20000, 20),), cpu_milli=100), 1000)
+    assert choose(s.nodes.values(), pre, pods, pod_room={"n0": 1}).victims == ()  # type: ignore[union-attr]
+    c = choose(s.nodes.values(), pre, pods, pod_room={"n0": 0})
+    assert c is not None and c.victims == ("batch/b",)
+    # and no eviction helps a node that would still be full
+    assert choose(s.nodes.values(), pre, {}, pod_room={"n0": 0}) is None
+
+
+host_rows = st.lists(
+    st.tuples(
+        st.sampled_from(["online", "offline"]),
+        st.one_of(st.just(()), shape),  # () = a pod holding no GPU
+        st.sampled_from([0, 10, 100, 1000]),
+        st.sampled_from([0, 1000, 3000, 5000]),  # CPU milli
+        st.integers(0, 1),  # node
+    ),
+    max_size=7,
+)
+
+
+def host_scene(rows: list) -> tuple[ClusterState, dict[str, Victim]]:
+    s = host_cluster(2, 2)
+    pods = {}
+    for i, (cls, cs, prio, cpu, n) in enumerate(rows):
+        key = f"ns/p{i}"
+        if host_put(s, key, cls, cs, cpu, f"n{n}"):
+            pods[key] = Victim(key, prio, cls, cpu_milli=cpu, node="" if cs else f"n{n}")
+    return s, pods
+
+
+def host_fits_after(
+    s: ClusterState, n: Node, pod: PodRequest, victims: set[str], pods: dict, room: dict
+) -> bool:
+    if room[n.name] + len(victims) < 1:
+        return False
+    return isinstance(fit(without(n, victims, pods), pod), Fit)
+
+
+def on_node(s: ClusterState, n: Node, k: str) -> bool:
+    return s.pods[k][1].node == n.name
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None)
+@given(
+    host_rows,
+    st.sampled_from(["online", "offline"]),
+    st.one_of(st.just(()), shape),
+    st.sampled_from([0, 2000, 6000]),
+    st.sampled_from([10, 1000, 10**6]),
+    st.tuples(st.integers(0, 3), st.integers(0, 3)),
+)
+def test_host_room_choice_is_complete_safe_and_minimal(
+    rows: list, cls: str, cs: tuple, cpu: int, prio: int, slots: tuple[int, int]
+) -> None:
+    s, pods = host_scene(rows)
+    counts = {n: sum(1 for p in s.pods.values() if p[1].node == n) for n in s.nodes}
+    room = {n: max(0, slots[i] + 1 - counts[n]) if slots[i] else 0 for i, n in enumerate(sorted(s.nodes))}
+    pre = Preemptor(PodRequest("ns/pre", cls, cs, cpu_milli=cpu), prio)
+    c = choose(s.nodes.values(), pre, pods, pod_room=room)
+    nodes = list(s.nodes.values())
+    eligible = {k for k, v in pods.items() if may_evict(pre, v)}
+    possible = any(
+        host_fits_after(s, n, pre.pod, {k for k in eligible if on_node(s, n, k)}, pods, room) for n in nodes
+    ) or any(host_fits_after(s, n, pre.pod, set(), pods, room) for n in nodes)
+    assert (c is not None) == possible
+    if c is None:
+        return
+    node = s.nodes[c.node]
+    assert all(k in eligible and on_node(s, node, k) for k in c.victims)
+    assert host_fits_after(s, node, pre.pod, set(c.victims), pods, room)
+    after = s.clone()
+    for k in c.victims:
+        after.release(k)
+    after.place(pre.pod, c.fit.placement, c.fit.charged)  # raises on CPU or GPU over-commit
+    assert invariant_violations(after) == []
+    for k in c.victims:
+        assert not host_fits_after(s, node, pre.pod, set(c.victims) - {k}, pods, room)
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None)
+@given(host_rows, st.lists(st.tuples(st.sampled_from(["online", "offline"]), shape), min_size=1, max_size=4))
+def test_memo_gives_the_same_choices(rows: list, wanting: list) -> None:
+    """A pass that keeps a memo and replaces the nodes it changes answers as one without."""
+    s, pods = host_scene(rows)
+    memo: dict = {}
+    nodes = dict(s.nodes)
+    for i, (cls, cs) in enumerate(wanting):
+        pre = Preemptor(PodRequest(f"ns/pre{i}", cls, cs), 10**6)
+        plain = choose(nodes.values(), pre, pods)
+        remembered = choose(nodes.values(), pre, pods, memo=memo)
+        assert plain == remembered
+        if plain is None:
+            continue
+        n = without(nodes[plain.node], plain.victims, pods)
+        for g, (mem, milli, ex) in plain.fit.charged.items():
+            n.gpus[g].charge(pre.pod.key, mem, milli, ex, cls)
+        nodes[plain.node] = n
+        for k in plain.victims:
+            pods.pop(k)
