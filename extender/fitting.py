@@ -8,12 +8,13 @@ import itertools
 from datetime import datetime
 
 from gpupack.contract import RES_GPU, Reservation
-from gpupack.core.fit import Fit, FitFailure
+from gpupack.core.fit import Fit, FitFailure, host_fit
 from gpupack.core.model import Node, Placement, PodRequest
 from gpupack.core.policies import Policy
 
 from . import reservations as resv
 from .answers import FilterAnswer, Key, MemoFailure, Tables, VersionedTable, signature
+from .hostuse import NO_HOST_USE
 from .node_resources import HostedPodRequest, node_resources_fit
 from .records import NodeInfo
 from .view import ClusterView
@@ -24,22 +25,6 @@ FitResult = Fit | FitFailure
 FitTable = VersionedTable[FitResult]
 # node state -> what node_fit answered for the first node in it (see Fitter.node_fit's `memo`)
 FitMemo = dict[int | None, Fit | MemoFailure]
-
-
-def host_fit(node: Node, pod: PodRequest) -> FitResult:
-    """A CPU-only pod on a node without gpupack GPUs: CPU and memory only (the core's fit refuses
-    GPU-less nodes, which only CPU-only pods may use)."""
-    if not node.schedulable:
-        return FitFailure(f"node {node.name} is cordoned", "unschedulable", True)
-    if node.cpu_milli and pod.cpu_milli > node.cpu_milli:
-        return FitFailure(f"needs {pod.cpu_milli}m CPU; node has {node.cpu_milli}m", "cpu", True)
-    if node.ram_mib and pod.ram_mib > node.ram_mib:
-        return FitFailure(f"needs {pod.ram_mib} MiB RAM; node has {node.ram_mib} MiB", "ram", True)
-    if node.cpu_milli and pod.cpu_milli > node.free_cpu:
-        return FitFailure(f"needs {pod.cpu_milli}m CPU; {node.free_cpu}m free", "cpu")
-    if node.ram_mib and pod.ram_mib > node.free_ram:
-        return FitFailure(f"needs {pod.ram_mib} MiB RAM; {node.free_ram} MiB free", "ram")
-    return Fit(Placement(node.name, {}), {})
 
 
 def fit_on(f: Fit, node: str) -> Fit:
@@ -70,8 +55,14 @@ class Fitter:
                 f"node {name} is not in gpupack's view of the cluster (yet)", "unknown-node"
             ), None
         if view.track_host and isinstance(pod, HostedPodRequest):
-            # kube-scheduler's NodeResourcesFit filter, off in the shipped profile (node_resources.py)
-            short = node_resources_fit(info, pod.host)
+            # kube-scheduler's NodeResourcesFit filter, off in the shipped profile (node_resources.py);
+            # a preemptor's hold keeps its host room from the others
+            kept, held_pods = (
+                resv.held_host(view.active_reservations(name, now), pod)
+                if info.reservations
+                else (NO_HOST_USE, 0)
+            )
+            short = node_resources_fit(info, pod.host, kept, held_pods)
             if short is not None:
                 return short, None
         if not pod.needs_gpu:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from gpupack.core.fit import FitFailure
 from gpupack.core.model import PodRequest
 
-from .hostuse import NO_HOST_USE, HostUse, ram_mib
+from .hostuse import NO_HOST_USE, HostUse, host_plus, ram_mib
 from .records import NodeInfo
 
 # kube-scheduler's reason strings (pkg/scheduler/framework/plugins/noderesources/fit.go), so that
@@ -40,17 +40,22 @@ def hosted(req: PodRequest, host: HostUse) -> HostedPodRequest:
     return HostedPodRequest(**base, host=host)
 
 
-def node_resources_fit(info: NodeInfo, want: HostUse) -> FitFailure | None:
+def node_resources_fit(
+    info: NodeInfo, want: HostUse, held: HostUse = NO_HOST_USE, held_pods: int = 0
+) -> FitFailure | None:
     """Whether a pod requesting `want` fits next to the pods already on the node, resource by
     resource as NodeResourcesFit's fitsRequest compares them (allocatable minus requested), or why
     not: every resource short, joined, the first one's code for the metrics. Unresolvable when the
     pod asks for more than the node has at all (no pod leaving would help). A resource the pod
-    does not request is not compared."""
-    alloc, used = info.allocatable, info.requested
+    does not request is not compared. `held`, `held_pods`: room that reservations hold for
+    other pods (a preemptor's), counted as requested."""
+    alloc, used, count = info.allocatable, info.requested, info.pod_count
+    if held_pods or held != NO_HOST_USE:
+        used, count = host_plus(used, held), count + held_pods
     # The common answer first, the same comparisons without building the reasons: this runs for
     # every node the first time a pod shape is filtered (1,000 nodes on kube-scheduler's cycle).
     if (
-        info.pods_allowed - info.pod_count >= 1
+        info.pods_allowed - count >= 1
         and (want.cpu_milli <= 0 or want.cpu_milli <= alloc.cpu_milli - used.cpu_milli)
         and (want.mem_bytes <= 0 or want.mem_bytes <= alloc.mem_bytes - used.mem_bytes)
         and (want.eph_bytes <= 0 or want.eph_bytes <= alloc.eph_bytes - used.eph_bytes)
@@ -66,7 +71,7 @@ def node_resources_fit(info: NodeInfo, want: HostUse) -> FitFailure | None:
             short.append((reason, code))
             never = never or need > have
 
-    check(1, info.pods_allowed, info.pod_count, TOO_MANY_PODS, "pods")
+    check(1, info.pods_allowed, count, TOO_MANY_PODS, "pods")
     check(want.cpu_milli, alloc.cpu_milli, used.cpu_milli, "Insufficient cpu", "cpu")
     check(want.mem_bytes, alloc.mem_bytes, used.mem_bytes, "Insufficient memory", "ram")
     check(

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gpupack.contract import selector_matches
+from gpupack.contract import CLASS_OFFLINE, CLASS_ONLINE, LABEL_CLASS, selector_matches
 from gpupack.core.preemption import Victim
 
 # Pod annotation the preemption controller writes on a preemptor: the node, the reservation that
@@ -88,10 +88,75 @@ def unschedulable(pod: dict[str, Any]) -> bool:
 
 
 def node_selected(pod: dict[str, Any], labels: dict[str, str]) -> bool:
-    """The pod's nodeSelector allows a node with these labels (its other constraints kube-scheduler
-    checks: a preemption there still needs its yes, so the controller only holds the room)."""
+    """The pod's nodeSelector allows a node with these labels."""
     sel = (pod.get("spec") or {}).get("nodeSelector") or {}
     return all(labels.get(k) == v for k, v in sel.items())
+
+
+def node_allows(
+    pod: dict[str, Any], name: str, labels: dict[str, str], taints: frozenset[tuple[str, str, str]]
+) -> bool:
+    """Whether the pod may run on the node at all, as kube-scheduler's NodeSelector/NodeAffinity
+    (required terms) and TaintToleration filters decide: no eviction is made on a node that
+    would refuse the preemptor anyway. Volume and inter-pod constraints are not read here
+    (kube-scheduler still checks them when it places the pod)."""
+    return node_selected(pod, labels) and _affinity_allows(pod, name, labels) and _tolerated(pod, taints)
+
+
+def _affinity_allows(pod: dict[str, Any], name: str, labels: dict[str, str]) -> bool:
+    aff = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
+    req = aff.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = req.get("nodeSelectorTerms")
+    if not terms:
+        return True
+    # terms are ORed, a term's requirements ANDed; a term with no requirement matches nothing
+    for t in terms:
+        exprs = (t or {}).get("matchExpressions") or []
+        fields = (t or {}).get("matchFields") or []
+        if not exprs and not fields:
+            continue
+        if all(_requirement(e, labels) for e in exprs) and all(
+            _requirement(f, {"metadata.name": name}) for f in fields
+        ):
+            return True
+    return False
+
+
+def _requirement(e: dict[str, Any], labels: dict[str, str]) -> bool:
+    key, op, values = str(e.get("key")), e.get("operator"), [str(v) for v in e.get("values") or []]
+    if op == "In":
+        return key in labels and labels[key] in values
+    if op == "NotIn":
+        return key not in labels or labels[key] not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    if op in ("Gt", "Lt") and key in labels and len(values) == 1:
+        try:
+            have, want = int(labels[key]), int(values[0])
+        except ValueError:
+            return False
+        return have > want if op == "Gt" else have < want
+    return False
+
+
+def _tolerated(pod: dict[str, Any], taints: frozenset[tuple[str, str, str]]) -> bool:
+    tols = (pod.get("spec") or {}).get("tolerations") or []
+    for key, value, effect in taints:
+        if effect not in ("NoSchedule", "NoExecute"):
+            continue  # PreferNoSchedule only weighs
+        if not any(_tolerates(t, key, value, effect) for t in tols if isinstance(t, dict)):
+            return False
+    return True
+
+
+def _tolerates(t: dict[str, Any], key: str, value: str, effect: str) -> bool:
+    if t.get("effect") and t.get("effect") != effect:
+        return False
+    if t.get("operator") == "Exists":
+        return not t.get("key") or t.get("key") == key
+    return t.get("key") == key and str(t.get("value") or "") == value
 
 
 def budget_allows(pdbs: list[dict[str, Any]]) -> dict[str, int]:
@@ -107,11 +172,17 @@ def budget_allows(pdbs: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def victims_of(
-    pods: list[dict[str, Any]], classes: dict[str, str], pdbs: list[dict[str, Any]], taken: set[str]
+    pods: list[dict[str, Any]],
+    classes: dict[str, str],
+    pdbs: list[dict[str, Any]],
+    taken: set[str],
+    host_only: bool = False,
 ) -> dict[str, Victim]:
-    """The running pods that hold GPUs (`classes`: key -> class of the GPUs they hold, from the
-    view) and may be chosen: not being deleted, not terminal, not picked for another preemptor
-    (`taken`: keys)."""
+    """The running pods that may be chosen: those holding GPUs (`classes`: key -> class of the
+    GPUs they hold, from the view), and with `host_only` every other pod on a node too (its
+    class from its label, the node it runs on: it frees host CPU, memory and a pod slot); not
+    being deleted, not terminal, not static (a mirror pod cannot be evicted), not picked for
+    another preemptor (`taken`: keys)."""
     by_ns: dict[str, list[tuple[str, Any]]] = {}
     for b in pdbs:
         meta = b.get("metadata") or {}
@@ -121,16 +192,28 @@ def victims_of(
     for p in pods:
         key = key_of(p)
         meta = p.get("metadata") or {}
-        if key not in classes or key in taken or meta.get("deletionTimestamp"):
+        node = str((p.get("spec") or {}).get("nodeName") or "")
+        gpu = key in classes
+        if (not gpu and not (host_only and node)) or key in taken or meta.get("deletionTimestamp"):
             continue
         if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        if not gpu and MIRROR in (meta.get("annotations") or {}):
             continue
         labels = meta.get("labels") or {}
         budgets = tuple(
             name for name, sel in by_ns.get(str(meta.get("namespace")), []) if selector_matches(sel, labels)
         )
-        out[key] = Victim(key, priority_of(p), classes[key], budgets)
+        if gpu:
+            out[key] = Victim(key, priority_of(p), classes[key], budgets)
+        else:
+            cls = CLASS_OFFLINE if labels.get(LABEL_CLASS) == CLASS_OFFLINE else CLASS_ONLINE
+            out[key] = Victim(key, priority_of(p), cls, budgets, node=node)
     return out
+
+
+# The kubelet's mark on a static pod's API mirror: deleting the mirror stops nothing.
+MIRROR = "kubernetes.io/config.mirror"
 
 
 def grace_s(pod: dict[str, Any]) -> int:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -42,11 +43,17 @@ from . import reservations as resv
 from .defrag.eviction import Evictor, budget_refusal
 from .defrag.reserve import ReservationWriter, ReserveError
 from .framework import Extender
-from .hostuse import ram_mib
+from .hostuse import NO_HOST_USE, ram_mib
 from .lease import LeaseFence
+from .node_resources import HostedPodRequest
 from .upkeep import ANN_REQUEUED
 
 log = logging.getLogger("gpupack.extender.preemption")
+
+# Nodes whose preemptions one pass carries out at once: each is a few API calls (hold, record,
+# evictions, nomination), latency-bound; eight keep a burst's calls moving without crowding the
+# API server's priority-and-fairness share for the scheduler's account.
+EXECUTORS = 8
 
 
 class PreemptionMetrics:
@@ -151,8 +158,9 @@ class Preempter:
             return done
         pdbs = self.kc.list_all(self.kc.policy.list_pod_disruption_budget_for_all_namespaces)
         allowed = pin.budget_allows(pdbs)
-        nodes, classes, host = self._nodes(now, taken)
-        pool = pin.victims_of(running, classes, pdbs, taken)
+        track = self.view.track_host
+        nodes, gpu_nodes, constraints, classes, host, room = self._nodes(now, taken, running)
+        pool = pin.victims_of(running, classes, pdbs, taken, host_only=track)
         pool = {
             k: replace(v, cpu_milli=host[k][0], ram_mib=host[k][1]) if k in host else v
             for k, v in pool.items()
@@ -163,10 +171,17 @@ class Preempter:
                 (t[0].get("metadata") or {}).get("creationTimestamp") or "",
             )
         )
+        memo: dict[Any, Any] = {}  # preemptors of one shape ask the same of unchanged nodes
+        plans: list[_Plan] = []
         for p, req in todo:
             pre = Preemptor(req, pin.priority_of(p), True)
-            cands = [n for n in nodes.values() if pin.node_selected(p, n.labels)]
-            choice = choose(cands, pre, pool, allowed)
+            cands = [
+                n
+                for name, n in nodes.items()
+                if (name in gpu_nodes or not req.needs_gpu)
+                and pin.node_allows(p, name, n.labels, constraints[name])
+            ]
+            choice = choose(cands, pre, pool, allowed, pod_room=room, memo=memo)
             if choice is None:
                 self.metrics.preemptions.labels("no-room").inc()
                 done["no-room"] += 1
@@ -176,16 +191,22 @@ class Preempter:
                 # as this pod's for the rest of the pass, so no other preemptor counts it again
                 self.metrics.preemptions.labels("fits").inc()
                 nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
+                if choice.node in room:
+                    room[choice.node] -= 1
                 continue
-            r = self._execute(p, pre, choice, nodes[choice.node], by_key, pool, allowed, now)
-            if r is None:
-                self.metrics.preemptions.labels("failed").inc()
-                continue
-            self.metrics.preemptions.labels("evicted").inc()
-            done["evicted"] += len(choice.victims)
+            r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
+            exhausted = {b for b, n in allowed.items() if n <= 0}
+            plans.append(_Plan(p, pre, choice, r, {k: pool[k] for k in choice.victims}, exhausted))
             for k in choice.victims:  # never picked again in this pass; their room is held
+                for b in pool[k].budgets:
+                    allowed[b] = allowed.get(b, 0) - 1
+            # the hold counts its GPUs and host room for the rest of the pass
+            nodes[choice.node] = resv.hold(without(nodes[choice.node], choice.victims, pool), [r])
+            for k in choice.victims:
                 pool.pop(k, None)
-            nodes[choice.node] = resv.hold(without(nodes[choice.node], choice.victims), [r])
+            if choice.node in room:
+                room[choice.node] += len(choice.victims) - 1
+        done["evicted"] = self._carry_out(plans, by_key, now)
         return done
 
     def _request(self, pod: dict[str, Any]) -> Any:
@@ -193,7 +214,9 @@ class Preempter:
             req = self.ext.pod_request(pod)
         except Exception:  # a bad pod: its filter answers say why
             return None
-        return req if req.needs_gpu else None
+        # a pod needing no GPU waits for CPU, memory or a pod slot: those are counted only with
+        # the view's host tracking (kube-scheduler's NodeResourcesFit filter off)
+        return req if req.needs_gpu or self.view.track_host else None
 
     def _own_reservations(self, now: datetime) -> dict[str, list[Reservation]]:
         with self.view.lock:
@@ -210,28 +233,61 @@ class Preempter:
             return out
 
     def _nodes(
-        self, now: datetime, taken: set[str]
-    ) -> tuple[dict[str, Node], dict[str, str], dict[str, tuple[int, int]]]:
-        """Copies of the view's nodes as they will be: the pods already on their way out (`taken`
-        victims, pods being deleted) gone and every active reservation held; the class each pod
-        holds its GPUs for, and the host CPU (milli) and memory (MiB) each pod frees when it goes.
-        Counting the leavers as gone lets a second preemptor use the room a first one's victims
-        leave beyond its hold (two 40 GB shares on one GPU: one GPU's victims, not two)."""
+        self, now: datetime, taken: set[str], running: list[dict[str, Any]]
+    ) -> tuple[
+        dict[str, Node],
+        set[str],
+        dict[str, frozenset[tuple[str, str, str]]],
+        dict[str, str],
+        dict[str, tuple[int, int]],
+        dict[str, int],
+    ]:
+        """Copies of the view's schedulable nodes as they will be: the pods already on their way
+        out (`taken` victims, pods being deleted) gone, their host room too, and every active
+        reservation held; the nodes a GPU pod can start on (the device plugin registered); each
+        node's taints; the class each pod holds its GPUs for; the host CPU (milli) and memory
+        (MiB) each pod frees when it goes; and, with host tracking, the pods each node can still
+        take. Counting the leavers as gone lets a second preemptor use the room a first one's
+        victims leave beyond its hold (two 40 GB shares on one GPU: one GPU's victims, not two)."""
+        leaving: dict[str, set[str]] = {}
+        for p in running:
+            where = str((p.get("spec") or {}).get("nodeName") or "")
+            k = pin.key_of(p)
+            if where and (k in taken or (p.get("metadata") or {}).get("deletionTimestamp")):
+                leaving.setdefault(where, set()).add(k)
         with self.view.lock:
-            leaving: dict[str, list[str]] = {}
-            for k, p in self.view.pods.items():
-                if k in taken or p.deleting:
-                    leaving.setdefault(p.node, []).append(k)
+            track = self.view.track_host
+            for k, gp in self.view.pods.items():
+                if k in taken or gp.deleting:
+                    leaving.setdefault(gp.node, set()).add(k)
+            host: dict[str, tuple[int, int]] = {}
+            if track:
+                for k, hp in self.view.host.pods.items():
+                    host[k] = (hp.use.cpu_milli, ram_mib(hp.use.mem_bytes))
+            for k, gp in self.view.pods.items():
+                host.setdefault(k, (gp.host.cpu_milli, ram_mib(gp.host.mem_bytes)))
+            freed = {k: Victim(k, cpu_milli=c, ram_mib=m) for k, (c, m) in host.items()}
             nodes: dict[str, Node] = {}
+            gpu_nodes: set[str] = set()
+            taints: dict[str, frozenset[tuple[str, str, str]]] = {}
+            room: dict[str, int] = {}
             for name, node in self.view.state.nodes.items():
                 info = self.view.nodes.get(name)
-                if info is None or info.slots <= 0 or not node.gpus:
+                if info is None or info.unschedulable:
+                    continue
+                if info.slots > 0 and node.gpus:
+                    gpu_nodes.add(name)
+                elif not track:
                     continue  # no device plugin there: no GPU pod can start on it
-                base = without(node, leaving[name]) if name in leaving else node
+                gone = leaving.get(name, set())
+                base = without(node, gone, freed) if gone else node
                 nodes[name] = resv.hold(base, self.view.active_reservations(name, now))
+                taints[name] = info.taints
+                if track and info.pods_allowed > 0:
+                    held = sum(r.host_pods for r in self.view.active_reservations(name, now))
+                    room[name] = info.pods_allowed - info.pod_count + len(gone) - held
             classes = {k: p.assignment.pod_class for k, p in self.view.pods.items()}
-            host = {k: (p.host.cpu_milli, ram_mib(p.host.mem_bytes)) for k, p in self.view.pods.items()}
-            return nodes, classes, host
+            return nodes, gpu_nodes, taints, classes, host, room
 
     # --- waiting and releasing ----------------------------------------------------------------
     def _wait_victims(self, pod: dict[str, Any], rec: pin.Record, by_key: dict[str, dict[str, Any]]) -> int:
@@ -301,27 +357,41 @@ class Preempter:
         return n
 
     # --- a decision carried out ---------------------------------------------------------------
-    def _execute(
-        self,
-        pod: dict[str, Any],
-        pre: Preemptor,
-        choice: Choice,
-        node: Node,
-        by_key: dict[str, dict[str, Any]],
-        pool: dict[str, Victim],
-        allowed: dict[str, int],
-        now: datetime,
-    ) -> Reservation | None:
+    def _carry_out(self, plans: list[_Plan], by_key: dict[str, dict[str, Any]], now: datetime) -> int:
+        """The pass's decisions carried out, the victims evicted; one node's in order (they write
+        its reservations annotation), nodes side by side: a burst of preemptors costs the slowest
+        node's API calls, not the sum of all. Returns the victims evicted for."""
+        by_node: dict[str, list[_Plan]] = {}
+        for plan in plans:
+            by_node.setdefault(plan.choice.node, []).append(plan)
+
+        def node_plans(group: list[_Plan]) -> int:
+            n = 0
+            for plan in group:
+                try:
+                    ok = self._execute(plan, by_key, now)
+                except Exception:  # one preemptor's failure must not stop the others'
+                    log.exception("preemption for %s failed", plan.pre.pod.key)
+                    ok = False
+                self.metrics.preemptions.labels("evicted" if ok else "failed").inc()
+                n += len(plan.choice.victims) if ok else 0
+            return n
+
+        if len(by_node) <= 1:
+            return sum(node_plans(g) for g in by_node.values())
+        with ThreadPoolExecutor(min(EXECUTORS, len(by_node)), thread_name_prefix="preempt") as ex:
+            return sum(ex.map(node_plans, by_node.values()))
+
+    def _execute(self, plan: _Plan, by_key: dict[str, dict[str, Any]], now: datetime) -> bool:
+        pod, pre, choice, r, pool = plan.pod, plan.pre, plan.choice, plan.hold, plan.victims
         meta = pod.get("metadata") or {}
         ns, name, uid = meta.get("namespace") or "default", str(meta.get("name")), pin.uid_of(pod)
         victims = [by_key[k] for k in choice.victims]
-        grace = max((pin.grace_s(v) for v in victims), default=30)
-        r = self._reservation(pre, choice, node, ns, name, uid, now + timedelta(seconds=grace + self.hold_s))
         try:
             self.writer.add(choice.node, r, now)
         except (ApiException, ReserveError) as e:
             log.warning("pod %s: cannot hold node %s for it: %s", pre.pod.key, choice.node, e)
-            return None
+            return False
         self._await_hold(choice.node, r.id)
         rec = pin.Record(
             choice.node,
@@ -334,7 +404,7 @@ class Preempter:
         except ApiException as e:
             log.warning("pod %s: cannot record its preemption: %s", pre.pod.key, api_reason(e))
             self.writer.remove(choice.node, {r.id}, now)
-            return None
+            return False
         names = ", ".join(f"{k} (priority {pool[k].priority}, {pool[k].pod_class})" for k in choice.victims)
         forced = (
             f"; {choice.budget_violations} of them against a PodDisruptionBudget, as no other choice existed"
@@ -352,21 +422,20 @@ class Preempter:
         if self.events is not None:
             self.events.pod(
                 ns, name, uid, "Preempting",
-                f"gpupack evicts {len(victims)} pod(s) on node {choice.node} to make room for this pod's GPUs: "
+                f"gpupack evicts {len(victims)} pod(s) on node {choice.node} to make room for this pod: "
                 f"{names}{forced}. The room is held for this pod until they are gone.",
                 warning=bool(choice.budget_violations),
             )  # fmt: skip
-        exhausted = {b for b, n in allowed.items() if n <= 0}
         for v in victims:
             vic = pool[pin.key_of(v)]
-            must = bool(choice.budget_violations) and any(b in exhausted for b in vic.budgets)
+            must = bool(choice.budget_violations) and any(b in plan.exhausted for b in vic.budgets)
             self._evict(v, pre.pod.key, deleting_ok=must, priority=pre.priority, node=choice.node)
             self.metrics.victims.labels(vic.pod_class, str(vic.priority)).inc()
         # after the evictions, as kube-scheduler does: its next failed attempt then sees lower-priority
         # pods terminating on the nominated node and keeps the nomination (up to v1.28; later
         # versions clear it, and _wait_victims writes it again)
         self._nominate(pod, choice.node)
-        return r
+        return True
 
     def _nominate(self, pod: dict[str, Any], node: str) -> None:
         meta = pod.get("metadata") or {}
@@ -381,8 +450,21 @@ class Preempter:
             log.info("pod %s: cannot set its nominatedNodeName: %s", pin.key_of(pod), api_reason(e))
 
     def _reservation(
-        self, pre: Preemptor, choice: Choice, node: Node, ns: str, name: str, uid: str, expires: datetime
+        self,
+        pod: dict[str, Any],
+        pre: Preemptor,
+        choice: Choice,
+        node: Node,
+        by_key: dict[str, dict[str, Any]],
+        now: datetime,
     ) -> Reservation:
+        """The hold for `pre`'s room on the chosen node: its GPU shares and host room, until its
+        victims' longest grace period and `hold_s` have passed."""
+        meta = pod.get("metadata") or {}
+        ns, name, uid = meta.get("namespace") or "default", str(meta.get("name")), pin.uid_of(pod)
+        grace = max((pin.grace_s(by_key[k]) for k in choice.victims), default=30)
+        expires = now + timedelta(seconds=grace + self.hold_s)
+        host = pre.pod.host if self.view.track_host and isinstance(pre.pod, HostedPodRequest) else NO_HOST_USE
         shares = []
         for i, (mem, milli, ex) in sorted(choice.fit.charged.items()):
             g = node.gpus[i]
@@ -398,6 +480,10 @@ class Preempter:
             containers={"preemptor": tuple(shares)},
             expires=handoff.rfc3339(expires),
             evicted_pod=",".join(choice.victims)[:1000],
+            # its host room too, from every other pod (with host tracking; extender/fitting.py)
+            host_cpu_milli=host.cpu_milli,
+            host_mem_bytes=host.mem_bytes,
+            host_pods=1 if self.view.track_host else 0,
         )
 
     def _await_hold(self, node: str, rid: str, timeout_s: float = 3.0) -> None:
@@ -439,12 +525,30 @@ class Preempter:
             self.events.pod(
                 ns, name, uid, "Preempted",
                 f"evicted by gpupack for pod {for_key} (priority {priority} > {int((v.get('spec') or {}).get('priority') or 0)}), "
-                f"which needs this pod's GPU room on node {node}",
+                f"which needs this pod's room on node {node}",
             )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """One preemptor's decision, made in the pass and carried out after it."""
+
+    pod: dict[str, Any]
+    pre: Preemptor
+    choice: Choice
+    hold: Reservation
+    victims: dict[str, Victim]  # the chosen ones, as the chooser saw them
+    exhausted: set[str]  # budgets that allowed no more disruptions when it was made
+
+
 def _charged(node: Node, pre: Preemptor, choice: Choice) -> Node:
+    """A copy of `node` with the preemptor counted on it for the rest of the pass: its GPUs and
+    its host CPU and memory."""
     out = node.copy()
     for i, (mem, milli, ex) in choice.fit.charged.items():
         out.gpus[i].charge(pre.pod.key, mem, milli, ex, pre.pod.pod_class)
+    if out.cpu_milli:
+        out.cpu_used += pre.pod.cpu_milli
+    if out.ram_mib:
+        out.ram_used += pre.pod.ram_mib
     return out

@@ -4,7 +4,8 @@ A reservation on a node holds GPU shares for the replacement of an evicted pod, 
 preemption evicted others for. Unexpired and not yet consumed, it counts as used for every pod
 except one that matches it (same namespace, same controlling owner kind and name, same class; a
 preemption's, owner kind `Pod`: that pod by name). A matching pod is steered onto exactly the
-reserved GPUs; its Assignment then names the reservation, which marks it consumed.
+reserved GPUs; its Assignment then names the reservation, which marks it consumed. A
+preemption's hold also holds the preemptor's host room (CPU, memory, a pod slot) from the others.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from datetime import datetime
 from gpupack.contract import Reservation
 from gpupack.core.model import Node, PodRequest
 from gpupack.handoff import parse_rfc3339
+
+from .hostuse import MIB, HostUse
 
 HOLDER_PREFIX = "reservation:"
 
@@ -68,7 +71,20 @@ def hold(node: Node, held: Iterable[Reservation]) -> Node:
             g = by_uuid.get(uuid)
             if g is not None:
                 g.charge(HOLDER_PREFIX + r.id, mem, milli, ex, r.pod_class)
+        if out.cpu_milli:
+            out.cpu_used += r.host_cpu_milli
+        if out.ram_mib:
+            out.ram_used += -(-r.host_mem_bytes // MIB)
     return out
+
+
+def held_host(held: Iterable[Reservation], pod: PodRequest) -> tuple[HostUse, int]:
+    """The host room (CPU, memory; pod slots) that reservations other than `pod`'s own hold."""
+    cpu = mem = pods = 0
+    for r in held:
+        if not matches(r, pod):
+            cpu, mem, pods = cpu + r.host_cpu_milli, mem + r.host_mem_bytes, pods + r.host_pods
+    return HostUse(cpu, mem), pods
 
 
 def steer(node: Node, mine: Reservation, others: Iterable[Reservation]) -> Node:

@@ -355,9 +355,14 @@ class Reservation:
     containers: dict[str, tuple[GPUShare, ...]]
     expires: str  # RFC 3339; an expired reservation holds nothing
     evicted_pod: str = ""  # namespace/name of the pod whose move this serves
+    # host room held too (a preemption's: the preemptor's requests), counted as requested on the
+    # node for every other pod: CPU (milli), memory (bytes), pod slots
+    host_cpu_milli: int = 0
+    host_mem_bytes: int = 0
+    host_pods: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "namespace": self.namespace,
             "owner_kind": self.owner_kind,
@@ -367,6 +372,13 @@ class Reservation:
             "expires": self.expires,
             "evicted_pod": self.evicted_pod,
         }
+        if self.host_cpu_milli or self.host_mem_bytes or self.host_pods:
+            out["host"] = {
+                "cpu_milli": self.host_cpu_milli,
+                "mem_bytes": self.host_mem_bytes,
+                "pods": self.host_pods,
+            }
+        return out
 
 
 def encode_reservations(reservations: list[Reservation]) -> str:
@@ -397,8 +409,27 @@ def decode_reservations(text: Any, node: str = "?") -> list[Reservation]:
                 containers=_decode_containers(_req(r, "containers", dict, w) if "containers" in r else {}, w),
                 expires=_req(r, "expires", str, w),
                 evicted_pod=str(r.get("evicted_pod", "")),
+                **_decode_host(r.get("host"), w),
             )
         )
+    return out
+
+
+def _decode_host(value: Any, where: str) -> dict[str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ContractError(f"{where}: host: expected an object")
+    out = {}
+    for key, field_name in (
+        ("cpu_milli", "host_cpu_milli"),
+        ("mem_bytes", "host_mem_bytes"),
+        ("pods", "host_pods"),
+    ):
+        v = value.get(key, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ContractError(f"{where}: host.{key}: expected a non-negative integer")
+        out[field_name] = v
     return out
 
 

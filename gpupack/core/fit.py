@@ -333,3 +333,19 @@ def fit_general(node: Node, pod: PodRequest, rank: GpuRank = tightest) -> Fit | 
         [holds(containers[c.name]) for c in pod.init_containers],
     )
     return Fit(Placement(node.name, containers), charged)
+
+
+def host_fit(node: Node, pod: PodRequest) -> Fit | FitFailure:
+    """A CPU-only pod on a node without gpupack GPUs: CPU and memory only (the core's fit refuses
+    GPU-less nodes, which only CPU-only pods may use)."""
+    if not node.schedulable:
+        return FitFailure(f"node {node.name} is cordoned", "unschedulable", True)
+    if node.cpu_milli and pod.cpu_milli > node.cpu_milli:
+        return FitFailure(f"needs {pod.cpu_milli}m CPU; node has {node.cpu_milli}m", "cpu", True)
+    if node.ram_mib and pod.ram_mib > node.ram_mib:
+        return FitFailure(f"needs {pod.ram_mib} MiB RAM; node has {node.ram_mib} MiB", "ram", True)
+    if node.cpu_milli and pod.cpu_milli > node.free_cpu:
+        return FitFailure(f"needs {pod.cpu_milli}m CPU; {node.free_cpu}m free", "cpu")
+    if node.ram_mib and pod.ram_mib > node.free_ram:
+        return FitFailure(f"needs {pod.ram_mib} MiB RAM; {node.free_ram} MiB free", "ram")
+    return Fit(Placement(node.name, {}), {})

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpupack.contract import CLASS_OFFLINE
-from gpupack.core.fit import Fit, GpuRank, fit, tightest
+from gpupack.core.fit import Fit, GpuRank, fit, host_fit, tightest
 from gpupack.core.model import FULL, Node, PodRequest
 
 # Kubernetes' system priority classes (system-cluster-critical, system-node-critical) start here;
@@ -123,7 +123,7 @@ def _scoped(node: Node, gpus: frozenset[int] | None) -> Node:
 
 
 def _fits(node: Node, pod: PodRequest, rank: GpuRank) -> Fit | None:
-    f = fit(node, pod, rank)
+    f = host_fit(node, pod) if not node.gpus and not pod.needs_gpu else fit(node, pod, rank)
     return f if isinstance(f, Fit) else None
 
 

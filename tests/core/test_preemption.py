@@ -423,3 +423,16 @@ def test_memo_gives_the_same_choices(rows: list, wanting: list) -> None:
         nodes[plain.node] = n
         for k in plain.victims:
             pods.pop(k)
+
+
+def test_cpu_only_preemptor_on_a_node_without_gpus() -> None:
+    n = Node("cpu", [], cpu_milli=8000, ram_mib=1000, cpu_used=8000)
+    pods = {
+        "x/big": Victim("x/big", 1, cpu_milli=6000, node="cpu"),
+        "x/small": Victim("x/small", 1, cpu_milli=2000, node="cpu"),
+        "x/high": Victim("x/high", 10**6, cpu_milli=8000, node="cpu"),
+    }
+    c = choose([n], Preemptor(PodRequest("a/web", cpu_milli=2000), 100), pods)
+    assert c is not None and c.victims == ("x/small",)
+    # a GPU pod never goes to a node without GPUs, whatever is evicted
+    assert choose([n], Preemptor(PodRequest("a/gpu", containers=(share(1000, 10),)), 100), pods) is None

@@ -93,8 +93,15 @@ def present(cluster: realk8s.ControlPlane, ns: str) -> dict[str, dict]:
     return {p["metadata"]["name"]: p for p in list_pods(cluster.core, ns)}
 
 
+def stopping(p: dict | None) -> bool:
+    """Still there and not terminal: the kubelet stops a pod (terminal phase) before it is
+    deleted, and a terminal pod holds nothing, so the preemptor may be bound from then on."""
+    return p is not None and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+
+
 def gone_and_bound(cluster: realk8s.ControlPlane, ns: str, pre: str, sched: SimpleNamespace) -> dict:
-    """Wait for `pre` to be bound; check it was bound within 15 s of its last victim being gone."""
+    """Wait for `pre` to be bound; check it was bound within 15 s of its last victim being gone
+    (or stopped)."""
     t_gone = None
 
     def bound() -> dict | None:
@@ -105,7 +112,7 @@ def gone_and_bound(cluster: realk8s.ControlPlane, ns: str, pre: str, sched: Simp
         if (
             rec is not None
             and t_gone is None
-            and not any(v.rsplit(":", 1)[0].split("/")[1] in pods for v in rec.victims)
+            and not any(stopping(pods.get(v.rsplit(":", 1)[0].split("/")[1])) for v in rec.victims)
         ):
             t_gone = time.monotonic()
         return p if p["spec"].get("nodeName") else None
@@ -114,7 +121,9 @@ def gone_and_bound(cluster: realk8s.ControlPlane, ns: str, pre: str, sched: Simp
         p = until(bound, 60, f"{pre} bound", interval=0.1)
     except AssertionError as e:
         raise AssertionError(f"{e}: {get_pod(cluster.core, ns, pre).get('status')}{diag(sched)}") from None
-    assert t_gone is not None, "bound before its victims were gone"
+    assert t_gone is not None, (
+        f"bound before its victims were gone: {record_of(p)} {reasons(cluster, ns, pre)} {sorted(present(cluster, ns))}"
+    )
     assert time.monotonic() - t_gone <= 15.0
     return p
 
@@ -332,3 +341,75 @@ def test_online_deployment_scaling_2_to_8_takes_the_fewest_gpus_from_offline_job
     bound = [p for p in list_pods(cluster.core, ns) if p["spec"].get("nodeName")]
     check_no_overcommit(gpu_use(bound))
     assert offline_running() == 16  # the Job's replacements wait for idle GPUs
+
+
+# --- CPU, memory and pod slots (issue 26 item 6) ---------------------------------------------
+
+
+def cpu_pod(name: str, node: str, prio: str, cpu: str, cls: str = "offline", finalizer: bool = False) -> dict:
+    """A pod of gpupack's scheduler that asks for CPU only, kept to `node` by its selector."""
+    c = {"name": "main", "image": "registry.invalid/x:1", "resources": {"requests": {"cpu": cpu}}}
+    p = pod(name, cls, prio, c, finalizer=finalizer)
+    p["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return p
+
+
+def bound_names(cluster: realk8s.ControlPlane, ns: str) -> dict[str, str]:
+    return {
+        p["metadata"]["name"]: p["spec"]["nodeName"]
+        for p in list_pods(cluster.core, ns)
+        if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+    }
+
+
+def test_cpu_only_pod_evicts_the_fewest_lowest_priority_pods_for_cpu(cluster, ns, sfx, sched, kubelet):
+    node = f"cpu-{sfx}"
+    cluster.make_node(node, cpu="8")
+    fill = {
+        "low-0": (LOW, "2500m"),
+        "low-1": (LOW, "2500m"),
+        "low-2": (LOW, "2500m"),
+        "mid": (OFFLINE, "500m"),
+    }
+    for name, (prio, cpu) in fill.items():
+        create_pod(cluster.core, cpu_pod(name, node, prio, cpu), ns)
+    until(lambda: len(bound_names(cluster, ns)) == 4, 60, "8 CPUs filled")
+    create_pod(cluster.core, cpu_pod("web", node, ONLINE, "2", cls="online"), ns)
+    p = gone_and_bound(cluster, ns, "web", sched)
+    rec = record_of(p)
+    assert rec is not None and rec.node == node and len(rec.victims) == 1, rec
+    victim = rec.victims[0].rsplit(":", 1)[0].split("/")[1]
+    assert victim.startswith("low-"), victim  # the lowest priority, and one is enough
+    left = bound_names(cluster, ns)
+    assert "mid" in left and sum(n.startswith("low-") for n in left) == 2, left
+    assert any(r.startswith("Preempting:") and victim in r for r in reasons(cluster, ns, "web"))
+
+
+def test_a_full_node_gives_a_pod_slot_to_a_higher_priority_pod(cluster, ns, sfx, sched, kubelet):
+    node = f"slots-{sfx}"
+    cluster.make_node(node, pods="3")
+    for name, prio in (("a", OFFLINE), ("b", LOW), ("c", OFFLINE)):
+        create_pod(cluster.core, cpu_pod(name, node, prio, "100m"), ns)
+    until(lambda: len(bound_names(cluster, ns)) == 3, 60, "3 pod slots filled")
+    create_pod(cluster.core, cpu_pod("web", node, ONLINE, "100m", cls="online"), ns)
+    p = gone_and_bound(cluster, ns, "web", sched)
+    rec = record_of(p)
+    assert rec is not None and [v.rsplit(":", 1)[0] for v in rec.victims] == [f"{ns}/b"], rec
+    assert set(bound_names(cluster, ns)) == {"a", "c", "web"}
+
+
+def test_a_lower_priority_pod_never_takes_held_cpu(cluster, ns, sfx, sched, kubelet):
+    node = f"cpuhold-{sfx}"
+    cluster.make_node(node, cpu="8")
+    create_pod(cluster.core, cpu_pod("old", node, LOW, "4", finalizer=True), ns)
+    create_pod(cluster.core, cpu_pod("keep", node, OFFLINE, "4"), ns)
+    until(lambda: len(bound_names(cluster, ns)) == 2, 60, "8 CPUs filled")
+    create_pod(cluster.core, cpu_pod("web", node, ONLINE, "4", cls="online"), ns)
+    # the victim stays terminating (finalizer) while a lower-priority pod that fits in its room waits
+    until(lambda: record_of(get_pod(cluster.core, ns, "web")) is not None, 30, "preemption decided")
+    create_pod(cluster.core, cpu_pod("late", node, LOW, "2"), ns)
+    until(lambda: get_pod(cluster.core, ns, "old")["metadata"].get("deletionTimestamp"), 30, "victim evicted")
+    cluster.core.patch_namespaced_pod("old", ns, {"metadata": {"finalizers": None}})
+    p = gone_and_bound(cluster, ns, "web", sched)
+    assert p["spec"]["nodeName"] == node
+    assert "late" not in bound_names(cluster, ns)  # and with web there, no room is left for it
