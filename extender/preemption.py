@@ -403,7 +403,10 @@ class Preempter:
             self.kube.patch_pod_metadata(ns, name, {pin.ANN_PREEMPTION: rec.encode()}, {}, None)
         except ApiException as e:
             log.warning("pod %s: cannot record its preemption: %s", pre.pod.key, api_reason(e))
-            self.writer.remove(choice.node, {r.id}, now)
+            try:  # without a record the hold is no one's: give it back (it expires anyway)
+                self.writer.remove(choice.node, {r.id}, now)
+            except (ApiException, ReserveError) as e2:
+                log.warning("node %s: cannot release hold %s: %s", choice.node, r.id, e2)
             return False
         names = ", ".join(f"{k} (priority {pool[k].priority}, {pool[k].pod_class})" for k in choice.victims)
         forced = (
@@ -477,7 +480,7 @@ class Preempter:
             owner_kind="Pod",
             owner_name=name,
             pod_class=pre.pod.pod_class,
-            containers={"preemptor": tuple(shares)},
+            containers={"preemptor": tuple(shares)} if shares else {},  # a CPU-only pod holds no GPU
             expires=handoff.rfc3339(expires),
             evicted_pod=",".join(choice.victims)[:1000],
             # its host room too, from every other pod (with host tracking; extender/fitting.py)

@@ -52,6 +52,19 @@ def test_reservations_round_trip():
         "2026-01-01T00:00:00Z",
     )
     assert decode_reservations(encode_reservations([r]), "n1") == [r]
+    assert '"host"' not in encode_reservations([r])  # unchanged for readers that predate it
+
+
+def test_reservation_host_room_round_trips_and_bad_values_are_refused():
+    r = Reservation("preempt-1", "ns", "Pod", "web", "online", {}, "2026-01-01T00:00:00Z",
+                    host_cpu_milli=2000, host_mem_bytes=4 << 30, host_pods=1)  # fmt: skip
+    text = encode_reservations([r])
+    assert decode_reservations(text, "n1") == [r]
+    d = json.loads(text)
+    for bad in ({"cpu_milli": -1}, {"pods": "1"}, {"mem_bytes": True}, []):
+        d["reservations"][0]["host"] = bad
+        with pytest.raises(ContractError, match="host"):
+            decode_reservations(json.dumps(d), "n1")
 
 
 @pytest.mark.parametrize(

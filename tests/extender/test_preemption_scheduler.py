@@ -31,7 +31,7 @@ from processes import ExtenderProcess
 from test_extender_scheduler import check_no_overcommit, diag, gpu_use
 
 from extender.preempt_inputs import ANN_PREEMPTION, record_of
-from gpupack.contract import ANN_HANDOFF, HANDOFF_DONE
+from gpupack.contract import ANN_HANDOFF, HANDOFF_DONE, decode_reservations
 
 until = realk8s.until
 ONLINE, OFFLINE, OFFLINE_LOW, ONLINE_NEVER, LOW = (
@@ -407,6 +407,10 @@ def test_a_lower_priority_pod_never_takes_held_cpu(cluster, ns, sfx, sched, kube
     create_pod(cluster.core, cpu_pod("web", node, ONLINE, "4", cls="online"), ns)
     # the victim stays terminating (finalizer) while a lower-priority pod that fits in its room waits
     until(lambda: record_of(get_pod(cluster.core, ns, "web")) is not None, 30, "preemption decided")
+    held = decode_reservations(get_node_annotations(cluster, node)["gpupack.io/reservations"], node)
+    assert [(r.owner_name, r.host_cpu_milli, r.host_pods, r.containers) for r in held] == [
+        ("web", 4000, 1, {})
+    ]
     create_pod(cluster.core, cpu_pod("late", node, LOW, "2"), ns)
     until(lambda: get_pod(cluster.core, ns, "old")["metadata"].get("deletionTimestamp"), 30, "victim evicted")
     cluster.core.patch_namespaced_pod("old", ns, {"metadata": {"finalizers": None}})
