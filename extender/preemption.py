@@ -23,10 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes import client
 from prometheus_client import Counter, Histogram
@@ -54,6 +55,7 @@ log = logging.getLogger("gpupack.extender.preemption")
 # evictions, nomination), latency-bound; eight keep a burst's calls moving without crowding the
 # API server's priority-and-fairness share for the scheduler's account.
 EXECUTORS = 8
+_T = TypeVar("_T")
 
 
 class PreemptionMetrics:
@@ -129,7 +131,7 @@ class Preempter:
         done = {"evicted": 0, "waiting": 0, "released": 0, "no-room": 0}
         if not self.view.synced.is_set() or (self.fence is not None and self.fence.problem()):
             return done
-        now = self.ext.clock()
+        now, started = self.ext.clock(), time.monotonic()
         pending = [
             p
             for p in self.kube.unscheduled_pods(self.ext.config.scheduler_name, cached=True)
@@ -145,21 +147,25 @@ class Preempter:
         done["released"] = self._release(own, pending_by_key, by_key, now)
         taken: set[str] = set()
         todo = []
+        waits = []
         for p, req in wanting:
             rec = pin.record_of(p)
             if rec is not None and any(r.id == rec.reservation for r in own.get(rec.node, [])):
                 taken.update(v.rsplit(":", 1)[0] for v in rec.victims)
-                done["waiting"] += self._wait_victims(p, rec, by_key)
+                waits.append((p, rec))
             elif pin.may_preempt(p):
                 todo.append((p, req))
             else:
                 self.metrics.preemptions.labels("never").inc()
+        # a burst leaves many preemptors waiting at once, each maybe with an API call to make
+        # (a nomination written again, an eviction retried, a retry asked for)
+        done["waiting"] = sum(self._in_parallel(lambda w: self._wait_victims(w[0], w[1], by_key), waits))
         if not todo:
             return done
         pdbs = self.kc.list_all(self.kc.policy.list_pod_disruption_budget_for_all_namespaces)
         allowed = pin.budget_allows(pdbs)
         track = self.view.track_host
-        nodes, gpu_nodes, constraints, classes, host, room = self._nodes(now, taken, running)
+        nodes, gpu_nodes, constraints, classes, host, room, leaving = self._nodes(now, taken, running)
         pool = pin.victims_of(running, classes, pdbs, taken, host_only=track)
         pool = {
             k: replace(v, cpu_milli=host[k][0], ram_mib=host[k][1]) if k in host else v
@@ -190,9 +196,16 @@ class Preempter:
                 # room that is there, or will be once the pods on their way out are gone: counted
                 # as this pod's for the rest of the pass, so no other preemptor counts it again
                 self.metrics.preemptions.labels("fits").inc()
-                nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
                 if choice.node in room:
                     room[choice.node] -= 1
+                if choice.node in leaving and not self._fits_now(choice.node, pre, now):
+                    # only once they are gone (another preemptor's victims): held for it as for
+                    # its own, so no lower-priority pod takes it meanwhile
+                    r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
+                    plans.append(_Plan(p, pre, choice, r, {}, set()))
+                    nodes[choice.node] = resv.hold(nodes[choice.node], [r])
+                else:
+                    nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
                 continue
             r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
             exhausted = {b for b, n in allowed.items() if n <= 0}
@@ -207,6 +220,11 @@ class Preempter:
             if choice.node in room:
                 room[choice.node] += len(choice.victims) - 1
         done["evicted"] = self._carry_out(plans, by_key, now)
+        log.log(
+            logging.INFO if plans else logging.DEBUG,
+            "preemption pass: %d pending, %d waiting for victims, %d decided (%d victims), %d without room, %.1f s",
+            len(pending), len(waits), len(plans), done["evicted"], done["no-room"], time.monotonic() - started,
+        )  # fmt: skip
         return done
 
     def _request(self, pod: dict[str, Any]) -> Any:
@@ -241,13 +259,14 @@ class Preempter:
         dict[str, str],
         dict[str, tuple[int, int]],
         dict[str, int],
+        set[str],
     ]:
         """Copies of the view's schedulable nodes as they will be: the pods already on their way
         out (`taken` victims, pods being deleted) gone, their host room too, and every active
         reservation held; the nodes a GPU pod can start on (the device plugin registered); each
         node's taints; the class each pod holds its GPUs for; the host CPU (milli) and memory
         (MiB) each pod frees when it goes; and, with host tracking, the pods each node can still
-        take. Counting the leavers as gone lets a second preemptor use the room a first one's
+        take; the nodes pods are leaving. Counting the leavers as gone lets a second preemptor use the room a first one's
         victims leave beyond its hold (two 40 GB shares on one GPU: one GPU's victims, not two)."""
         leaving: dict[str, set[str]] = {}
         for p in running:
@@ -287,7 +306,16 @@ class Preempter:
                     held = sum(r.host_pods for r in self.view.active_reservations(name, now))
                     room[name] = info.pods_allowed - info.pod_count + len(gone) - held
             classes = {k: p.assignment.pod_class for k, p in self.view.pods.items()}
-            return nodes, gpu_nodes, taints, classes, host, room
+            return nodes, gpu_nodes, taints, classes, host, room, {n for n, ks in leaving.items() if ks}
+
+    def _fits_now(self, name: str, pre: Preemptor, now: datetime) -> bool:
+        """Whether `pre` fits on the node as the view has it, the pods on their way out still there."""
+        with self.view.lock:
+            node = self.view.state.nodes.get(name)
+            if node is None:
+                return False
+            held = resv.hold(node, self.view.active_reservations(name, now))
+        return choose([held], pre, {}) is not None
 
     # --- waiting and releasing ----------------------------------------------------------------
     def _wait_victims(self, pod: dict[str, Any], rec: pin.Record, by_key: dict[str, dict[str, Any]]) -> int:
@@ -377,10 +405,13 @@ class Preempter:
                 n += len(plan.choice.victims) if ok else 0
             return n
 
-        if len(by_node) <= 1:
-            return sum(node_plans(g) for g in by_node.values())
-        with ThreadPoolExecutor(min(EXECUTORS, len(by_node)), thread_name_prefix="preempt") as ex:
-            return sum(ex.map(node_plans, by_node.values()))
+        return sum(self._in_parallel(node_plans, list(by_node.values())))
+
+    def _in_parallel(self, fn: Callable[[_T], int], items: list[_T]) -> list[int]:
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        with ThreadPoolExecutor(min(EXECUTORS, len(items)), thread_name_prefix="preempt") as ex:
+            return list(ex.map(fn, items))
 
     def _execute(self, plan: _Plan, by_key: dict[str, dict[str, Any]], now: datetime) -> bool:
         pod, pre, choice, r, pool = plan.pod, plan.pre, plan.choice, plan.hold, plan.victims
@@ -419,10 +450,10 @@ class Preempter:
             pre.pod.key,
             pre.priority,
             choice.node,
-            names,
+            names or "no victim (the room pods already leaving free is held for it)",
             forced,
         )
-        if self.events is not None:
+        if self.events is not None and victims:
             self.events.pod(
                 ns, name, uid, "Preempting",
                 f"gpupack evicts {len(victims)} pod(s) on node {choice.node} to make room for this pod: "

@@ -279,6 +279,37 @@ def test_a_lower_priority_pod_never_takes_the_held_room(cluster, ns, sfx, sched,
     check_all_bound_no_overcommit(cluster, ns)
 
 
+def test_a_second_preemptor_gets_a_hold_on_the_room_the_first_ones_victims_leave(
+    cluster, ns, sfx, sched, kubelet
+):
+    """Two offline 40 GB shares on one GPU: the first online 40 GB pod evicts both (the class
+    rule), and half of that GPU is left over. The second online pod needs no victim of its own,
+    but the room is there only once they are gone: it gets a hold too, and a lower-priority pod
+    that would fit there does not take it."""
+    node = f"gpu-a-{sfx}"
+    gpu_node(cluster, node, n=1)
+    share = container("main", gpu=1, mem=40000, sm=40)
+    create_pod(cluster.core, pod("off-0", "offline", OFFLINE, share, finalizer=True), ns)
+    create_pod(cluster.core, pod("off-1", "offline", OFFLINE, share), ns)
+    running(cluster, ns, ["off-0", "off-1"], sched)
+    create_pod(cluster.core, pod("web-0", "online", ONLINE, share), ns)
+    until(lambda: record_of(get_pod(cluster.core, ns, "web-0")) is not None, 30, "web-0's preemption decided")
+    create_pod(cluster.core, pod("web-1", "online", ONLINE, share), ns)
+    until(lambda: record_of(get_pod(cluster.core, ns, "web-1")) is not None, 30, "web-1's hold decided")
+    assert record_of(get_pod(cluster.core, ns, "web-1")).victims == ()  # type: ignore[union-attr]
+    held = decode_reservations(get_node_annotations(cluster, node)["gpupack.io/reservations"], node)
+    assert sorted(r.owner_name for r in held) == ["web-0", "web-1"]
+    create_pod(cluster.core, pod("low", "online", LOW, share), ns)
+    until(lambda: any(c.get("reason") == "Unschedulable" for c in
+                      (get_pod(cluster.core, ns, "low").get("status") or {}).get("conditions") or []), 30,
+          "low tried and parked")  # fmt: skip
+    cluster.core.patch_namespaced_pod("off-0", ns, {"metadata": {"finalizers": None}})
+    gone_and_bound(cluster, ns, "web-0", sched)
+    until(lambda: get_pod(cluster.core, ns, "web-1")["spec"].get("nodeName") == node, 30, "web-1 bound there")
+    assert not get_pod(cluster.core, ns, "low")["spec"].get("nodeName")
+    check_all_bound_no_overcommit(cluster, ns)
+
+
 def template(cls: str, prio: str, mem: int, sm: int, app: str) -> dict:
     return {
         "metadata": {"labels": {"app": app, "gpupack.io/class": cls}},
