@@ -707,9 +707,9 @@ def format_table(out: dict) -> str:
 
 
 def chart(outs: list[dict], path: Path) -> Path:
-    from gpupack.simulate.chart import _pyplot
+    from gpupack.simulate.chart import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(outs), 2, figsize=(13, 4.2 * len(outs)), squeeze=False)
     colors = {"none": "#999999", "preempt": "#2ca02c"}
     for row, out in zip(axes, outs, strict=True):
