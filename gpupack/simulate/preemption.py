@@ -127,6 +127,7 @@ class Hold:
 
     choice: Choice
     decided: float
+    withdrawn: bool = False  # the preemptor was scaled away; its victims go all the same
 
 
 @dataclass
@@ -322,9 +323,9 @@ class _Sim:
                 self.pending_online.pop(key, None)
                 if self.created[key] >= self.measure_from:
                     self.withdrawn += 1
-                hold = self.holds.pop(key, None)
-                if hold is not None:  # its victims are gone anyway; the room goes back at once
-                    self._unhold(hold)
+                hold = self.holds.get(key)
+                if hold is not None:  # its victims were told to go: they go at the handover
+                    hold.withdrawn = True
             del self.requests[key]
             del self.shape_of[key]
 
@@ -363,7 +364,6 @@ class _Sim:
         progress = job.done_s + (t - job.started)
         step = self.s.checkpoint_min * 60
         kept = math.floor(progress / step) * step if step > 0 else 0.0
-        kept = min(kept, job.done_s + (t - job.started))
         if t >= self.measure_from:
             self.lost_gh += job.weight * (progress - kept) / 3600
             self.evicted += 1
@@ -439,16 +439,15 @@ class _Sim:
         return True
 
     def _handover(self, key: str, t: float) -> None:
-        hold = self.holds.pop(key, None)
-        if hold is None:  # scaled away while its victims terminated
-            return
+        hold = self.holds.pop(key)
         for v in hold.choice.victims:
             job = self.jobs[v]
-            if job.terminating and v in self.state.pods:
+            if job.terminating and v in self.state.pods:  # (one that finished meanwhile is done)
                 self._evicted(job, t)
             job.terminating = False
         self._unhold(hold)
-        self._take(key, hold, t)
+        if not hold.withdrawn:
+            self._take(key, hold, t)
 
     def _take(self, key: str, hold: Hold, t: float) -> None:
         try:
@@ -591,13 +590,17 @@ class _Sim:
                     _, on, off = self._usage()
                     cap = sum(len(n.gpus) for n in self.state.nodes.values())
                     self.series["hour"].append(round((t - self.measure_from) / 3600, 3))
-                    self.series["online_pending"].append(len(self.pending_online) + len(self.holds))
+                    self.series["online_pending"].append(self._waiting())
                     self.series["sm_online"].append(round(100 * on / cap, 2))
                     self.series["sm_offline"].append(round(100 * off / cap, 2))
             self._pass(t, new_online, new_jobs)
         self._integrate(last, self.end)
         self._check(self.end, full=True)
         return self._result()
+
+    def _waiting(self) -> int:
+        """Online pods created and not placed: pending, or waiting for their victims to go."""
+        return len(self.pending_online) + sum(not h.withdrawn for h in self.holds.values())
 
     def _due(self, t: float) -> Iterator[tuple[str, str, int]]:
         while self.events and self.events[0][0] == t:
@@ -615,7 +618,7 @@ class _Sim:
             online_placed=placed,
             online_waited=sum(1 for x in w if x > 0),
             online_withdrawn=self.withdrawn,
-            online_pending_at_end=len(self.pending_online) + len(self.holds),
+            online_pending_at_end=self._waiting(),
             wait_mean_s=round(sum(w) / placed, 1) if placed else 0.0,
             wait_p50_s=round(percentile(w, 50), 1),
             wait_p95_s=round(percentile(w, 95), 1),

@@ -137,6 +137,70 @@ def test_an_offline_pod_never_preempts():
     assert sim._preempt(key, 0.0) is False and not sim.log
 
 
+ONE_GPU = Scenario(
+    "one GPU",
+    ((NodeType("h", 1, "H100", 81920), 1),),
+    (online("web", ContainerRequest("main", 1), 1, 15.0),),
+    (job("embed", share(10240, 30), 1.0),),
+)
+
+
+def one_gpu_taken() -> tuple[_Sim, str, str]:
+    """A one-GPU pool where an offline job holds a share, and a whole-GPU online pod preempted it."""
+    sim = _Sim(ONE_GPU, "preempt", QUICK)
+    sim._arrive(0, 4 * 3600.0, 0.0)
+    (job_key,) = sim.queue
+    sim._pass(0.0, False, True)
+    assert job_key in sim.state.pods
+    sim._scale(ONE_GPU.online[0], 1, 3600.0)
+    (pod_key,) = sim.pending_online
+    sim._pass(3600.0, True, False)
+    assert pod_key in sim.holds and sim.jobs[job_key].terminating
+    g = sim.state.nodes["h-0"].gpus[0]
+    assert not g.healthy and job_key in g.holders  # held for the preemptor; the victim still stops
+    return sim, pod_key, job_key
+
+
+def test_the_preemptor_takes_the_room_after_the_grace_period():
+    sim, pod_key, job_key = one_gpu_taken()
+    sim._arrive(0, 3600.0, 3610.0)  # another job arriving meanwhile would fit beside the victim,
+    # but the GPU is held for the preemptor
+    sim._pass(3610.0, False, True)
+    assert len(sim.queue) == 1
+    sim._handover(pod_key, 3600.0 + QUICK.grace_s)
+    assert pod_key in sim.state.pods and job_key not in sim.state.pods and job_key in sim.queue
+    assert sim.waits == [QUICK.grace_s] and sim.preemptions == 1 and sim.evicted == 1
+    assert sim.lost_gh == pytest.approx(0.3 * (1.0 + QUICK.grace_s / 3600))  # 30 % SM, 00:00-01:00:30
+    j = sim.jobs[job_key]
+    assert j.evictions == 1 and j.done_s == 0 and j.started is None and not j.terminating
+    assert sim.state.nodes["h-0"].gpus[0].healthy and invariant_violations(sim.state) == []
+
+
+def test_checkpointed_progress_survives_the_eviction():
+    sim = _Sim(ONE_GPU, "preempt", replace(QUICK, checkpoint_min=25))
+    sim._arrive(0, 4 * 3600.0, 0.0)
+    sim._pass(0.0, False, True)
+    sim._scale(ONE_GPU.online[0], 1, 3600.0)
+    sim._pass(3600.0, True, False)
+    (pod_key,) = sim.holds
+    sim._handover(pod_key, 3630.0)
+    (j,) = sim.jobs.values()
+    assert j.done_s == 50 * 60  # two 25-minute checkpoints of 60.5 minutes
+    assert sim.lost_gh == pytest.approx(0.3 * (3630.0 - 3000.0) / 3600)
+
+
+def test_a_preemptor_scaled_away_still_costs_its_victims_and_frees_the_room():
+    sim, pod_key, job_key = one_gpu_taken()
+    sim._scale(ONE_GPU.online[0], 0, 3610.0)
+    assert sim.withdrawn == 1 and sim._waiting() == 0
+    sim._handover(pod_key, 3600.0 + QUICK.grace_s)
+    assert not sim.holds and pod_key not in sim.state.pods and job_key in sim.queue
+    sim._pass(3630.0, False, False)
+    assert job_key in sim.state.pods  # the victim, queued again, has its GPU back
+    assert sim.state.nodes["h-0"].gpus[0].healthy and invariant_violations(sim.state) == []
+    accounted(sim)
+
+
 def test_equal_priorities_mean_no_preemption():
     s = replace(QUICK, offline_priority=QUICK.online_priority)
     sim, r = run(SMALL, s, "preempt")
