@@ -184,6 +184,8 @@ def offline_arrivals(sc: Scenario, s: Settings) -> list[tuple[float, int, float]
     mean_w = sum(j.weight * job_weight(j.template) for j in sc.offline) / sum(weights)
     mean_run = sum(s.run_h) / 2
     per_hour = s.offline_load * room / (mean_w * mean_run)  # concurrency = rate x run time
+    if per_hour <= 0:  # online leaves no room even at its trough
+        return []
     start, end = s.night
     window = (end - start) % 24
     out = []

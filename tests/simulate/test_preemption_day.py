@@ -238,6 +238,8 @@ def test_offline_arrivals_are_seeded_and_arrive_at_night():
         assert hour >= QUICK.night[0] or hour < QUICK.night[1]
         assert 0 <= shape < len(SMALL.offline) and lo * 3600 <= run_s <= hi * 3600
     assert offline_arrivals(SMALL, replace(QUICK, offline_load=0)) == []
+    full = replace(SMALL, online=(online("big", ContainerRequest("main", 1), 80, 15.0),))
+    assert offline_arrivals(full, QUICK) == []  # online's trough already asks for every GPU
     # twice the load, about twice the jobs
     assert 1.5 < len(offline_arrivals(SMALL, replace(QUICK, offline_load=3.0))) / len(a) < 2.7
 
