@@ -14,7 +14,7 @@ class ChartUnavailable(RuntimeError):
     pass
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as e:
@@ -35,7 +35,7 @@ def replay_chart(curves: dict[str, list[float | None]], path: Path, title: str) 
 
     `curves`: policy -> mean unallocated % per bin 0..130.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
     for name, ys in curves.items():
         xs = [x for x, y in enumerate(ys) if y is not None]
@@ -71,7 +71,7 @@ def fleet_chart(rows: dict[str, dict[str, float]], path: Path, title: str) -> Pa
         ("mem_util_pct", "GPU memory used (%)"),
         ("sm_util_pct", "SM share used (%)"),
     ]
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(13, 4))
     modes = list(rows)
     colors = ["#999999", "#2ca02c", "#ff7f0e", "#1f77b4"]

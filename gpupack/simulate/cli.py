@@ -15,6 +15,11 @@
         defrag --objective nodes) against none and an emptiest-node-first baseline
         (gpupack.simulate.tidal, docs/defrag.md). Writes DIR/tidal.png.
 
+    gpupack simulate --tidal --preemption [--trace PODS.csv --nodes NODES.csv] [--checkpoint-min N] [--json]
+        A day where offline jobs fill the night and online demand returns in the morning, on a
+        fixed pool, with and without GPU-aware preemption (gpupack.simulate.preemption,
+        docs/defrag.md): online time to placement, offline work lost. Writes DIR/preemption.png.
+
     gpupack simulate workload --trace PODS.csv -o FILE [--coverage 0.95]
         Writes the trace's workload (pod shapes and counts, as the replay gives it to the
         policies) as JSON, for `gpupack extender --workload-file FILE`.
@@ -331,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         from gpupack.simulate import churn
 
         return churn.main(argv)
+    if "--preemption" in argv:
+        # Offline jobs fill the night, online demand returns: with and without preemption.
+        from gpupack.simulate import preemption
+
+        return preemption.main(argv)
     if "--tidal" in argv:
         # A day of replicas following demand, an autoscaled pool, night consolidation on and off.
         from gpupack.simulate import tidal

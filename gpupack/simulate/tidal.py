@@ -587,6 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpupack simulate --tidal", description="A tidal day with and without night consolidation."
     )
     p.add_argument("--tidal", action="store_true", help=argparse.SUPPRESS)  # accepted from the dispatcher
+    p.add_argument(
+        "--preemption",
+        action="store_true",
+        help="instead: offline jobs fill the night, online demand returns, with and without GPU-aware "
+        "preemption (options: gpupack simulate --tidal --preemption --help)",
+    )
     p.add_argument("--trace", help="openb pod list CSV: also simulate a day built from it")
     p.add_argument("--nodes", help="openb node list CSV (with --trace)")
     p.add_argument("--sample-nodes", type=int, default=40, help="nodes drawn for the openb day (default 40)")

@@ -121,7 +121,7 @@ def test_without_matplotlib_the_figures_print_and_the_chart_is_skipped(tmp_path,
     def missing():
         raise chart.ChartUnavailable("charts need matplotlib, in gpupack's `simulate` extra")
 
-    monkeypatch.setattr(chart, "_pyplot", missing)
+    monkeypatch.setattr(chart, "pyplot", missing)
     assert main(["--out", str(tmp_path / "o"), "--json"]) == 0
     out = capsys.readouterr()
     doc = json.loads(out.out)
