@@ -319,10 +319,12 @@ class ClusterView:
     # --- the bind step's reservation -------------------------------------------------------------
     def assume(
         self, key: str, uid: str, a: Assignment, init_names: frozenset[str], slots: int = 0,
-        host: HostUse = NO_HOST_USE,
+        host: HostUse = NO_HOST_USE, inflight: bool = True,
     ) -> None:  # fmt: skip
         """Hold an assignment this process is about to write; PlacementError if it no longer fits.
-        `host`: the pod's CPU/memory request, charged on the node from now on (see HostLedger.recount)."""
+        `host`: the pod's CPU/memory request, charged on the node from now on (see HostLedger.recount).
+        `inflight` false: held for a bind still queued for its node, whose Binding is not posted
+        yet: the pod cannot be admitted by a kubelet, so its handoff locks no node until then."""
         with self.lock:
             node = self.state.nodes.get(a.node)
             if node is None:
@@ -342,7 +344,8 @@ class ClusterView:
             self.pods[key] = info
             self.slot_use.setdefault(a.node, {})[key] = slots
             self.host.recount(a.node)
-            self.locks.inflight.add(key)  # until mark_bound, unassume or the bind's end
+            if inflight:
+                self.locks.inflight.add(key)  # until mark_bound, unassume or the bind's end
             if a.reservation:
                 self.consumed.setdefault(a.node, set()).add(a.reservation)
             self.locks.index_pending(info)
