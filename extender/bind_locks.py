@@ -33,6 +33,9 @@ class BindLocks:
         # it reads the pod, queues for the node or writes anything): filter steers the next pods
         # away from these nodes at once, not only once the assignment is written.
         self.claims: dict[str, dict[str, str]] = {}
+        # keys of the claims whose room the view charges already (the bind holds its assignment, or
+        # its CPU/memory): the others are about to take room that no fit sees yet (see unsettled)
+        self.charged: set[str] = set()
         # pod uid -> (until when, key, nodes): where kube-scheduler will most likely bind a pod this
         # process has just prioritized (its top-scored nodes, when only a few share the top). The
         # scheduler starts the bind and its next pod's filter at the same moment, so that filter
@@ -70,8 +73,28 @@ class BindLocks:
             else:
                 self.expected.pop(uid, None)
 
+    def settle_claim(self, key: str) -> None:
+        """The claim of `key` holds its room in the view now (see `charged`)."""
+        with self.view.lock:
+            self.charged.add(key)
+
+    def unsettled(self, exclude_uid: str) -> dict[str, str]:
+        """node -> key of a pod about to take room there that no fit sees yet: a bind that has
+        arrived and holds nothing yet. A fit on such a node may be refused by the bind that
+        follows it. (A pod only expected on a node, see `expected`, is not counted: kube-scheduler
+        may never bind it, and a filter must not wait for that.)"""
+        out: dict[str, str] = {}
+        with self.view.lock:
+            for node, binds in self.claims.items():
+                for k, uid in binds.items():
+                    if k not in self.charged and (uid != exclude_uid or not uid):
+                        out.setdefault(node, k)
+                        break
+        return out
+
     def unclaim(self, node: str, key: str) -> None:
         with self.view.lock:
+            self.charged.discard(key)
             c = self.claims.get(node)
             if c is not None:
                 c.pop(key, None)

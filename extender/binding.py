@@ -32,7 +32,7 @@ from .records import init_names, pod_slots
 from .settling import Settler
 from .stale import StaleCleaner
 from .view import ClusterView
-from .wire import BindArgs, WireError, bind_result
+from .wire import BindArgs, PodRequestError, WireError, bind_result
 
 log = logging.getLogger("gpupack.extender")
 
@@ -78,6 +78,17 @@ def assignment_from_fit(
         bound_at=handoff.rfc3339(now),
         reservation=reservation,
     )
+
+
+class _Held:
+    """The assignment a bind holds in the view from its arrival (see Binder._hold), and whether it
+    was handed on to the Binding; one not handed on is released when the bind ends."""
+
+    __slots__ = ("a", "handed_on")
+
+    def __init__(self) -> None:
+        self.a: Assignment | None = None
+        self.handed_on = False
 
 
 class Binder:
@@ -154,6 +165,9 @@ class Binder:
     def _bind(self, args: BindArgs) -> None:
         if self.kube is None:
             raise BindError("the extender runs without API access", "api")
+        pod = self.pods.recall(args)
+        early = self._early_request(pod)
+        held = _Held()
         with self._view():
             if args.node not in self.view.nodes:
                 raise WireError(f"node {args.node} is not known to gpupack", 404)
@@ -162,30 +176,80 @@ class Binder:
             # reads the pod, and must already be steered elsewhere (or it would queue behind this
             # handoff).
             self.view.locks.claim(args.node, key, args.pod_uid)
+            if early is not None:
+                held.a = self._hold(args, early, pod)
+                if held.a is not None:
+                    self.view.locks.settle_claim(key)
         deadline = time.monotonic() + self.config.bind_wait_s
         try:
             slots = self._slots
             if slots is None:
-                self._bind_claimed(args, key, deadline)
+                self._bind_claimed(args, key, deadline, pod, held)
                 return
             if not slots.acquire(timeout=self.config.bind_wait_s):
                 raise BindError(f"{BIND_BUSY}; try again", "busy")
             try:
-                self._bind_claimed(args, key, deadline)
+                self._bind_claimed(args, key, deadline, pod, held)
             finally:
                 slots.release()
         finally:
             with self._view():
+                if held.a is not None and not held.handed_on:
+                    self.view.unassume(key, args.pod_uid, held.a)
                 self.view.locks.unclaim(args.node, key)
 
-    def _bind_claimed(self, args: BindArgs, key: str, deadline: float) -> None:
+    def _early_request(self, pod: dict[str, Any] | None) -> HostedPodRequest | None:
+        """The request of a GPU pod its filter sent (no API read: the pod is in memory), to hold
+        its room at the claim; None when there is none, or it cannot be had without waiting."""
+        if pod is None or self.kube is None or not requests_gpupack(pod):
+            return None
+        if self.fence is not None and self.fence.problem(fresh=False):
+            return None  # a standby holds nothing; the bind refuses below, with the reason
+        try:
+            req = pod_request(pod, self.kube)
+        except (PodRequestError, NamespaceUnreadable):
+            return None
+        return req if req.needs_gpu else None
+
+    def _hold(self, args: BindArgs, req: HostedPodRequest, pod: dict[str, Any] | None) -> Assignment | None:
+        """Fit the pod on the node and hold the assignment in the view from the bind's arrival on
+        (view lock held), before it queues for the node: a filter answered meanwhile fits the next
+        pods next to it, so the bind never refuses a fit that filter passed. Without it, binds
+        queued behind a node's pending handoff were each fitted only once their turn came, and the
+        pods filtered meanwhile fitted against a node without them (6-11 binds failed so after an
+        extender restart, when kube-scheduler retried every parked pod at once). Not held (None):
+        a pod with a record in the view already (a re-bind, a Binding of unknown outcome), one
+        that does not fit (the bind's own fit says why), or one not remembered from its filter."""
+        if pod is None or req.key in self.view.pods or req.key in self.view.locks.doubtful:
+            return None
+        now = self.clock()
+        f, reservation = self.fitter.node_fit(args.node, req, now, None)
+        if isinstance(f, FitFailure):
+            return None
+        a = assignment_from_fit(
+            self.view.state.nodes[args.node],
+            req,
+            f,
+            now,
+            reservation.id if reservation else "",
+            self.view.nodes[args.node].gpu_indexes,
+        )
+        try:
+            self.view.assume(req.key, req.uid, a, init_names(pod), pod_slots(pod), req.host, inflight=False)
+        except PlacementError:
+            return None
+        return a
+
+    def _bind_claimed(
+        self, args: BindArgs, key: str, deadline: float, remembered: dict[str, Any] | None, held: _Held
+    ) -> None:
         assert self.kube is not None
         if self.fence is not None:
             self.activity.wait_quiet()
             self.fence.check(fresh=False)  # a standby's extender answers no bind at all
         # The pod before queueing: a missing pod is answered at once, not after the wait.
         # If it changes while we wait, the Binding's resourceVersion precondition catches it.
-        pod = self.pods.recall(args) or read_pod(self.kube, self.activity, args)
+        pod = remembered or read_pod(self.kube, self.activity, args)
         if not requests_gpupack(pod):
             self._bind_host_only(args, key, pod)
             return
@@ -204,7 +268,7 @@ class Binder:
                 return
             with self._view():
                 self.view.locks.inflight.add(key)
-            self._reserve_and_bind(args, pod, req)
+            self._reserve_and_bind(args, pod, req, held)
         finally:
             with self._view():
                 self.view.locks.inflight.discard(key)
@@ -260,6 +324,7 @@ class Binder:
                 self.view.host.assume(key, req.uid, args.node, req.host)
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
+            self.view.locks.settle_claim(key)
         why = self.fence.problem() if self.fence is not None else ""
         if why:
             self.view.host.unassume(key, req.uid)
@@ -287,6 +352,19 @@ class Binder:
             return
         raise BindError(f"pod {args.key} is already bound to node {bound}", "already-bound")
 
+    def _held_or_fit(
+        self, args: BindArgs, pod: dict[str, Any], req: HostedPodRequest, held: _Held | None
+    ) -> Assignment:
+        """The assignment held since the bind's arrival while the view still charges it (handed on
+        to the Binding), else a fresh fit (see _assume_fit)."""
+        if held is not None and held.a is not None and not held.handed_on:
+            held.handed_on = True
+            with self._view():
+                p = self.view.pods.get(req.key)
+                if p is not None and p.uid == req.uid and p.assumed and p.assignment_raw == held.a.to_json():
+                    return held.a
+        return self._assume_fit(args, pod, req)
+
     def _assume_fit(self, args: BindArgs, pod: dict[str, Any], req: HostedPodRequest) -> Assignment:
         """Fit the pod on the node again under the view's lock and hold the assignment (the next
         filter sees it before any watch does); BindError when it no longer fits."""
@@ -307,14 +385,19 @@ class Binder:
                 self.view.assume(req.key, req.uid, a, init_names(pod), pod_slots(pod), req.host)
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
+            self.view.locks.settle_claim(req.key)
         return a
 
-    def _reserve_and_bind(self, args: BindArgs, pod: dict[str, Any], req: HostedPodRequest) -> None:
+    def _reserve_and_bind(
+        self, args: BindArgs, pod: dict[str, Any], req: HostedPodRequest, held: _Held | None = None
+    ) -> None:
         """Assume the assignment and post ONE Binding that carries it: the API server sets the pod's
         node and copies the Binding's annotations onto it in the same write, with the pod's uid and
         resourceVersion as preconditions. A pod is never bound without its assignment, nor holds
         one while unbound, and a Binding that failed left nothing to roll back. On 409 (the pod
-        changed since it was read) the pod is read again and fitted again."""
+        changed since it was read) the pod is read again and fitted again. `held`: the assignment
+        held at the bind's arrival (see _hold), written by the first attempt; from here on the
+        outcome of the Binding decides what becomes of it, as of one assumed here."""
         assert self.kube is not None
         self.settler.before_rebind(req)
         for _attempt in range(5):
@@ -324,7 +407,7 @@ class Binder:
                 # Lease at once (ReleaseOnCancel), so a read even 1 s old may name a holder no more
                 self.activity.wait_quiet()
                 self.fence.check()
-            a = self._assume_fit(args, pod, req)
+            a = self._held_or_fit(args, pod, req, held)
             rv = str((pod.get("metadata") or {}).get("resourceVersion") or "")
             try:
                 self.kube.bind(

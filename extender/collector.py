@@ -14,11 +14,12 @@ within that. Objects freed by their last reference (most of the view's) never wa
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("gpupack.extender")
 
@@ -77,6 +78,22 @@ class VerbActivity:
             if self._busy:
                 return 0.0
             return max(0.0, self._clock() - self._quiet_since)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """A verb that waits for a bind (filter, for a view that is whole) is not answering for
+        that while: the binds it waits for must not stand aside for it. Nothing on a thread that
+        is not answering a verb."""
+        with self._cond:
+            mine = threading.get_ident() in self._verbs
+        if not mine:
+            yield
+            return
+        self.leave()
+        try:
+            yield
+        finally:
+            self.enter()
 
     def wait_quiet(self, max_s: float = YIELD_MAX_S) -> None:
         """Return once no verb is being answered, or after `max_s` whatever happens (a verb that

@@ -12,6 +12,7 @@ from typing import Any
 from gpupack.core.model import PodRequest
 
 from .answers import AnswerCache, FilterAnswer, shape_of
+from .collector import VerbActivity
 from .fitting import FitMemo, Fitter
 from .kube import Kube, NamespaceUnreadable
 from .learning import Learner
@@ -22,6 +23,12 @@ from .view import ClusterView
 from .wire import ExtenderArgs, PodRequestError, WireError, filter_result, unresolvable_result
 
 log = logging.getLogger("gpupack.extender")
+
+
+# How long a filter whose passing nodes all await a bind's room waits for it to be charged (a
+# bind holds it on arrival unless its pod must be read first) before it answers an error that
+# kube-scheduler retries.
+WHOLE_WAIT_S = 1.0
 
 
 def busy_reason(node: str, key: str) -> str:
@@ -42,6 +49,7 @@ class Filter:
         clock: Callable[[], datetime],
         keep_best: int,
         on_pod: Callable[[dict[str, Any]], None] = lambda pod: None,
+        activity: VerbActivity | None = None,
     ) -> None:
         self.view = view
         self.kube = kube
@@ -55,8 +63,9 @@ class Filter:
         self.keep_best = keep_best
         self.on_pod = on_pod  # told of each pod filtered that parsed (the binder's pod memory)
         self.answers: AnswerCache[FilterAnswer] = AnswerCache(FilterAnswer, scorer.names)
+        self.activity = activity or VerbActivity()
 
-    def filter(self, args: ExtenderArgs) -> dict[str, Any]:
+    def filter(self, args: ExtenderArgs, waited: bool = False) -> dict[str, Any]:
         try:
             pod = pod_request(args.pod, self.kube)
         except PodRequestError as e:
@@ -124,6 +133,28 @@ class Filter:
             kept = self.scorer.best(pod, names, passed, now, self.keep_best)
             codes["not-best"] = codes.get("not-best", 0) + len(passed) - len(kept)
             passed = kept
+        unsettled = self.view.locks.unsettled(pod.uid) if passed else {}
+        if any(n in unsettled for n in passed):
+            # A node that is about to take a pod whose room the view does not charge yet is not
+            # whole: a fit there may be refused by the bind that follows. Another node that passes
+            # is answered instead; with none, the pod waits for the room to be charged, and is
+            # answered an error to retry rather than a fit its bind may refuse.
+            whole = [n for n in passed if n not in unsettled]
+            if not whole and not waited:
+                self._await_room([n for n in passed if n in unsettled], pod.uid)
+                return self.filter(args, waited=True)
+            for n in passed:
+                if n in unsettled:
+                    failed[n] = busy_reason(n, unsettled[n])
+                    codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
+            passed = whole
+            if not passed:
+                self.metrics.rejections.labels("not-whole").inc(len(unsettled))
+                return filter_result(
+                    args, [], {}, {},
+                    error="gpupack: the node(s) this pod fits are taking other pods whose GPUs are not "
+                    f"charged yet ({', '.join(sorted(set(unsettled.values()))[:3])}); try again",
+                )  # fmt: skip
         if self.keep_best > 0 and passed and pod.uid:
             # kube-scheduler binds there (one node: it skips prioritize, whose expectation this is):
             # the next pod's filter may come before this pod's bind and must steer clear of it
@@ -133,6 +164,17 @@ class Filter:
         for code, k in codes.items():
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
+
+    def _await_room(self, nodes: list[str], uid: str) -> None:
+        """Wait (at most WHOLE_WAIT_S, standing aside for the binds) until one of `nodes` has the
+        room of the pod about to take it charged, or is no longer about to take one."""
+        deadline = time.monotonic() + WHOLE_WAIT_S
+        with self.activity.aside(), self.view.changed:
+            while (left := deadline - time.monotonic()) > 0:
+                unsettled = self.view.locks.unsettled(uid)
+                if any(n not in unsettled for n in nodes):
+                    return
+                self.view.changed.wait(min(left, 0.05))
 
     def _current(self, pod: PodRequest, names: list[str], now: datetime) -> FilterAnswer:
         """The pod shape's answer, updated for the nodes changed since it was last given (all of

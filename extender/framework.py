@@ -89,6 +89,7 @@ class Extender:
             clock,
             config.keep_best,
             self._filtered,
+            self.activity,
         )
         self.upkeep = Upkeep(view, kube, config, metrics, clock, fence, events, settler)
 

@@ -23,12 +23,14 @@ from datetime import datetime
 from typing import Any, TypeGuard
 
 from gpupack.contract import (
+    ANN_ALLOCATED,
     ANN_ASSIGNMENT,
     ANN_HANDOFF,
     HANDOFF_PENDING,
     Assignment,
     ContractError,
     Reservation,
+    decode_allocation,
     decode_assignment,
 )
 from gpupack.core.model import ClusterState, Node, Placement, PlacementError, PodRequest
@@ -198,6 +200,8 @@ class ClusterView:
         phase = (obj.get("status") or {}).get("phase", "")
         ann = meta.get("annotations") or {}
         raw = ann.get(ANN_ASSIGNMENT)
+        if raw is None and not deleted and phase not in TERMINAL:
+            raw = self._from_record(key, obj, ann)
         a = None
         if raw is not None and not deleted and phase not in TERMINAL:
             with self.lock:
@@ -261,6 +265,26 @@ class ClusterView:
             self.locks.index_pending(info)
             self.changed.notify_all()
 
+    def _from_record(self, key: str, obj: dict[str, Any], ann: dict[str, Any]) -> str | None:
+        """A bound pod without its assignment (removed by an account trusted to write it): the
+        shares its containers were handed, from the device plugin's allocation record, as an
+        assignment to charge (None: no record of them). So the share outlives the removal across
+        restarts too. The record is checked like an assignment (this pod's UID, its node), and only
+        gpupack's accounts may write it (docs/contract.md §7)."""
+        rec = ann.get(ANN_ALLOCATED)
+        if rec is None or not (obj.get("spec") or {}).get("nodeName"):
+            return None
+        try:
+            held = decode_allocation(rec, key)
+        except ContractError as e:
+            self.problem("corrupt-assignment", f"pod/{key}", str(e))
+            return None
+        if held is None or not held.containers:
+            return None  # an older plugin's record names containers only
+        self.problem("stripped-assignment", f"pod/{key}", f"pod {key} lost its {ANN_ASSIGNMENT} annotation "
+                     f"while running; its share is charged from its {ANN_ALLOCATED} record")  # fmt: skip
+        return held.to_json()
+
     def _holds(self, old: PodInfo | None, uid: str, raw: str) -> TypeGuard[PodInfo]:
         """Whether `old` is this pod (`uid`) with the assignment `raw` charged. View lock held."""
         return old is not None and old.uid == uid and old.assignment_raw == raw and old.key in self.state.pods
@@ -319,10 +343,12 @@ class ClusterView:
     # --- the bind step's reservation -------------------------------------------------------------
     def assume(
         self, key: str, uid: str, a: Assignment, init_names: frozenset[str], slots: int = 0,
-        host: HostUse = NO_HOST_USE,
+        host: HostUse = NO_HOST_USE, inflight: bool = True,
     ) -> None:  # fmt: skip
         """Hold an assignment this process is about to write; PlacementError if it no longer fits.
-        `host`: the pod's CPU/memory request, charged on the node from now on (see HostLedger.recount)."""
+        `host`: the pod's CPU/memory request, charged on the node from now on (see HostLedger.recount).
+        `inflight` false: held for a bind still queued for its node, whose Binding is not posted
+        yet: the pod cannot be admitted by a kubelet, so its handoff locks no node until then."""
         with self.lock:
             node = self.state.nodes.get(a.node)
             if node is None:
@@ -342,7 +368,8 @@ class ClusterView:
             self.pods[key] = info
             self.slot_use.setdefault(a.node, {})[key] = slots
             self.host.recount(a.node)
-            self.locks.inflight.add(key)  # until mark_bound, unassume or the bind's end
+            if inflight:
+                self.locks.inflight.add(key)  # until mark_bound, unassume or the bind's end
             if a.reservation:
                 self.consumed.setdefault(a.node, set()).add(a.reservation)
             self.locks.index_pending(info)

@@ -312,7 +312,10 @@ def _decode_class(value: Any, where: str) -> str:
 
 def decode_assignment(text: Any, pod: str = "?") -> Assignment:
     where = f"pod {pod} annotation {ANN_ASSIGNMENT}"
-    d = _load_json(text, where)
+    return _assignment_of(_load_json(text, where), where)
+
+
+def _assignment_of(d: Any, where: str) -> Assignment:
     if not isinstance(d, dict):
         raise ContractError(f"{where}: expected a JSON object")
     if d.get("v") != SCHEMA_VERSION:
@@ -329,12 +332,54 @@ def decode_assignment(text: Any, pod: str = "?") -> Assignment:
     )
 
 
-def decode_allocated(text: Any, pod: str = "?") -> list[str]:
+def encode_allocated(served: list[str], a: Assignment) -> str:
+    """The device plugin's allocation record (docs/contract.md §4): the containers Allocate has
+    served, in order, and the GPU shares each was handed (the assignment's, for those containers).
+    It outlives a removed assignment: the extender rebuilds a running pod's share from it."""
+    held = Assignment(
+        pod_uid=a.pod_uid,
+        node=a.node,
+        pod_class=a.pod_class,
+        containers={c: a.containers[c] for c in served if c in a.containers},
+        bound_at=a.bound_at,
+        reservation=a.reservation,
+    )
+    return json.dumps(
+        {"v": SCHEMA_VERSION, "served": served, "held": json.loads(held.to_json())},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+
+
+def _allocated(text: Any, pod: str) -> tuple[list[str], Assignment | None]:
     where = f"pod {pod} annotation {ANN_ALLOCATED}"
     d = _load_json(text, where)
-    if not isinstance(d, list) or not all(isinstance(x, str) for x in d):
-        raise ContractError(f"{where}: expected a JSON list of container names")
-    return d
+    if isinstance(d, list):  # written by device plugins before the record held the shares
+        if not all(isinstance(x, str) for x in d):
+            raise ContractError(f"{where}: expected a JSON list of container names")
+        return d, None
+    if not isinstance(d, dict):
+        raise ContractError(f"{where}: expected a JSON object")
+    if d.get("v") != SCHEMA_VERSION:
+        raise ContractError(f"{where}: unsupported version {d.get('v')!r}")
+    served = _req(d, "served", list, where)
+    if not all(isinstance(x, str) for x in served):
+        raise ContractError(f"{where}: served: expected a list of container names")
+    held = _assignment_of(_req(d, "held", dict, where), f"{where} held")
+    if set(held.containers) - set(served):
+        raise ContractError(f"{where}: held names containers that were not served")
+    return served, held
+
+
+def decode_allocated(text: Any, pod: str = "?") -> list[str]:
+    """The container names Allocate has served, in order (either form of the record)."""
+    return _allocated(text, pod)[0]
+
+
+def decode_allocation(text: Any, pod: str = "?") -> Assignment | None:
+    """The GPU shares the served containers were handed (None: a record of the older form, a
+    list of names only)."""
+    return _allocated(text, pod)[1]
 
 
 # --- defrag reservations (defrag -> extender) --------------------------------------------------

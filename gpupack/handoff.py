@@ -373,7 +373,7 @@ def plan_allocate(
     env = container_env(shares, enforcement)
     new_allocated = [*allocated, nxt.name]
     completes = len(new_allocated) >= len(containers)
-    patch = {ANN_ALLOCATED: json.dumps(new_allocated, separators=(",", ":"))}
+    patch = {ANN_ALLOCATED: contract.encode_allocated(new_allocated, a)}
     if completes:
         patch[ANN_HANDOFF] = HANDOFF_DONE
     return AllocatePlan(pod=p, container=nxt.name, shares=shares, env=env, patch=patch, completes=completes)

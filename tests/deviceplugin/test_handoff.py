@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 from kubernetes import client
 
-from gpupack import handoff
+from gpupack import contract, handoff
 from gpupack.contract import (
     ANN_ALLOCATED,
     ANN_ASSIGNMENT,
@@ -128,7 +128,14 @@ def test_multi_container_pod_is_served_init_first_then_in_spec_order():
         p["metadata"]["annotations"].update(plan.patch)
     assert order == ["warm", "a", "b"]
     assert p["metadata"]["annotations"][ANN_HANDOFF] == "done"
-    assert json.loads(p["metadata"]["annotations"][ANN_ALLOCATED]) == ["warm", "a", "b"]
+    record = p["metadata"]["annotations"][ANN_ALLOCATED]
+    assert contract.decode_allocated(record) == ["warm", "a", "b"]
+    # the record holds the shares each container was handed: what a restarted extender charges
+    # when the assignment is gone
+    held = contract.decode_allocation(record)
+    assert held is not None and held == contract.decode_assignment(
+        p["metadata"]["annotations"][ANN_ASSIGNMENT]
+    )
     assert not handoff.is_pending_handoff(p)
     with pytest.raises(HandoffError, match="already allocated"):
         p["metadata"]["annotations"][ANN_HANDOFF] = "pending"

@@ -23,7 +23,7 @@ from faultproxy import FaultProxy
 from harness import harness_pod
 
 from gpupack import contract, handoff
-from gpupack.contract import ANN_ALLOCATED, ANN_HANDOFF, Assignment
+from gpupack.contract import ANN_ALLOCATED, ANN_HANDOFF, Assignment, decode_allocated
 
 SLOTS = contract.SLOTS_PER_GPU
 
@@ -50,7 +50,7 @@ def assert_env_is_assignment(env: dict[str, str], a: Assignment, container: str)
 def assert_done(dp: DP, name: str, containers: list[str]) -> None:
     ann = dp.annotations(name)
     assert ann[ANN_HANDOFF] == contract.HANDOFF_DONE, ann
-    assert json.loads(ann[ANN_ALLOCATED]) == containers
+    assert decode_allocated(ann[ANN_ALLOCATED]) == containers
 
 
 def admit_ok(dp: DP, *pods: dict, **kw) -> None:

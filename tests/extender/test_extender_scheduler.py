@@ -30,6 +30,7 @@ from gpupack.contract import (
     ANN_HANDOFF,
     HANDOFF_DONE,
     LABEL_CLASS,
+    decode_allocated,
     decode_assignment,
     parse_int_quantity,
 )
@@ -91,7 +92,7 @@ def check_assignment(pod: dict) -> Any:
                 assert s.sm_pct == parse_int_quantity(limits.get("gpupack.io/gpu-sm", 0), "sm"), s
             else:
                 assert s.exclusive and s.mem_mib == H100_MIB and s.sm_pct == 100, s
-    assert annotations(pod)[ANN_ALLOCATED] == "[" + ",".join(f'"{c}"' for c in gpu_containers) + "]"
+    assert decode_allocated(annotations(pod)[ANN_ALLOCATED]) == list(gpu_containers)
     return a
 
 

@@ -17,18 +17,20 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import requests
+from ext_helpers import kill_tree
 from faultproxy import FaultProxy
 from kubernetes.client.exceptions import ApiException
 from processes import ExtenderProcess, free_port
 from realk8s import ControlPlane, until
 
 from extender.main import build_parser
+from gpupack import handoff
 from gpupack.contract import (
     ANN_ALLOCATED,
     ANN_ASSIGNMENT,
@@ -52,6 +54,13 @@ class Env:
     metrics_port: int
     node: str
     sfx: str
+    start: Callable[[], ExtenderProcess]
+
+    def restart(self) -> None:
+        """SIGKILL the extender and start another behind the same URL, synced before it answers."""
+        kill_tree(self.ext.proc)
+        self.ext = self.start()
+        self.ext.wait_ready(60)
 
     def pod(self, ns: str, name: str, mem: int | str) -> dict[str, Any]:
         body = {"metadata": {"name": name}, "spec": {"schedulerName": "gpupack-scheduler", "containers": [
@@ -84,14 +93,24 @@ def env(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     )
     k8s.make_node(node, extended={"gpupack.io/gpu": "16"}, annotations={ANN_INVENTORY: inv.to_json()})
     proxy = FaultProxy(k8s.url).start()
-    metrics_port = free_port()
-    ext = ExtenderProcess(k8s.write_kubeconfig(tmp / "kc", server=proxy.url), tmp / "extender.log",
-                          "--metrics-port", str(metrics_port), "--bind-wait-s", "1")  # fmt: skip
+    metrics_port, port, kc, starts = (
+        free_port(),
+        free_port(),
+        k8s.write_kubeconfig(tmp / "kc", server=proxy.url),
+        [0],
+    )
+
+    def start() -> ExtenderProcess:
+        starts[0] += 1
+        return ExtenderProcess(kc, tmp / f"extender-{starts[0]}.log", "--metrics-port", str(metrics_port),
+                               "--bind-wait-s", "1", port=port)  # fmt: skip
+
+    e = Env(k8s, start(), proxy, metrics_port, node, sfx, start)
     try:
-        ext.wait_ready(60)
-        yield Env(k8s, ext, proxy, metrics_port, node, sfx)
+        e.ext.wait_ready(60)
+        yield e
     finally:
-        ext.stop()
+        e.ext.stop()
         proxy.stop()
         k8s.reset()
 
@@ -228,3 +247,41 @@ def test_shipped_flags_keep_the_verbs_on_loopback():
     )
     parsed = build_parser().parse_args(args)
     assert parsed.host == "127.0.0.1" and parsed.metrics_port and parsed.metrics_port != parsed.port
+
+
+def test_a_trusted_removal_of_a_running_pods_assignment_keeps_its_share_across_a_restart(env: Env):
+    """Issue 31 item 6: an account trusted to write gpupack's state (here the test's admin; the
+    operator guide's repair acts as the extender) removes a running pod's assignment; the extender
+    is SIGKILLed and restarted. It charged the pod from the assignment only, so the restarted one
+    placed a second 60 GiB pod on the 81,559 MiB GPU (140,000 MiB booked). Now the share is rebuilt
+    from the device plugin's allocation record, written by the plugin's own code below."""
+    env.proxy.clear_faults()  # what the tests before left armed must not hit the restarted extender
+    ns = f"restart-{env.sfx}"
+    env.cp.ensure_namespace(ns)
+    with contextlib.suppress(ApiException):  # an offline pod an earlier test left on the GPU
+        env.cp.core.delete_namespaced_pod("p", f"offline-{env.sfx}", grace_period_seconds=0)
+    a = env.pod(ns, "a", 60000)
+    try:
+        until(lambda: env.fits(a), 30, "the GPU free")
+        env.bind(a)
+        got = env.cp.api_client().sanitize_for_serialization(env.cp.core.read_namespaced_pod("a", ns))
+        # the device plugin serves a (no kubelet here): its Allocate plan for the slots the kubelet
+        # would pass, patched onto the pod as the plugin patches it
+        plan = handoff.plan_allocate(got, env.node, [f"GPU-{env.sfx}::0"], {f"GPU-{env.sfx}": True})
+        assert plan.completes
+        env.cp.core.patch_namespaced_pod("a", ns, {"metadata": {"annotations": plan.patch}})
+        b = env.pod(ns, "b", 60000)
+        c = env.pod(ns, "c", 1024)
+        until(lambda: env.fits(c) and not env.fits(b), 30, "pod a charged and its handoff done")
+        env.cp.core.patch_namespaced_pod("a", ns, {"metadata": {"annotations": {ANN_ASSIGNMENT: None}}})
+        env.restart()
+        # the restarted extender answers only once synced: from its first answer on, a is charged
+        assert not env.fits(b), f"the share was forgotten across the restart: {env.ext.tail()}"
+        _held_for(env, b, c, 1.5)
+        assert _problems(env, "stripped-assignment") >= 1
+        env.cp.core.delete_namespaced_pod("a", ns, grace_period_seconds=0)
+        until(lambda: env.fits(b), 30, f"the share of the deleted pod to be freed: {env.ext.tail()}")
+    finally:
+        for name in ("a", "b", "c"):
+            with contextlib.suppress(ApiException):
+                env.cp.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
