@@ -435,6 +435,14 @@ def _run(
         )
         for pair in (a, b)
     }
+    # binds refused a fit that filter had passed (reason fit-*), by the extenders alive at the end
+    # (a SIGKILLed one's counts died with it): issue 31 item 7's figure
+    out["binds_failed_fit"] = sum(
+        float(line.rsplit(" ", 1)[1])
+        for pair in (a, b)
+        for line in pair.ext.http.get(pair.ext.url + "/metrics", timeout=5).text.splitlines()
+        if line.startswith('gpupack_extender_bind_failures_total{reason="fit-')
+    )
     kubelet.stop()
     leader.stop.set()
     for p in (a, b):
