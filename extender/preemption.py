@@ -1,9 +1,10 @@
 """GPU-aware preemption: the leader's preemption controller.
 
 kube-scheduler's own preemption asks its filters which pods to evict; they do not see GPU shares,
-so with gpupack's profile it never finds a victim ("expected at least one victim pod"). This
-thread does it instead, every `interval_s`, for the pods kube-scheduler marked Unschedulable that
-ask for gpupack resources:
+so with gpupack's profile it never finds a victim ("expected at least one victim pod"), for GPU
+shares nor (NodeResourcesFit's filter being off) for CPU, memory or pod slots. This thread does it
+instead, every `interval_s`, for the pods of gpupack's scheduler that kube-scheduler marked
+Unschedulable. Here the decisions of a pass; what they do in Kubernetes is preempt_actions.py:
 
 1. the victims are chosen by `gpupack.core.preemption.choose` over the view's nodes (defrag and
    preemption reservations held), with the running pods' priorities and PodDisruptionBudgets;
@@ -23,62 +24,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
-
-from kubernetes import client
-from prometheus_client import Counter, Histogram
+from typing import Any
 
 from gpupack import handoff
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.model import FULL, Node
 from gpupack.core.preemption import Choice, Preemptor, Victim, choose, without
 from gpupack.events import EventRecorder
-from gpupack.kubeclient import ApiException, KubeClient, api_reason
+from gpupack.kubeclient import KubeClient
 
 from . import preempt_inputs as pin
 from . import reservations as resv
-from .defrag.eviction import Evictor, budget_refusal
-from .defrag.reserve import ReservationWriter, ReserveError
 from .framework import Extender
 from .hostuse import NO_HOST_USE, ram_mib
 from .lease import LeaseFence
 from .node_resources import HostedPodRequest
-from .upkeep import ANN_REQUEUED
+from .preempt_actions import Plan, PreemptionActions, in_parallel
 
 log = logging.getLogger("gpupack.extender.preemption")
-
-# Nodes whose preemptions one pass carries out at once: each is a few API calls (hold, record,
-# evictions, nomination), latency-bound; eight keep a burst's calls moving without crowding the
-# API server's priority-and-fairness share for the scheduler's account.
-EXECUTORS = 8
-_T = TypeVar("_T")
-
-
-class PreemptionMetrics:
-    def __init__(self, ext: Extender) -> None:
-        r = ext.metrics.registry
-        self.preemptions = Counter(
-            "gpupack_extender_preemptions_total",
-            "Preemption decisions for pending GPU pods, by outcome (evicted, no-room, fits, never, failed)",
-            ["outcome"],
-            registry=r,
-        )
-        self.victims = Counter(
-            "gpupack_extender_preemption_victims_total",
-            "Pods evicted for a preemptor, by class and priority",
-            ["pod_class", "priority"],
-            registry=r,
-        )
-        self.bound = Histogram(
-            "gpupack_extender_preemptor_pending_to_bound_seconds",
-            "Time from a preemptor's creation to its bind on the node its victims left",
-            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
-            registry=r,
-        )
 
 
 class Preempter:
@@ -97,10 +62,8 @@ class Preempter:
         self.ext, self.view, self.kube, self.kc = ext, ext.view, ext.kube, kc
         self.events, self.fence = events, fence
         self.interval_s, self.hold_s = interval_s, hold_s
-        self.evictor = Evictor(kc, poll_s=0.5)
-        self.writer = ReservationWriter(kc)
-        self.metrics = PreemptionMetrics(ext)
-        self.touched: set[tuple[str, str]] = set()  # (uid, record time) asked to retry once
+        self.act = PreemptionActions(ext, kc, events)
+        self.metrics = self.act.metrics
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -144,7 +107,7 @@ class Preempter:
         running = self.kube.list_pods().get("items") or []
         by_key = {pin.key_of(p): p for p in running}
         pending_by_key = {pin.key_of(p): p for p in pending}
-        done["released"] = self._release(own, pending_by_key, by_key, now)
+        done["released"] = self.act.release(own, pending_by_key, by_key, now)
         taken: set[str] = set()
         todo = []
         waits = []
@@ -159,7 +122,7 @@ class Preempter:
                 self.metrics.preemptions.labels("never").inc()
         # a burst leaves many preemptors waiting at once, each maybe with an API call to make
         # (a nomination written again, an eviction retried, a retry asked for)
-        done["waiting"] = sum(self._in_parallel(lambda w: self._wait_victims(w[0], w[1], by_key), waits))
+        done["waiting"] = sum(in_parallel(lambda w: self.act.wait_victims(w[0], w[1], by_key), waits))
         if not todo:
             return done
         pdbs = self.kc.list_all(self.kc.policy.list_pod_disruption_budget_for_all_namespaces)
@@ -178,7 +141,7 @@ class Preempter:
             )
         )
         memo: dict[Any, Any] = {}  # preemptors of one shape ask the same of unchanged nodes
-        plans: list[_Plan] = []
+        plans: list[Plan] = []
         for p, req in todo:
             pre = Preemptor(req, pin.priority_of(p), True)
             cands = [
@@ -202,14 +165,14 @@ class Preempter:
                     # only once they are gone (another preemptor's victims): held for it as for
                     # its own, so no lower-priority pod takes it meanwhile
                     r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
-                    plans.append(_Plan(p, pre, choice, r, {}, set()))
+                    plans.append(Plan(p, pre, choice, r, {}, set()))
                     nodes[choice.node] = resv.hold(nodes[choice.node], [r])
                 else:
                     nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
                 continue
             r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
             exhausted = {b for b, n in allowed.items() if n <= 0}
-            plans.append(_Plan(p, pre, choice, r, {k: pool[k] for k in choice.victims}, exhausted))
+            plans.append(Plan(p, pre, choice, r, {k: pool[k] for k in choice.victims}, exhausted))
             for k in choice.victims:  # never picked again in this pass; their room is held
                 for b in pool[k].budgets:
                     allowed[b] = allowed.get(b, 0) - 1
@@ -219,7 +182,7 @@ class Preempter:
                 pool.pop(k, None)
             if choice.node in room:
                 room[choice.node] += len(choice.victims) - 1
-        done["evicted"] = self._carry_out(plans, by_key, now)
+        done["evicted"] = self.act.carry_out(plans, by_key, now)
         log.log(
             logging.INFO if plans else logging.DEBUG,
             "preemption pass: %d pending, %d waiting for victims, %d decided (%d victims), %d without room, %.1f s",
@@ -317,172 +280,6 @@ class Preempter:
             held = resv.hold(node, self.view.active_reservations(name, now))
         return choose([held], pre, {}) is not None
 
-    # --- waiting and releasing ----------------------------------------------------------------
-    def _wait_victims(self, pod: dict[str, Any], rec: pin.Record, by_key: dict[str, dict[str, Any]]) -> int:
-        """1 while some victim of `rec` is still there (an eviction refused before is tried again);
-        once all are gone the preemptor is asked, once, to retry now."""
-        alive = []
-        for v in rec.victims:
-            key, _, uid = v.rpartition(":")
-            p = by_key.get(key)
-            if p is not None and pin.uid_of(p) == uid:
-                alive.append(p)
-        for p in alive:
-            if not (p.get("metadata") or {}).get("deletionTimestamp"):
-                self._evict(p, pin.key_of(pod), deleting_ok=False)
-        if alive:
-            # kube-scheduler keeps a nomination only while victims it marked itself are terminating
-            # (v1.36: their DisruptionTarget condition says PreemptionByScheduler); a failed attempt
-            # in between clears ours, so it is written again while the room is held
-            if (pod.get("status") or {}).get("nominatedNodeName") != rec.node:
-                self._nominate(pod, rec.node)
-            return 1
-        mark = (pin.uid_of(pod), rec.at)
-        if mark not in self.touched:
-            self.touched.add(mark)
-            meta = pod.get("metadata") or {}
-            try:
-                self.kube.patch_pod_metadata(
-                    meta.get("namespace") or "default",
-                    str(meta.get("name")),
-                    {ANN_REQUEUED: handoff.rfc3339(self.ext.clock())},
-                    {},
-                    None,
-                )
-            except ApiException as e:
-                log.info("pod %s: cannot ask for a retry: %s", pin.key_of(pod), api_reason(e))
-        return 0
-
-    def _release(
-        self,
-        own: dict[str, list[Reservation]],
-        pending: dict[str, dict[str, Any]],
-        bound: dict[str, dict[str, Any]],
-        now: datetime,
-    ) -> int:
-        """Remove the holds whose preemptor is bound (here or elsewhere) or gone."""
-        n = 0
-        for node, rs in own.items():
-            drop = set()
-            for r in rs:
-                key = f"{r.namespace}/{r.owner_name}"
-                if key in pending:
-                    rec = pin.record_of(pending[key])
-                    if rec is None or rec.reservation == r.id:
-                        continue  # still waiting for its room
-                p = bound.get(key)
-                if p is not None and (p.get("spec") or {}).get("nodeName") == node:
-                    created = handoff.parse_rfc3339((p.get("metadata") or {}).get("creationTimestamp") or "")
-                    if created is not None:
-                        self.metrics.bound.observe(max(0.0, (now - created).total_seconds()))
-                drop.add(r.id)
-            if drop:
-                try:
-                    self.writer.remove(node, drop, now)
-                    n += len(drop)
-                except (ApiException, ReserveError) as e:
-                    log.warning("node %s: cannot release preemption hold(s) %s: %s", node, drop, e)
-        return n
-
-    # --- a decision carried out ---------------------------------------------------------------
-    def _carry_out(self, plans: list[_Plan], by_key: dict[str, dict[str, Any]], now: datetime) -> int:
-        """The pass's decisions carried out, the victims evicted; one node's in order (they write
-        its reservations annotation), nodes side by side: a burst of preemptors costs the slowest
-        node's API calls, not the sum of all. Returns the victims evicted for."""
-        by_node: dict[str, list[_Plan]] = {}
-        for plan in plans:
-            by_node.setdefault(plan.choice.node, []).append(plan)
-
-        def node_plans(group: list[_Plan]) -> int:
-            n = 0
-            for plan in group:
-                try:
-                    ok = self._execute(plan, by_key, now)
-                except Exception:  # one preemptor's failure must not stop the others'
-                    log.exception("preemption for %s failed", plan.pre.pod.key)
-                    ok = False
-                self.metrics.preemptions.labels("evicted" if ok else "failed").inc()
-                n += len(plan.choice.victims) if ok else 0
-            return n
-
-        return sum(self._in_parallel(node_plans, list(by_node.values())))
-
-    def _in_parallel(self, fn: Callable[[_T], int], items: list[_T]) -> list[int]:
-        if len(items) <= 1:
-            return [fn(i) for i in items]
-        with ThreadPoolExecutor(min(EXECUTORS, len(items)), thread_name_prefix="preempt") as ex:
-            return list(ex.map(fn, items))
-
-    def _execute(self, plan: _Plan, by_key: dict[str, dict[str, Any]], now: datetime) -> bool:
-        pod, pre, choice, r, pool = plan.pod, plan.pre, plan.choice, plan.hold, plan.victims
-        meta = pod.get("metadata") or {}
-        ns, name, uid = meta.get("namespace") or "default", str(meta.get("name")), pin.uid_of(pod)
-        victims = [by_key[k] for k in choice.victims]
-        try:
-            self.writer.add(choice.node, r, now)
-        except (ApiException, ReserveError) as e:
-            log.warning("pod %s: cannot hold node %s for it: %s", pre.pod.key, choice.node, e)
-            return False
-        self._await_hold(choice.node, r.id)
-        rec = pin.Record(
-            choice.node,
-            r.id,
-            tuple(f"{pin.key_of(v)}:{pin.uid_of(v)}" for v in victims),
-            handoff.rfc3339(now),
-        )
-        try:
-            self.kube.patch_pod_metadata(ns, name, {pin.ANN_PREEMPTION: rec.encode()}, {}, None)
-        except ApiException as e:
-            log.warning("pod %s: cannot record its preemption: %s", pre.pod.key, api_reason(e))
-            try:  # without a record the hold is no one's: give it back (it expires anyway)
-                self.writer.remove(choice.node, {r.id}, now)
-            except (ApiException, ReserveError) as e2:
-                log.warning("node %s: cannot release hold %s: %s", choice.node, r.id, e2)
-            return False
-        names = ", ".join(f"{k} (priority {pool[k].priority}, {pool[k].pod_class})" for k in choice.victims)
-        forced = (
-            f"; {choice.budget_violations} of them against a PodDisruptionBudget, as no other choice existed"
-            if choice.budget_violations
-            else ""
-        )
-        log.info(
-            "preempting for %s (priority %d) on %s: %s%s",
-            pre.pod.key,
-            pre.priority,
-            choice.node,
-            names or "no victim (the room pods already leaving free is held for it)",
-            forced,
-        )
-        if self.events is not None and victims:
-            self.events.pod(
-                ns, name, uid, "Preempting",
-                f"gpupack evicts {len(victims)} pod(s) on node {choice.node} to make room for this pod: "
-                f"{names}{forced}. The room is held for this pod until they are gone.",
-                warning=bool(choice.budget_violations),
-            )  # fmt: skip
-        for v in victims:
-            vic = pool[pin.key_of(v)]
-            must = bool(choice.budget_violations) and any(b in plan.exhausted for b in vic.budgets)
-            self._evict(v, pre.pod.key, deleting_ok=must, priority=pre.priority, node=choice.node)
-            self.metrics.victims.labels(vic.pod_class, str(vic.priority)).inc()
-        # after the evictions, as kube-scheduler does: its next failed attempt then sees lower-priority
-        # pods terminating on the nominated node and keeps the nomination (up to v1.28; later
-        # versions clear it, and _wait_victims writes it again)
-        self._nominate(pod, choice.node)
-        return True
-
-    def _nominate(self, pod: dict[str, Any], node: str) -> None:
-        meta = pod.get("metadata") or {}
-        try:
-            self.kc.merge_patch(
-                self.kc.core.patch_namespaced_pod_status,
-                str(meta.get("name")),
-                meta.get("namespace") or "default",
-                {"status": {"nominatedNodeName": node}},
-            )
-        except ApiException as e:  # bound meanwhile (refused on v1.36), or gone
-            log.info("pod %s: cannot set its nominatedNodeName: %s", pin.key_of(pod), api_reason(e))
-
     def _reservation(
         self,
         pod: dict[str, Any],
@@ -519,60 +316,6 @@ class Preempter:
             host_mem_bytes=host.mem_bytes,
             host_pods=1 if self.view.track_host else 0,
         )
-
-    def _await_hold(self, node: str, rid: str, timeout_s: float = 3.0) -> None:
-        """Until the view holds the reservation (the node watch brings it), so no bind in this
-        process can take the room the first eviction leaves."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(r.id == rid for r in self.view.active_reservations(node, self.ext.clock())):
-                return
-            time.sleep(0.02)
-        log.warning("node %s: reservation %s not seen by the watch within %.0f s", node, rid, timeout_s)
-
-    def _evict(
-        self, v: dict[str, Any], for_key: str, deleting_ok: bool, priority: int = 0, node: str = ""
-    ) -> None:
-        """Evict `v` through the Eviction API. A budget that refuses it is waited out (next pass)
-        unless the choice had to violate one (`deleting_ok`): then it is deleted as kube-scheduler's
-        own preemption deletes, with its grace period."""
-        meta = v.get("metadata") or {}
-        ns, name, uid = meta.get("namespace") or "default", str(meta.get("name")), pin.uid_of(v)
-        try:
-            self.evictor.evict_retrying(ns, name, uid)
-        except ApiException as e:
-            if e.status == 404:
-                return
-            refused = budget_refusal(e) if e.status == 429 else None
-            if refused is None or not deleting_ok:
-                log.info(
-                    "eviction of %s for %s refused: %s", f"{ns}/{name}", for_key, refused or api_reason(e)
-                )
-                return
-            try:
-                opts = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
-                self.kc.json(self.kc.core.delete_namespaced_pod, name, ns, body=opts)
-            except ApiException as e2:
-                log.warning("deleting %s/%s for %s failed: %s", ns, name, for_key, api_reason(e2))
-                return
-        if self.events is not None and node:
-            self.events.pod(
-                ns, name, uid, "Preempted",
-                f"evicted by gpupack for pod {for_key} (priority {priority} > {int((v.get('spec') or {}).get('priority') or 0)}), "
-                f"which needs this pod's room on node {node}",
-            )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One preemptor's decision, made in the pass and carried out after it."""
-
-    pod: dict[str, Any]
-    pre: Preemptor
-    choice: Choice
-    hold: Reservation
-    victims: dict[str, Victim]  # the chosen ones, as the chooser saw them
-    exhausted: set[str]  # budgets that allowed no more disruptions when it was made
 
 
 def _charged(node: Node, pre: Preemptor, choice: Choice) -> Node:

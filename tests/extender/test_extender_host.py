@@ -359,7 +359,13 @@ def test_filter_steers_the_next_pod_off_a_node_another_pod_is_being_bound_to(kee
     other = "b" if first[0] == "a" else "a"
     assert out["NodeNames"] == [other], out
     assert "is being bound there" in out["FailedNodes"][first[0]]
-    # with no other node that fits, the locked one is still answered (the bind waits its turn)
+    # with no other node that fits, a node whose bind holds nothing yet is not answered: a fit
+    # there could be refused by that bind (an Error, which kube-scheduler retries)
+    out = ext.filter(ExtenderArgs(pod(3), [first[0]], None))
+    assert out["NodeNames"] == [] and "try again" in out["Error"], out
+    # once the bind holds its room (binding.py: at its arrival, when its filter is remembered),
+    # the locked node is answered: the bind waits its turn
+    view.locks.settle_claim("h/g1")
     out = ext.filter(ExtenderArgs(pod(3), [first[0]], None))
     assert out["NodeNames"] == [first[0]] and out["FailedNodes"] == {}, out
     view.locks.unclaim(first[0], "h/g1")
