@@ -135,7 +135,8 @@ class PreemptionActions:
         bound: dict[str, dict[str, Any]],
         now: datetime,
     ) -> int:
-        """Remove the holds whose preemptor is bound (here or elsewhere) or gone."""
+        """Remove the holds whose preemptor is bound (here or elsewhere) or gone (`pending`: every
+        unbound pod of the scheduler, by key; `bound`: every pod with a node)."""
         n = 0
         for node, rs in own.items():
             drop = set()
@@ -176,7 +177,8 @@ class PreemptionActions:
                 except Exception:  # one preemptor's failure must not stop the others'
                     log.exception("preemption for %s failed", plan.pre.pod.key)
                     ok = False
-                self.metrics.preemptions.labels("evicted" if ok else "failed").inc()
+                if not ok or plan.choice.victims:  # a hold alone was counted as "fits"
+                    self.metrics.preemptions.labels("evicted" if ok else "failed").inc()
                 n += len(plan.choice.victims) if ok else 0
             return n
 

@@ -95,28 +95,39 @@ class Preempter:
         if not self.view.synced.is_set() or (self.fence is not None and self.fence.problem()):
             return done
         now, started = self.ext.clock(), time.monotonic()
-        pending = [
-            p
-            for p in self.kube.unscheduled_pods(self.ext.config.scheduler_name, cached=True)
-            if pin.unschedulable(p)
-        ]
+        unbound = self.kube.unscheduled_pods(self.ext.config.scheduler_name, cached=True)
+        pending = [p for p in unbound if pin.unschedulable(p)]
         own = self._own_reservations(now)
         wanting = [(p, req) for p in pending if (req := self._request(p)) is not None]
         if not wanting and not own:
             return done
         running = self.kube.list_pods().get("items") or []
         by_key = {pin.key_of(p): p for p in running}
-        pending_by_key = {pin.key_of(p): p for p in pending}
-        done["released"] = self.act.release(own, pending_by_key, by_key, now)
-        taken: set[str] = set()
-        todo = []
+        # every unbound pod, not only those marked Unschedulable right now: a preemptor that
+        # kube-scheduler is trying again (after its victims left) keeps its hold
+        unbound_by_key = {
+            pin.key_of(p): p for p in unbound if not (p.get("metadata") or {}).get("deletionTimestamp")
+        }
+        done["released"] = self.act.release(own, unbound_by_key, by_key, now)
+        # the victims of every hold and live record: on their way out, never picked again, and
+        # their room counted as the holder's (whether or not kube-scheduler is retrying it now)
+        taken: set[str] = {k for rs in own.values() for r in rs for k in r.evicted_pod.split(",") if k}
+        held_for = {f"{r.namespace}/{r.owner_name}" for rs in own.values() for r in rs}
         waits = []
-        for p, req in wanting:
+        for p in unbound_by_key.values():
             rec = pin.record_of(p)
             if rec is not None and any(r.id == rec.reservation for r in own.get(rec.node, [])):
                 taken.update(v.rsplit(":", 1)[0] for v in rec.victims)
                 waits.append((p, rec))
-            elif pin.may_preempt(p):
+        waiting = {pin.key_of(p) for p, _ in waits}
+        todo = []
+        for p, req in wanting:
+            key = pin.key_of(p)
+            if key in waiting or key in held_for:
+                # decided already (a hold whose record is not seen yet: the pending list comes
+                # from the API server's cache, a moment old): never planned again
+                continue
+            if pin.may_preempt(p):
                 todo.append((p, req))
             else:
                 self.metrics.preemptions.labels("never").inc()
@@ -182,6 +193,7 @@ class Preempter:
                 pool.pop(k, None)
             if choice.node in room:
                 room[choice.node] += len(choice.victims) - 1
+            leaving.add(choice.node)  # its victims leave: room the next preemptor may share
         done["evicted"] = self.act.carry_out(plans, by_key, now)
         log.log(
             logging.INFO if plans else logging.DEBUG,

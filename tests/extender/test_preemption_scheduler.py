@@ -59,7 +59,13 @@ def sched(k8s: realk8s.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
         with contextlib.suppress(client.ApiException):
             sch.create_priority_class(body)
     yield from extender_with_scheduler(
-        k8s, tmp_path_factory.mktemp("preempt"), "gpupack-scheduler", "--preemption-interval-s", "0.5"
+        k8s,
+        tmp_path_factory.mktemp("preempt"),
+        "gpupack-scheduler",
+        "--preemption-interval-s",
+        "0.5",
+        "--log-level",
+        "info",
     )
 
 
