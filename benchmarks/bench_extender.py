@@ -1,4 +1,4 @@
-"""Benchmark the scheduler extender over real HTTP: the gunicorn extender process against a real
+"""Benchmark the scheduler extender over real HTTP: the extender process against a real
 Kubernetes control plane (etcd + kube-apiserver v1.28.7, tests/realk8s.py; the binaries come from
 $GPUPACK_K8S_ASSETS or ../shared/k8s), nodeCacheCapable: true.
 
