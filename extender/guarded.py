@@ -24,7 +24,9 @@ import contextlib
 import io
 import json
 import logging
+import os
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -106,6 +108,7 @@ class Listener:
             self._make_room()
         conn = _Conn(writer)
         self.conns[id(conn)] = conn
+        direct: socket.socket | None = None
         try:
             first = True
             while True:
@@ -120,10 +123,15 @@ class Listener:
                 first = False
                 conn.waiting = False
                 keep = _keep_alive(environ)
-                status, headers, body = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, _call, self.app, environ
+                if direct is None and self.tls is None:
+                    direct = _duplicate(writer)
+                # the thread sends the answer itself when nothing of an earlier one is still
+                # buffered here: the caller has it without waiting for this loop to wake
+                sock = direct if not writer.transport.get_write_buffer_size() else None
+                data, sent = await asyncio.get_running_loop().run_in_executor(
+                    self.pool, _call_and_send, self.app, environ, not keep, sock
                 )
-                await self._write(writer, status, headers, body, close=not keep)
+                await self._send(writer, data[sent:] if sent else data)
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ssl.SSLError, OSError):
@@ -131,6 +139,8 @@ class Listener:
         finally:
             self.conns.pop(id(conn), None)
             writer.close()
+            if direct is not None:
+                direct.close()  # no thread holds it: the request it was lent for has been answered
 
     async def _read_request(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool
@@ -206,16 +216,11 @@ class Listener:
 
     async def _write(self, writer: asyncio.StreamWriter, status: int | str, headers: list[tuple[str, str]],
                      body: bytes, close: bool) -> None:  # fmt: skip
-        line = status if isinstance(status, str) else f"{status} {HTTP_STATUS_CODES.get(status, 'UNKNOWN')}"
-        out = [f"HTTP/1.1 {line}"]
-        names = {k.lower() for k, _ in headers}
-        out += [f"{k}: {v}" for k, v in headers if k.lower() not in ("connection", "transfer-encoding")]
-        if "content-length" not in names:
-            out.append(f"Content-Length: {len(body)}")
-        if "content-type" not in names and not isinstance(status, str):
-            out.append("Content-Type: application/json")
-        out.append("Connection: close" if close else "Connection: keep-alive")
-        writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + body)
+        await self._send(writer, _answer(status, headers, body, close))
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        if data:
+            writer.write(data)
         if writer.transport.get_write_buffer_size():  # else written whole already: no deadline to set
             async with asyncio.timeout(self.limits.write_s):
                 await writer.drain()
@@ -274,6 +279,47 @@ async def _read_chunked(reader: asyncio.StreamReader, max_body: int) -> bytes:
     if over:
         raise _Reject(413, f"request body larger than {max_body} bytes")
     return b"".join(parts)
+
+
+def _answer(status: int | str, headers: list[tuple[str, str]], body: bytes, close: bool) -> bytes:
+    """The answer's bytes: status line, headers (Content-Length, Connection set here), body."""
+    line = status if isinstance(status, str) else f"{status} {HTTP_STATUS_CODES.get(status, 'UNKNOWN')}"
+    out = [f"HTTP/1.1 {line}"]
+    names = {k.lower() for k, _ in headers}
+    out += [f"{k}: {v}" for k, v in headers if k.lower() not in ("connection", "transfer-encoding")]
+    if "content-length" not in names:
+        out.append(f"Content-Length: {len(body)}")
+    if "content-type" not in names and not isinstance(status, str):
+        out.append("Content-Type: application/json")
+    out.append("Connection: close" if close else "Connection: keep-alive")
+    return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + body
+
+
+def _duplicate(writer: asyncio.StreamWriter) -> socket.socket | None:
+    """A descriptor of the connection's socket of its own, for a request thread to send on: it
+    stays open until this connection's coroutine closes it, so a thread never sends on a
+    descriptor number the loop closed and a new connection reused. None where there is none."""
+    raw = writer.get_extra_info("socket")
+    if raw is None:
+        return None
+    try:
+        return socket.socket(fileno=os.dup(raw.fileno()))
+    except OSError:
+        return None
+
+
+def _call_and_send(app: WSGIApp, environ: dict[str, Any], close: bool,
+                   sock: socket.socket | None) -> tuple[bytes, int]:  # fmt: skip
+    """In a request thread: the answer, and how many of its bytes were sent on `sock` (shared
+    with the loop's non-blocking socket, so one send; the loop writes what is left)."""
+    status, headers, body = _call(app, environ)
+    data = _answer(status, headers, body, close)
+    if sock is None:
+        return data, 0
+    try:
+        return data, sock.send(data)
+    except OSError:  # would block, or the connection is gone: the loop writes it or finds out
+        return data, 0
 
 
 def _body(message: str) -> bytes:
