@@ -7,7 +7,9 @@ and the body are read by one asyncio loop, each within its own deadline (`Limits
 that connects and sends nothing, or trickles a byte a second, holds a few kilobytes of memory and
 no thread. Each listener keeps at most `max_connections` connections; a new one past that closes
 the connection that has waited longest for its next request (idle and slow ones go first; one
-whose request is being answered is never closed). The answer is written by the loop too, within
+whose request is being answered is never closed). On plain TCP the request thread sends the
+answer with one non-blocking send (what the socket takes at once: the whole of a verb's answer,
+without waiting for the loop to wake); what is left, and every TLS answer, the loop writes within
 `write_s`, so a client that stops reading holds no thread either.
 
 HTTP/1.1 with Content-Length bodies (kube-scheduler's verbs, the API server's webhook calls and

@@ -155,3 +155,32 @@ def test_a_stopping_listener_answers_the_request_in_hand_and_closes_the_waiting_
     srv.stop()
     idle.close()
     busy.close()
+
+
+def test_an_answer_larger_than_the_socket_takes_arrives_whole_and_holds_no_thread() -> None:
+    big = bytes(range(256)) * 40_000  # ~10 MB: far more than one send puts in the socket
+
+    def large(environ, start_response):  # type: ignore[no-untyped-def]
+        start_response("200 OK", [])
+        return [big if environ["PATH_INFO"] == "/big" else b"small"]
+
+    srv = GuardedServer()
+    lst = srv.add(large, "127.0.0.1", 0, Limits(threads=1), name="t-big")
+    srv.start()
+    try:
+        slow = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
+        slow.sendall(b"GET /big HTTP/1.1\r\n\r\n")  # and not read yet
+        # the one thread is free again while the loop writes the rest of that answer
+        assert _talk(lst.port, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n").endswith(b"small")
+        got = b""
+        while not got.endswith(big):
+            chunk = slow.recv(1 << 20)
+            assert chunk, "closed before the whole answer"
+            got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert body == big and f"Content-Length: {len(big)}".encode() in head
+        slow.sendall(b"GET / HTTP/1.1\r\n\r\n")  # the connection carries the next request in order
+        assert slow.recv(4096).endswith(b"small")
+        slow.close()
+    finally:
+        srv.stop()
