@@ -73,7 +73,11 @@ def test_open_connections_hold_no_thread_and_threads_are_reused(start_extender):
         assert all(b"200" in st for _, st in held)
         warm.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # and the kept-alive one still answers
         assert b"200" in _answer(warm)[0]
-        assert not _threads(pid) - before, "a connection got a thread of its own"
+        # a thread per connection would show 80 new threads here; the pool may start one or two
+        # when a request comes in the instant between the last answer's send and its thread
+        # counting itself idle again
+        new = _threads(pid) - before
+        assert len(new) <= 4, f"{len(new)} new threads for 80 open connections"
     finally:
         for s, _ in [(warm, b""), *held]:
             s.close()
