@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UnknownPolicy, ConfigError) as e:
         print(f"gpupack extender: {e}", file=sys.stderr)
         return 2
+    if args.threads < 1:
+        print(f"gpupack extender: --threads must be 1 or more, got {args.threads}", file=sys.stderr)
+        return 2
     if args.role in ("all", "webhook") and args.webhook_port:
         if not args.tls_cert or not args.tls_key:
             print(
