@@ -1,4 +1,4 @@
-"""Benchmark the scheduler extender over real HTTP: the gunicorn extender process against a real
+"""Benchmark the scheduler extender over real HTTP: the extender process against a real
 Kubernetes control plane (etcd + kube-apiserver v1.28.7, tests/realk8s.py; the binaries come from
 $GPUPACK_K8S_ASSETS or ../shared/k8s), nodeCacheCapable: true.
 
@@ -9,7 +9,7 @@ each pod's GPU handoff right after its bind, as a real kubelet admitting the pod
 
 Reported (after a warm-up of --warmup pods): client-side latency p50/p99 of filter, prioritize, filter+prioritize and bind; the
 first filter of a new pod shape over every node (cold, no equivalence cache); sustained pods/s.
-Memory: extender worker RSS and resync time with N GPU pods already assigned in the cluster.
+Memory: extender RSS and resync time with N GPU pods already assigned in the cluster.
 
     python benchmarks/bench_extender.py                  # 100, 1000, 5000 nodes; 50,000 pods
     python benchmarks/bench_extender.py --nodes 1000 --pods 500 --json
@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import realk8s  # noqa: E402
-from processes import ExtenderProcess, give_extender_cpus  # noqa: E402
+from processes import ExtenderProcess, descendants, give_extender_cpus  # noqa: E402
 
 from gpupack.contract import (  # noqa: E402
     ANN_ASSIGNMENT,
@@ -168,14 +167,12 @@ class Extender(ExtenderProcess):
         return super().wait_ready(timeout)
 
     def worker_rss_mib(self) -> float:
-        out = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True
-        ).stdout.split()
+        """The extender's RSS: its one process (the verbs' server and the state) and any child."""
         total = 0.0
-        for pid in [str(self.proc.pid), *out]:
+        for pid in descendants(self.proc.pid):
             try:
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:") and pid != str(self.proc.pid):
+                    if line.startswith("VmRSS:"):
                         total += int(line.split()[1]) / 1024
             except OSError:
                 pass

@@ -235,8 +235,8 @@ def ms(x: float) -> float:
 
 
 CPU_LABELS = [  # the first whose words all occur in the command line wins
-    (("gpupack extender",), "extender"),  # its master and gunicorn worker
-    (("gpupack-extender",), "extender"),  # the same, renamed by setproctitle
+    (("gpupack extender",), "extender"),  # the verbs (and its webhook child)
+    (("gpupack-extender",), "extender"),  # the same, renamed by setproctitle (older releases)
     (("kube-scheduler", "gpupack-scheduler-"), "kube-scheduler (gpupack)"),
     (("kube-scheduler", "plain-scheduler-"), "kube-scheduler (plain)"),
     (("kube-apiserver",), "kube-apiserver"),

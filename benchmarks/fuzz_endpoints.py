@@ -1,7 +1,7 @@
 """Fuzz the extender's verbs and the admission webhook over real HTTP(S) (issue 11, "Done when").
 
-The real `gpupack extender` process (gunicorn: verbs on loopback HTTP, webhook on HTTPS with a
-certificate from `gpupack certs`) runs against a real control plane (etcd + kube-apiserver
+The real `gpupack extender` process (verbs on loopback HTTP, webhook on HTTPS with a certificate
+from `gpupack certs`, metrics on a port of its own; all served by extender/guarded.py) runs against a real control plane (etcd + kube-apiserver
 v1.28.7, tests/realk8s.py) with a few GPU nodes, and receives generated bodies: valid-looking
 requests with one field mutated into a wrong type, a huge or exponent-laden number
 (`gpu-mem: "1e300000"`), a long string, deep nesting, or plain garbage. Every answer must be
@@ -11,9 +11,8 @@ written as one JSON object).
 Then slow and idle clients (issue 31): for each count of --crowd, that many connections are
 opened to each port (webhook, metrics, verbs) and left idle, or trickle a byte of a request head
 a second; meanwhile a valid request to each port is timed (median and worst of --probes) and
-compared with the same requests without the crowd, measured just before in the same run. The
-webhook and the metrics port (extender/guarded.py) must not be delayed by 1 s or more; the verbs'
-figures (gunicorn, loopback only) are printed for what they are.
+compared with the same requests without the crowd, measured just before in the same run. No
+port may be delayed by 1 s or more.
 
     python benchmarks/fuzz_endpoints.py                 # 12,000 bodies, crowds of 8, 100, 1000
     python benchmarks/fuzz_endpoints.py --bodies 20000 --seed 7 --json
@@ -279,8 +278,8 @@ def run(
         out["crowds"] = crowds(crowd_counts or [], probes, {
             "validate": urls["validate"], "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
             "filter": urls["filter"]}, http, rng)  # fmt: skip
-        out["guarded_delayed_1s"] = sum(1 for c in out["crowds"] for e in ("validate", "metrics")
-                                        if c["ports"][e]["delay_max_ms"] >= 1000)  # fmt: skip
+        out["delayed_1s"] = sum(1 for c in out["crowds"] for e in ("validate", "metrics", "filter")
+                                if c["ports"][e]["delay_max_ms"] >= 1000)  # fmt: skip
         out["offenders"] = [{"ms": round(m, 1), "server_ms": sv, "endpoint": e, "status": s, "bytes": n,
                              "body": b.decode("utf-8", "replace")}
                             for m, e, s, n, b, sv in sorted(worst, key=lambda w: w[0], reverse=True)[:10]]  # fmt: skip
@@ -321,7 +320,7 @@ def main() -> int:
             print(f"  {c['connections_per_port']:5d} {c['kind']:9s} connections to each port: " + "  ".join(
                 f"{e} {v['base_max_ms']:.1f} -> {v['crowd_max_ms']:.1f} ms (x{v['crowd_max_ms'] / max(v['base_max_ms'], 0.01):.1f})"
                 for e, v in c["ports"].items()))  # fmt: skip
-    ok = out["answers_5xx"] == 0 and out["slower_than_100ms"] == 0 and out["guarded_delayed_1s"] == 0
+    ok = out["answers_5xx"] == 0 and out["slower_than_100ms"] == 0 and out["delayed_1s"] == 0
     return 0 if ok else 1
 
 

@@ -134,8 +134,8 @@ def _status(code: int) -> str:
 
 def _read_body(environ: dict[str, Any], max_body: int) -> bytes:
     """The request body, at most `max_body` bytes (413 past that). Without a Content-Length the
-    body is read to its end where the server says it is delimited (gunicorn does, for a chunked
-    body: `wsgi.input_terminated`), and is empty otherwise, as PEP 3333 asks."""
+    body is read to its end where the server says it is delimited (`wsgi.input_terminated`), and
+    is empty otherwise, as PEP 3333 asks. (guarded.py decodes a chunked body and sizes it.)"""
     raw = environ.get("CONTENT_LENGTH")
     stream = environ["wsgi.input"]
     if raw:
@@ -244,27 +244,20 @@ def verb_path(inner: Callable[..., Any], ext: Extender, max_body: int) -> Callab
 PROBE_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})
 
 
-def only_probes_on(app: Flask, port: int) -> Callable[..., Any]:
-    """The WSGI app, except that requests arriving on `port` (the metrics listener, open to the
-    network) may reach PROBE_PATHS only; the verbs stay on the loopback listener."""
-    inner = app.wsgi_app
+def only_probes(app: Callable[..., Any]) -> Callable[..., Any]:
+    """`app` (WSGI) answering PROBE_PATHS only: what the metrics listener, open to the network,
+    serves; the verbs stay on the loopback listener, which serves `app` itself."""
 
     def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        sock = environ.get("gunicorn.socket")
-        try:
-            local = sock.getsockname()[1] if sock is not None else int(environ.get("SERVER_PORT") or 0)
-        except (OSError, ValueError, IndexError, TypeError):
-            local = port  # unknown: treat as the open listener
-        if local == port and environ.get("PATH_INFO") not in PROBE_PATHS:
+        if environ.get("PATH_INFO") not in PROBE_PATHS:
             body = _encode({"Error": "only /metrics, /healthz and /readyz are served on this port"})
             start_response(
                 "404 NOT FOUND", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
             )
             return [body]
-        return inner(environ, start_response)
+        return app(environ, start_response)
 
-    app.wsgi_app = wsgi  # type: ignore[method-assign]
-    return app
+    return wsgi
 
 
 def create_webhook_app(

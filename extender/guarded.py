@@ -1,16 +1,22 @@
-"""A WSGI server that a few connections cannot stall: the listeners open to the network (the
-admission webhook, the metrics port) are served here, each with a budget of its own.
+"""A WSGI server that a few connections cannot stall: every listener of the extender is served
+here (the verbs on loopback, the admission webhook and the metrics port open to the network), each
+with a budget of its own.
 
 A thread is given a request only once the whole request is in hand: the TLS handshake, the head
 and the body are read by one asyncio loop, each within its own deadline (`Limits`), so a client
 that connects and sends nothing, or trickles a byte a second, holds a few kilobytes of memory and
 no thread. Each listener keeps at most `max_connections` connections; a new one past that closes
 the connection that has waited longest for its next request (idle and slow ones go first; one
-whose request is being answered is never closed). The answer is written by the loop too, within
+whose request is being answered is never closed). On plain TCP the request thread sends the
+answer with one non-blocking send (what the socket takes at once: the whole of a verb's answer,
+without waiting for the loop to wake); what is left, and every TLS answer, the loop writes within
 `write_s`, so a client that stops reading holds no thread either.
 
-HTTP/1.1 with Content-Length bodies (the API server's webhook calls and Prometheus' scrapes send
-those); a chunked body is answered 411. Kept-alive connections wait `idle_s` for the next request.
+HTTP/1.1 with Content-Length bodies (kube-scheduler's verbs, the API server's webhook calls and
+Prometheus' scrapes send those) or, where a listener allows it (`chunked`), chunked ones, decoded
+here within the same deadline and size limit. Kept-alive connections wait `idle_s` for the next
+request. On SIGTERM (`run`) a listener stops accepting and closes its waiting connections at once,
+and answers the requests in hand for up to `grace_s`.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import contextlib
 import io
 import json
 import logging
+import os
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -33,6 +41,9 @@ from typing import Any
 from werkzeug.http import HTTP_STATUS_CODES
 
 log = logging.getLogger("gpupack.extender.guarded")
+
+KEEPALIVE_S = 30.0  # kube-scheduler keeps its connections to the extender open between pods
+GRACEFUL_S = 3.0  # on SIGTERM, for the requests in hand (binds wait at most --bind-wait-s; the scheduler retries the rest)
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -48,6 +59,7 @@ class Limits:
     max_header_bytes: int = 16384
     max_body: int = 8 * 1024 * 1024
     threads: int = 8  # requests answered at once (complete requests wait for a thread, not clients)
+    chunked: bool = False  # accept chunked request bodies (else 411)
 
 
 class _Reject(Exception):
@@ -98,6 +110,7 @@ class Listener:
             self._make_room()
         conn = _Conn(writer)
         self.conns[id(conn)] = conn
+        direct: socket.socket | None = None
         try:
             first = True
             while True:
@@ -112,10 +125,15 @@ class Listener:
                 first = False
                 conn.waiting = False
                 keep = _keep_alive(environ)
-                status, headers, body = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, _call, self.app, environ
+                if direct is None and self.tls is None:
+                    direct = _duplicate(writer)
+                # the thread sends the answer itself when nothing of an earlier one is still
+                # buffered here: the caller has it without waiting for this loop to wake
+                sock = direct if not writer.transport.get_write_buffer_size() else None
+                data, sent = await asyncio.get_running_loop().run_in_executor(
+                    self.pool, _call_and_send, self.app, environ, not keep, sock
                 )
-                await self._write(writer, status, headers, body, close=not keep)
+                await self._send(writer, data[sent:] if sent else data)
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ssl.SSLError, OSError):
@@ -123,6 +141,8 @@ class Listener:
         finally:
             self.conns.pop(id(conn), None)
             writer.close()
+            if direct is not None:
+                direct.close()  # no thread holds it: the request it was lent for has been answered
 
     async def _read_request(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool
@@ -132,11 +152,13 @@ class Listener:
         if not first:
             # a kept-alive connection may wait idle_s for its next request, whose head then has header_s
             try:
-                lead = await asyncio.wait_for(reader.readexactly(1), lim.idle_s)
+                async with asyncio.timeout(lim.idle_s):
+                    lead = await reader.readexactly(1)
             except (TimeoutError, asyncio.IncompleteReadError):
                 return None
         try:
-            head = lead + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), lim.header_s)
+            async with asyncio.timeout(lim.header_s):
+                head = lead + await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError as e:
             if not e.partial and not lead:
                 return None  # closed between requests
@@ -144,15 +166,26 @@ class Listener:
         except (asyncio.LimitOverrunError, ValueError):  # past the StreamReader's limit
             raise _Reject(431, f"request head larger than {lim.max_header_bytes} bytes") from None
         environ = self._environ(head, writer)
-        if environ.get("HTTP_TRANSFER_ENCODING"):
-            raise _Reject(411, "send the body with a Content-Length")
-        raw = environ.get("CONTENT_LENGTH") or "0"
-        if not raw.isdigit():
-            raise _Reject(400, "Content-Length is not a number")
-        length = int(raw)
-        if length > lim.max_body:
-            raise _Reject(413, f"request body larger than {lim.max_body} bytes")
-        body = await asyncio.wait_for(reader.readexactly(length), lim.body_s) if length else b""
+        coding = environ.pop("HTTP_TRANSFER_ENCODING", None)
+        if coding is not None:
+            if not lim.chunked:
+                raise _Reject(411, "send the body with a Content-Length")
+            if coding.strip().lower() != "chunked" or "CONTENT_LENGTH" in environ:
+                raise _Reject(400, f"unsupported Transfer-Encoding {coding[:40]!r}")
+            async with asyncio.timeout(lim.body_s):
+                body = await _read_chunked(reader, lim.max_body)
+            environ["CONTENT_LENGTH"] = str(len(body))
+        else:
+            raw = environ.get("CONTENT_LENGTH") or "0"
+            if not raw.isdigit():
+                raise _Reject(400, "Content-Length is not a number")
+            length = int(raw)
+            if length > lim.max_body:
+                raise _Reject(413, f"request body larger than {lim.max_body} bytes")
+            body = b""
+            if length:
+                async with asyncio.timeout(lim.body_s):
+                    body = await reader.readexactly(length)
         environ["wsgi.input"] = io.BytesIO(body)
         return environ
 
@@ -185,17 +218,28 @@ class Listener:
 
     async def _write(self, writer: asyncio.StreamWriter, status: int | str, headers: list[tuple[str, str]],
                      body: bytes, close: bool) -> None:  # fmt: skip
-        line = status if isinstance(status, str) else f"{status} {HTTP_STATUS_CODES.get(status, 'UNKNOWN')}"
-        out = [f"HTTP/1.1 {line}"]
-        names = {k.lower() for k, _ in headers}
-        out += [f"{k}: {v}" for k, v in headers if k.lower() not in ("connection", "transfer-encoding")]
-        if "content-length" not in names:
-            out.append(f"Content-Length: {len(body)}")
-        if "content-type" not in names and not isinstance(status, str):
-            out.append("Content-Type: application/json")
-        out.append("Connection: close" if close else "Connection: keep-alive")
-        writer.write(("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + body)
-        await asyncio.wait_for(writer.drain(), self.limits.write_s)
+        await self._send(writer, _answer(status, headers, body, close))
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        if data:
+            writer.write(data)
+        if writer.transport.get_write_buffer_size():  # else written whole already: no deadline to set
+            async with asyncio.timeout(self.limits.write_s):
+                await writer.drain()
+
+    async def shut(self, grace_s: float) -> None:
+        """Stop accepting, close the connections waiting for a request, answer the requests in
+        hand for up to `grace_s`, then close everything."""
+        if self.server is not None:
+            self.server.close()
+        deadline = time.monotonic() + grace_s
+        while True:
+            for c in [c for c in self.conns.values() if c.waiting]:
+                c.writer.transport.abort()
+            if all(c.waiting for c in self.conns.values()) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)  # a shutdown's poll, off every request's path
+        await self.close()
 
     async def close(self) -> None:
         if self.server is not None:
@@ -203,6 +247,81 @@ class Listener:
         for c in list(self.conns.values()):
             c.writer.transport.abort()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _read_chunked(reader: asyncio.StreamReader, max_body: int) -> bytes:
+    """A chunked body, decoded. Past `max_body` the rest is read and dropped before the 413, so the
+    answer reaches a client still sending (a socket closed with unread data is reset, and the
+    reset can destroy the answer before the client reads it); the caller's deadline bounds that."""
+    parts: list[bytes] = []
+    size, over = 0, False
+    try:
+        while True:
+            line = await reader.readuntil(b"\r\n")
+            digits = line.split(b";", 1)[0].strip()
+            if not digits or len(digits) > 16 or digits.strip(b"0123456789abcdefABCDEF"):
+                raise _Reject(400, "malformed chunk size")
+            n = int(digits, 16)
+            if n == 0:
+                break
+            size += n
+            over = over or size > max_body
+            if not over:
+                parts.append(await reader.readexactly(n))
+            else:
+                parts.clear()
+                while n:
+                    n -= len(await reader.readexactly(min(n, 65536)))
+            if await reader.readexactly(2) != b"\r\n":
+                raise _Reject(400, "malformed chunk")
+        while await reader.readuntil(b"\r\n") != b"\r\n":
+            pass  # trailers: nothing here reads them
+    except (asyncio.LimitOverrunError, ValueError):
+        raise _Reject(400, "chunk size or trailer line too long") from None
+    if over:
+        raise _Reject(413, f"request body larger than {max_body} bytes")
+    return b"".join(parts)
+
+
+def _answer(status: int | str, headers: list[tuple[str, str]], body: bytes, close: bool) -> bytes:
+    """The answer's bytes: status line, headers (Content-Length, Connection set here), body."""
+    line = status if isinstance(status, str) else f"{status} {HTTP_STATUS_CODES.get(status, 'UNKNOWN')}"
+    out = [f"HTTP/1.1 {line}"]
+    names = {k.lower() for k, _ in headers}
+    out += [f"{k}: {v}" for k, v in headers if k.lower() not in ("connection", "transfer-encoding")]
+    if "content-length" not in names:
+        out.append(f"Content-Length: {len(body)}")
+    if "content-type" not in names and not isinstance(status, str):
+        out.append("Content-Type: application/json")
+    out.append("Connection: close" if close else "Connection: keep-alive")
+    return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1") + body
+
+
+def _duplicate(writer: asyncio.StreamWriter) -> socket.socket | None:
+    """A descriptor of the connection's socket of its own, for a request thread to send on: it
+    stays open until this connection's coroutine closes it, so a thread never sends on a
+    descriptor number the loop closed and a new connection reused. None where there is none."""
+    raw = writer.get_extra_info("socket")
+    if raw is None:
+        return None
+    try:
+        return socket.socket(fileno=os.dup(raw.fileno()))
+    except OSError:
+        return None
+
+
+def _call_and_send(app: WSGIApp, environ: dict[str, Any], close: bool,
+                   sock: socket.socket | None) -> tuple[bytes, int]:  # fmt: skip
+    """In a request thread: the answer, and how many of its bytes were sent on `sock` (shared
+    with the loop's non-blocking socket, so one send; the loop writes what is left)."""
+    status, headers, body = _call(app, environ)
+    data = _answer(status, headers, body, close)
+    if sock is None:
+        return data, 0
+    try:
+        return data, sock.send(data)
+    except OSError:  # would block, or the connection is gone: the loop writes it or finds out
+        return data, 0
 
 
 def _body(message: str) -> bytes:
@@ -258,14 +377,15 @@ class GuardedServer:
         self.thread = threading.Thread(target=self.loop.run_forever, name="guarded-loop", daemon=True)
         self.thread.start()
 
-    def run(self) -> None:
+    def run(self, grace_s: float = 0.0) -> None:
+        """Serve until SIGTERM or SIGINT; then the requests in hand get `grace_s` to be answered."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.loop.stop)
         try:
             self.loop.run_forever()
         finally:
             for lst in self.listeners:
-                self.loop.run_until_complete(lst.close())
+                self.loop.run_until_complete(lst.shut(grace_s))
             with contextlib.suppress(Exception):
                 self.loop.close()
 
@@ -294,6 +414,14 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 def webhook_limits(max_body: int) -> Limits:
     # admission reviews come from the API server, a few at a time; 8 threads answer them
     return Limits(max_connections=2048, max_body=max_body, threads=8)
+
+
+def verbs_limits(max_body: int, threads: int) -> Limits:
+    """kube-scheduler's verbs: it keeps connections alive between pods and sends filters,
+    prioritizes and binds at once; a bind holds its thread while it waits on the API server, so
+    `threads` (--threads) is sized for a burst of binds with threads to spare for filter."""
+    return Limits(idle_s=KEEPALIVE_S, max_connections=2048, max_header_bytes=65536, max_body=max_body,
+                  threads=threads, chunked=True)  # fmt: skip
 
 
 def metrics_limits(max_body: int) -> Limits:

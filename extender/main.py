@@ -1,10 +1,12 @@
 """`gpupack extender`: the scheduler extender (HTTP) and the admission webhook (HTTPS).
 
-The verbs are served by gunicorn, embedded (serving.py), in ONE worker process with threads,
+Every listener is served by guarded.py, which gives a thread only a request that has arrived
+whole, so idle or trickling connections hold no thread. The verbs are served in this ONE process,
 since the reservation state (assumed pods, per-node bind locks) must live in a single process;
-the metrics port, open to the network, by guarded.py in that worker. The webhook needs TLS on its
-own port, so it runs in a child process, served by guarded.py, with its own small node watch (for
-the largest GPU in the cluster); it holds no reservation state.
+the metrics port, open to the network, by a server of its own in this process (its own loop,
+threads and connection budget). The webhook needs TLS on its own port, so it runs in a child
+process with its own small node watch (for the largest GPU in the cluster); it holds no
+reservation state.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=512,
-        help="request threads of the extender worker, at most (each bind holds one while it waits on the API "
-        "server or for its turn, so a burst of binds must leave some to filter and prioritize; started as "
-        "needed; default 512)",
+        help="threads answering the verbs, at most (each bind holds one while it waits on the API server or "
+        "for its turn, so a burst of binds must leave some to filter and prioritize; started as needed; "
+        "connections hold none; default 512)",
     )
     p.add_argument(
         "--bind-wait-s", type=float, default=4.0, help="how long a bind waits for a pending handoff"
@@ -190,7 +192,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         from gpupack.events import EventRecorder
         from gpupack.kubeclient import KubeClient
 
-        from .app import create_extender_app, only_probes_on
+        from .app import create_extender_app, only_probes
         from .collector import IdleCollector
         from .config import ExtenderConfig
         from .framework import Extender
@@ -255,13 +257,11 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         # its own, by a server that slow or idle connections cannot stall (guarded.py)
         from .guarded import GuardedServer, metrics_limits
 
-        probes = only_probes_on(app, args.metrics_port)
         metrics_server = GuardedServer()
-        metrics_server.add(
-            probes, args.metrics_host, args.metrics_port, metrics_limits(args.max_body_bytes), name="metrics"
-        )
+        metrics_server.add(only_probes(app), args.metrics_host, args.metrics_port,
+                           metrics_limits(args.max_body_bytes), name="metrics")  # fmt: skip
         metrics_server.start()
-        return probes
+        return app
 
     return make
 
@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UnknownPolicy, ConfigError) as e:
         print(f"gpupack extender: {e}", file=sys.stderr)
         return 2
+    if args.threads < 1:
+        print(f"gpupack extender: --threads must be 1 or more, got {args.threads}", file=sys.stderr)
+        return 2
     if args.role in ("all", "webhook") and args.webhook_port:
         if not args.tls_cert or not args.tls_key:
             print(
@@ -309,9 +312,6 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.isfile(f):
                 print(f"gpupack extender: {f}: no such file", file=sys.stderr)
                 return 2
-
-    # Import in the arbiter: the forked worker then starts in milliseconds, not seconds.
-    from . import app, framework, kube, serving, sync, webhook  # noqa: F401
 
     if args.role == "webhook":
         # open to the network (the API server calls it): served so that slow or idle connections
@@ -336,13 +336,16 @@ def main(argv: list[str] | None = None) -> int:
             "webhook",
         ]
         child = subprocess.Popen(cmd)
-    binds = [f"{args.host}:{args.port}"]  # the metrics port: its own server, in the worker
-    from .guarded import raise_fd_limit
+    from .guarded import GRACEFUL_S, GuardedServer, raise_fd_limit, verbs_limits
 
     raise_fd_limit()
-    opts = serving.options(binds, args.threads, args.log_level, "gpupack-extender")
     try:
-        serving.Server(_extender_factory(args), opts).run()
+        # kube-scheduler is the verbs' one caller (loopback); the listener is guarded all the same,
+        # so that no container beside it can stall scheduling with a few connections
+        server = GuardedServer()
+        server.add(_extender_factory(args)(), args.host, args.port,
+                   verbs_limits(args.max_body_bytes, args.threads), name="verbs")  # fmt: skip
+        server.run(GRACEFUL_S)
     finally:
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)

@@ -160,17 +160,3 @@ def with_fields(logger: logging.Logger | logging.LoggerAdapter, **fields: Any) -
     known: dict[str, Any] = {k: v for k, v in fields.items() if k in FIELDS}
     other = {k: v for k, v in fields.items() if k not in FIELDS}
     return FieldsAdapter(base, {**known, "fields": other} if other else known)
-
-
-def gunicorn_logger_class() -> type:
-    """For gunicorn's `logger_class`: its error log written through the root logger's handler (the
-    format configure() set) instead of a handler of its own, so one process logs one format."""
-    from gunicorn.glogging import Logger
-
-    class RootLogger(Logger):  # type: ignore[misc]
-        def setup(self, cfg: Any) -> None:
-            super().setup(cfg)
-            self.error_log.handlers.clear()
-            self.error_log.propagate = True
-
-    return RootLogger

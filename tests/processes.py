@@ -1,6 +1,6 @@
 """The real `gpupack extender` as a child process, for tests and benchmarks.
 
-One launcher so that every test folder and benchmark starts the extender the same way: gunicorn on a
+One launcher so that every test folder and benchmark starts the extender the same way: its verbs on a
 free loopback port, talking to an in-test API server through a kubeconfig.
 """
 
@@ -154,7 +154,7 @@ def _pin(pids: list[int], cpus: set[int]) -> None:
 
 
 def give_extender_cpus(ext: ExtenderProcess, n: int) -> dict[str, list[int]]:
-    """The extender (gunicorn master and worker) on the last `n` CPUs, everything else this benchmark
+    """The extender (and its webhook child) on the last `n` CPUs, everything else this benchmark
     started (the API server, etcd, the client threads) on the others: the extender's own latency,
     binds and watch events included, without the run queue of a client and an API server that a
     deployed extender does not share its CPUs with (a scheduler pod with CPUs of its own)."""

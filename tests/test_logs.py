@@ -125,16 +125,3 @@ def test_global_options_before_the_command_reach_it():
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "--log-format 'xml'" in r.stderr
-
-
-def test_gunicorns_error_log_goes_through_the_same_format(restore_logging):
-    from gunicorn.config import Config
-
-    out = io.StringIO()
-    logs.setup(_parse(["--log-format", "json"]), stream=out)
-    cfg = Config()
-    cfg.set("errorlog", "-")
-    glog = logs.gunicorn_logger_class()(cfg)
-    glog.error("Worker (pid:%s) was sent SIGKILL!", 42)
-    (rec,) = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert rec["logger"] == "gunicorn.error" and rec["msg"] == "Worker (pid:42) was sent SIGKILL!"

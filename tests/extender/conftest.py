@@ -1,5 +1,5 @@
 """Fixtures: the real control plane (tests/conftest.py's `cluster`), a namespace of the test's own,
-and the real `gpupack extender` process (gunicorn) talking to it."""
+and the real `gpupack extender` process talking to it."""
 
 from __future__ import annotations
 

@@ -300,8 +300,8 @@ def extender_with_scheduler(
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL gunicorn's arbiter and its worker (a lone SIGKILL of the arbiter leaves the worker
-    serving until it notices)."""
+    """SIGKILL the extender and its children (the webhook process, when it has one), as a crashed
+    container would lose them all."""
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):

@@ -323,6 +323,8 @@ def test_cli_rejects_bad_flags_in_one_line(capsys, tmp_path):
     assert "needs --tls-cert and --tls-key" in capsys.readouterr().err
     assert main(["--tls-cert", str(tmp_path / "c"), "--tls-key", str(tmp_path / "k")]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert main(["--threads", "0", "--webhook-port", "0"]) == 2
+    assert "--threads must be 1 or more, got 0" in capsys.readouterr().err
 
 
 def test_learning_batches_in_a_burst():

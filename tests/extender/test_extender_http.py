@@ -1,4 +1,4 @@
-"""The extender process (gunicorn) against the real Kubernetes API server, over real HTTP. Faults the
+"""The extender process against the real Kubernetes API server, over real HTTP. Faults the
 real server will not produce on demand (a failed Binding, a 409, a dropped watch, 410 Gone, a slow
 list) come from a FaultProxy between the extender and the API server."""
 

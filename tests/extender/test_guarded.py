@@ -3,6 +3,7 @@ its deadline, and a listener at its connection limit closes the connection that 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -87,3 +88,99 @@ def test_at_its_limit_a_listener_closes_the_connection_that_waited_longest(
     assert idle[0].recv(10) == b""  # the oldest was closed to make room
     for s in idle:
         s.close()
+
+
+@pytest.fixture
+def chunked_port() -> Iterator[int]:
+    srv = GuardedServer()
+    lim = Limits(
+        header_s=0.5, body_s=2.0, idle_s=0.5, max_connections=4, max_body=100, threads=1, chunked=True
+    )
+    lst = srv.add(app, "127.0.0.1", 0, lim, name="t-chunked")
+    srv.start()
+    CALLS.clear()
+    yield lst.port
+    srv.stop()
+
+
+def _chunked(body: bytes, size: int) -> bytes:
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+
+def test_a_chunked_body_is_decoded_before_a_thread_sees_it(chunked_port: int) -> None:
+    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    assert _talk(chunked_port, head + _chunked(b"0123456789" * 10, 7)).endswith(b"got " + b"0123456789" * 10)
+    assert len(CALLS) == 1
+
+
+def test_a_chunked_body_past_the_limit_or_malformed_is_refused_and_its_answer_arrives(
+    chunked_port: int,
+) -> None:
+    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    # the whole body is sent before the answer is read: the 413 must survive the close
+    over = _talk(chunked_port, head + _chunked(b"x" * 300_000, 1000))
+    assert over.startswith(b"HTTP/1.1 413") and b"larger than 100 bytes" in over
+    assert _talk(chunked_port, head + b"zz\r\nab\r\n0\r\n\r\n").startswith(b"HTTP/1.1 400")
+    assert _talk(chunked_port, head + b"2\r\nabcd\r\n0\r\n\r\n").startswith(b"HTTP/1.1 400")
+    assert _talk(chunked_port, b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n").startswith(
+        b"HTTP/1.1 400"
+    )
+    assert CALLS == []
+
+
+def test_a_stopping_listener_answers_the_request_in_hand_and_closes_the_waiting_ones() -> None:
+    srv = GuardedServer()
+    started, release = threading.Event(), threading.Event()
+
+    def slow(environ, start_response):  # type: ignore[no-untyped-def]
+        started.set()
+        release.wait(5)
+        start_response("200 OK", [])
+        return [b"done"]
+
+    lst = srv.add(slow, "127.0.0.1", 0, Limits(threads=2), name="t-stop")
+    srv.start()
+    idle = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
+    busy = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
+    busy.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    assert started.wait(5)
+    shut = asyncio.run_coroutine_threadsafe(lst.shut(5.0), srv.loop)
+    assert idle.recv(10) == b""  # closed at once: it held no request
+    release.set()
+    assert busy.recv(4096).endswith(b"done")  # answered within the grace
+    shut.result(5)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", lst.port), timeout=1)
+    srv.stop()
+    idle.close()
+    busy.close()
+
+
+def test_an_answer_larger_than_the_socket_takes_arrives_whole_and_holds_no_thread() -> None:
+    big = bytes(range(256)) * 40_000  # ~10 MB: far more than one send puts in the socket
+
+    def large(environ, start_response):  # type: ignore[no-untyped-def]
+        start_response("200 OK", [])
+        return [big if environ["PATH_INFO"] == "/big" else b"small"]
+
+    srv = GuardedServer()
+    lst = srv.add(large, "127.0.0.1", 0, Limits(threads=1), name="t-big")
+    srv.start()
+    try:
+        slow = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
+        slow.sendall(b"GET /big HTTP/1.1\r\n\r\n")  # and not read yet
+        # the one thread is free again while the loop writes the rest of that answer
+        assert _talk(lst.port, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n").endswith(b"small")
+        got = b""
+        while not got.endswith(big):
+            chunk = slow.recv(1 << 20)
+            assert chunk, "closed before the whole answer"
+            got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert body == big and f"Content-Length: {len(big)}".encode() in head
+        slow.sendall(b"GET / HTTP/1.1\r\n\r\n")  # the connection carries the next request in order
+        assert slow.recv(4096).endswith(b"small")
+        slow.close()
+    finally:
+        srv.stop()

@@ -39,7 +39,7 @@ def _sample(ext: Extender, name: str, verb: str) -> float:
     return ext.metrics.registry.get_sample_value(name, {"verb": verb}) or 0.0
 
 
-# what gunicorn hands the app for a chunked body: no Content-Length, the input delimited
+# what a server that delimits a chunked body may hand the app: no Content-Length, the input delimited
 CHUNKED: dict[str, Any] = {"CONTENT_LENGTH": "", "wsgi.input_terminated": True}
 
 

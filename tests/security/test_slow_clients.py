@@ -1,9 +1,10 @@
 """Issue 31 item 2: a few connections cannot stall gpupack's servers. Idle connections (connected,
-nothing sent) and trickling ones (a byte at a time) are opened to the listeners of a real
-extender open to the network — the webhook (TLS, registered in the real API server) and the
-metrics port — and, 8 of them, to the verbs; meanwhile a GPU pod is admitted through the webhook
-by the API server, a verb is answered and a scrape is served, none more than 1 s slower than the
-same calls without the crowd (measured first, in the same run: this machine's CPUs are shared)."""
+nothing sent) and trickling ones (a byte at a time) are opened to every listener of a real
+extender — the webhook (TLS, registered in the real API server), the metrics port and the verbs
+(loopback, kube-scheduler's) — 8, 100 and 1,000 to each; meanwhile a GPU pod is admitted through
+the webhook by the API server, a `/filter` is answered and a scrape is served, none more than 1 s
+slower than the same calls without the crowd (measured first, in the same run: this machine's
+CPUs are shared)."""
 
 from __future__ import annotations
 
@@ -84,15 +85,13 @@ def test_idle_and_trickling_connections_delay_nothing(webhook: Webhook, crowd: l
         return tuple(max(t[k] for t in times) for k in range(3))  # type: ignore[return-value]
 
     base = calls("base")  # this machine's own pace, measured in the same run
-    # the verbs listen on loopback (only the containers of the scheduler pod reach them) and are
-    # served by gunicorn's gthread worker, which gives a new connection a thread for up to 5 s
-    # and a trickling one for as long as it trickles: 8 of them, not more (see the operator guide)
-    crowd.append(Crowd([webhook_port, metrics_port] + ([ext.port] if n <= 8 else []), n, trickle))
-    # The crowd taken in: one probe through each guarded port is answered only after the server
-    # accepted (and set up TLS state for) every connection before it. The test is about a crowd
-    # that stays, not about the burst that opened it.
+    crowd.append(Crowd([webhook_port, metrics_port, ext.port], n, trickle))
+    # The crowd taken in: one probe through each port is answered only after the server accepted
+    # (and set up TLS state for) every connection before it. The test is about a crowd that
+    # stays, not about the burst that opened it.
     requests.get(webhook.url + "/healthz", verify=str(webhook.ca), timeout=30).raise_for_status()
     requests.get(f"http://127.0.0.1:{metrics_port}/healthz", timeout=30).raise_for_status()
+    requests.get(ext.url + "/healthz", timeout=30).raise_for_status()
     loaded = calls("crowd")
     delays = [round(b - a, 3) for a, b in zip(base, loaded, strict=True)]
     print(f"n={n} trickle={trickle} base={base} crowd={loaded} delays={delays}")
