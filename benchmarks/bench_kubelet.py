@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stand-in", choices=STAND_INS, default=STAND_INS[0], help="which kubelet stand-in")
     ap.add_argument("--procs", type=int, default=4, help="worker processes creating and binding")
     ap.add_argument("--stand-in-procs", type=int, default=1, help="processes of --stand-in procs")
+    ap.add_argument("--admit-concurrency", type=int, default=0, help="admissions in flight (0: the default)")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--json", action="store_true", help="one JSON line")
     args = ap.parse_args(argv)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 binds.append((name, node, binding_annotations(a)))
             obs = Observer(cp, ns)
             with start_stand_in(
-                args.stand_in, cp, None, args.admit_ms / 1000, args.stand_in_procs
+                args.stand_in, cp, None, args.admit_ms / 1000, args.stand_in_procs, args.admit_concurrency
             ) as stand_in:
                 ROLES.update(dict.fromkeys(stand_in.pids(), "kubelet stand-in"))
                 time.sleep(0.5)  # the observing watch is open

@@ -484,12 +484,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the kubelets and device plugin in threads of this process, or processes of their own",
     )
     ap.add_argument("--stand-in-procs", type=int, default=1, help="processes of the kubelet stand-in")
+    ap.add_argument("--admit-concurrency", type=int, default=0,
+                    help="admissions the stand-in has in flight at once (0: tests/realk8s.py ADMIT_CONCURRENCY)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON line")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"bench": "scheduler", "nodes": args.nodes, "pods": args.pods, "admit_ms": args.admit_ms,
                               "qps": args.qps, "burst": args.burst, "cpus": os.cpu_count(),
-                              "stand_in": args.stand_in, "stand_in_procs": args.stand_in_procs}  # fmt: skip
+                              "stand_in": args.stand_in, "stand_in_procs": args.stand_in_procs,
+                              "admit_concurrency": args.admit_concurrency}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-sched-") as d:
         tmp = Path(d)
         cp = realk8s.ControlPlane(tmp).start()
@@ -521,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
             scheds.append(Scheduler(cp, gcfg, "gpupack-scheduler", args.qps, args.burst, leader_election=le))
             if args.extender_cpus:
                 result["pinned_cpus"] = give_extender_cpus(ext, args.extender_cpus)
-            stand_in = start_stand_in(args.stand_in, cp, None, args.admit_ms / 1000, args.stand_in_procs)
+            stand_in = start_stand_in(args.stand_in, cp, None, args.admit_ms / 1000, args.stand_in_procs,
+                                      args.admit_concurrency)  # fmt: skip
             with stand_in:
                 ROLES.update(dict.fromkeys(stand_in.pids(), "kubelet stand-in"))
                 prng = random.Random(args.seed)

@@ -41,7 +41,7 @@ def shard_of(node: str, shards: int) -> int:
 
 
 def _serve(
-    cluster: _Cluster, namespace: str | None, admit_delay: float, shard: int, shards: int,
+    cluster: _Cluster, namespace: str | None, admit_delay: float, concurrency: int, shard: int, shards: int,
     ready: Any, stop: Any, results: Any,
 ) -> None:  # fmt: skip
     for p in (ROOT, ROOT / "tests", ROOT / "tests" / "extender"):
@@ -51,7 +51,8 @@ def _serve(
 
     plugin = DevicePluginEmulator(cluster, static_inventory=True)
     kubelet = realk8s.KubeletEmulator(cluster, namespace, admit_delay=admit_delay, on_admit=plugin,
-                                      nodes=lambda n: shard_of(n, shards) == shard)  # fmt: skip
+                                      nodes=lambda n: shard_of(n, shards) == shard,
+                                      concurrency=concurrency)  # fmt: skip
     # The client builds its pod models (pydantic) on first use: seconds of CPU under the import
     # lock on a busy machine, which would otherwise fall inside the first admissions of the burst.
     kubelet.core.list_pod_for_all_namespaces(limit=1)
@@ -65,7 +66,9 @@ def _serve(
 class ProcessStandIn:
     """`procs` processes, each the kubelets and device plugin of its share of the nodes."""
 
-    def __init__(self, cp: Any, namespace: str | None, admit_delay: float, procs: int = 2) -> None:
+    def __init__(
+        self, cp: Any, namespace: str | None, admit_delay: float, procs: int = 2, concurrency: int = 0
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")  # the caller has threads: no fork
         self._stop = ctx.Event()
         self._ready: Any = ctx.Queue()
@@ -75,7 +78,17 @@ class ProcessStandIn:
             ctx.Process(
                 target=_serve,
                 daemon=True,
-                args=(cluster, namespace, admit_delay, i, procs, self._ready, self._stop, self._results),
+                args=(
+                    cluster,
+                    namespace,
+                    admit_delay,
+                    concurrency,
+                    i,
+                    procs,
+                    self._ready,
+                    self._stop,
+                    self._results,
+                ),
             )  # fmt: skip
             for i in range(procs)
         ]
@@ -110,14 +123,16 @@ class ProcessStandIn:
 class ThreadStandIn:
     """The stand-in in the caller's process (as every test runs it)."""
 
-    def __init__(self, cp: Any, namespace: str | None, admit_delay: float) -> None:
+    def __init__(self, cp: Any, namespace: str | None, admit_delay: float, concurrency: int = 0) -> None:
         sys.path.insert(0, str(ROOT / "tests"))
         sys.path.insert(0, str(ROOT / "tests" / "extender"))
         import realk8s
         from ext_helpers import DevicePluginEmulator
 
         self.plugin = DevicePluginEmulator(cp, static_inventory=True)
-        self.kubelet = realk8s.KubeletEmulator(cp, namespace, admit_delay=admit_delay, on_admit=self.plugin)
+        self.kubelet = realk8s.KubeletEmulator(
+            cp, namespace, admit_delay=admit_delay, on_admit=self.plugin, concurrency=concurrency
+        )
 
     def __enter__(self) -> ThreadStandIn:
         self.kubelet.start()
@@ -135,11 +150,13 @@ class ThreadStandIn:
 
 
 def start_stand_in(
-    kind: str, cp: Any, namespace: str | None = None, admit_delay: float = 0.0, procs: int = 2
-) -> ProcessStandIn | ThreadStandIn:
-    """The kubelet stand-in `kind` (one of STAND_INS), to use as a context manager."""
+    kind: str, cp: Any, namespace: str | None = None, admit_delay: float = 0.0, procs: int = 2,
+    concurrency: int = 0,
+) -> ProcessStandIn | ThreadStandIn:  # fmt: skip
+    """The kubelet stand-in `kind` (one of STAND_INS), to use as a context manager; `concurrency`:
+    admissions in flight at once in each process (0: realk8s.ADMIT_CONCURRENCY)."""
     if kind == "procs":
-        return ProcessStandIn(cp, namespace, admit_delay, procs)
+        return ProcessStandIn(cp, namespace, admit_delay, procs, concurrency)
     if kind == "thread":
-        return ThreadStandIn(cp, namespace, admit_delay)
+        return ThreadStandIn(cp, namespace, admit_delay, concurrency)
     raise ValueError(f"stand-in {kind!r}: one of {', '.join(STAND_INS)}")

@@ -628,15 +628,17 @@ class KubeletEmulator:
     `admit_delay` seconds, and a pod being deleted is removed at once (the kubelet confirms its
     termination with a grace-period-0 delete). `on_admit(pod)` runs before the status write (a test
     device manager hooks in there). Runs a real watch on the API server. `nodes(name)`, if given,
-    says which nodes' pods this one serves (the others are another's); `watching` is set once the
-    first list is handled and the watch opens."""
+    says which nodes' pods this one serves (the others are another's); `concurrency`: admissions
+    in flight at once (ADMIT_CONCURRENCY if 0); `watching` is set once the first list is handled and
+    the watch opens."""
 
     def __init__(
         self, cp: Any, namespace: str | None = None, admit_delay: float = 0.0,
         on_admit: Callable[[Any], None] | None = None, ready: bool = True,
-        nodes: Callable[[str], bool] | None = None,
+        nodes: Callable[[str], bool] | None = None, concurrency: int = 0,
     ) -> None:  # fmt: skip
-        self.core = client.CoreV1Api(with_pool(cp.new_api_client(), ADMIT_CONCURRENCY + 2))
+        concurrency = concurrency or ADMIT_CONCURRENCY
+        self.core = client.CoreV1Api(with_pool(cp.new_api_client(), concurrency + 2))
         self.namespace = namespace
         self.nodes = nodes
         self.watching = threading.Event()
@@ -646,7 +648,7 @@ class KubeletEmulator:
         self._stop = threading.Event()
         self._seen: set[str] = set()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kubelet-emulator")
-        self._calls = threading.BoundedSemaphore(ADMIT_CONCURRENCY)
+        self._calls = threading.BoundedSemaphore(concurrency)
         self.errors: list[str] = []
 
     def start(self) -> KubeletEmulator:
