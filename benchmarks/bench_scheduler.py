@@ -19,7 +19,10 @@ scheduling rate (`plain_not_client_bound`). gpupack's pods: 70 % shares, 20 % wh
 CPUs and 4-16 GiB, a whole GPU 8 CPUs and 64 GiB, two GPUs 16 and 128 GiB); plain's pods ask for
 the same CPU and memory, drawn alike, without GPUs. The kubelets are a KubeletEmulator admitting
 bound pods after --admit-ms, whose admit hook is gpupack's device plugin ending the GPU handoff
-(DevicePluginEmulator); the admission latency is reported as measured (bound -> running p50/p99).
+(DevicePluginEmulator), in this process (--stand-in procs: in processes of their own,
+benchmarks/kubelet_procs.py); the admission latency is reported as measured (bound -> running
+p50/p99): --admit-ms plus the two writes an admission makes (the device plugin's and the
+kubelet's status), which take what the API server takes.
 
 Reported per phase: pods/s (creation of the first pod to the last Binding), creation -> bound
 (spec.nodeName written by the Binding, which also sets PodScheduled) and creation -> running p50/p99,
@@ -63,7 +66,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
 import realk8s  # noqa: E402
-from ext_helpers import DevicePluginEmulator, container, gpu_node, pod_obj  # noqa: E402
+from ext_helpers import container, gpu_node, pod_obj  # noqa: E402
+from kubelet_procs import STAND_INS, start_stand_in  # noqa: E402
 from kubernetes import client  # noqa: E402
 from pod_creator import PodCreator  # noqa: E402
 from processes import ExtenderProcess, descendants, free_port, give_extender_cpus  # noqa: E402
@@ -243,7 +247,9 @@ CPU_LABELS = [  # the first whose words all occur in the command line wins
     (("kube-controller-manager",), "kube-controller-manager"),
     (("etcd",), "etcd"),
 ]
-HARNESS = "this benchmark (pod creation, kubelet and device-plugin emulators)"
+HARNESS = "this benchmark (its watches; the stand-in too with --stand-in thread)"
+# the processes of the benchmark's own helpers, by pid: set once they have started
+ROLES: dict[int, str] = {}
 
 
 def cpu_seconds() -> dict[str, float]:
@@ -260,7 +266,7 @@ def cpu_seconds() -> dict[str, float]:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
         secs = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        label = HARNESS if pid == me else "other"
+        label = HARNESS if pid == me else ROLES.get(pid, "other")
         for words, name in CPU_LABELS:
             if all(w in cmd for w in words):
                 label = name
@@ -471,11 +477,22 @@ def main(argv: list[str] | None = None) -> int:
         "kubelets); both phases then run the rest on fewer CPUs, so the ratio is not the default run's",
     )
     ap.add_argument("--creator-procs", type=int, default=4, help="processes creating the pods")
+    ap.add_argument(
+        "--stand-in",
+        choices=STAND_INS,
+        default=STAND_INS[0],
+        help="the kubelets and device plugin in threads of this process, or processes of their own",
+    )
+    ap.add_argument("--stand-in-procs", type=int, default=1, help="processes of the kubelet stand-in")
+    ap.add_argument("--admit-concurrency", type=int, default=0,
+                    help="admissions the stand-in has in flight at once (0: tests/realk8s.py ADMIT_CONCURRENCY)")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON line")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     result: dict[str, Any] = {"bench": "scheduler", "nodes": args.nodes, "pods": args.pods, "admit_ms": args.admit_ms,
-                              "qps": args.qps, "burst": args.burst, "cpus": os.cpu_count()}  # fmt: skip
+                              "qps": args.qps, "burst": args.burst, "cpus": os.cpu_count(),
+                              "stand_in": args.stand_in, "stand_in_procs": args.stand_in_procs,
+                              "admit_concurrency": args.admit_concurrency}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-sched-") as d:
         tmp = Path(d)
         cp = realk8s.ControlPlane(tmp).start()
@@ -484,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         scheds: list[Scheduler] = []
         try:
             creator = PodCreator(cp.url, str(cp.ca_file), cp.token, args.creator_procs)
+            ROLES.update(dict.fromkeys(creator.pids(), "pod creators"))
             t = time.monotonic()
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda i: gpu_node(cp, f"n{i:05d}"), range(args.nodes)))
@@ -506,8 +524,10 @@ def main(argv: list[str] | None = None) -> int:
             scheds.append(Scheduler(cp, gcfg, "gpupack-scheduler", args.qps, args.burst, leader_election=le))
             if args.extender_cpus:
                 result["pinned_cpus"] = give_extender_cpus(ext, args.extender_cpus)
-            plugin = DevicePluginEmulator(cp, static_inventory=True)
-            with realk8s.KubeletEmulator(cp, None, admit_delay=args.admit_ms / 1000, on_admit=plugin):
+            stand_in = start_stand_in(args.stand_in, cp, None, args.admit_ms / 1000, args.stand_in_procs,
+                                      args.admit_concurrency)  # fmt: skip
+            with stand_in:
+                ROLES.update(dict.fromkeys(stand_in.pids(), "kubelet stand-in"))
                 prng = random.Random(args.seed)
                 result["plain"] = run_phase(cp, "plain", [plain_pod(prng, i, "plain") for i in range(args.pods)],
                                             scheds[0], None, args.timeout, creator)  # fmt: skip
@@ -519,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             result["creation_over_plain"] = round(plain["created_per_s"] / max(plain["pods_per_s"], 1e-9), 2)
             result["plain_not_client_bound"] = result["creation_over_plain"] >= 2.0
             result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
-            result["device_plugin_errors"] = plugin.errors[:5]
+            result["stand_in_errors"] = stand_in.errors()[:5]
         finally:
             if creator is not None:
                 creator.close()

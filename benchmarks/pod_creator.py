@@ -54,6 +54,27 @@ def _create(job: tuple[str, list[dict[str, Any]], int]) -> dict[str, float]:
     return out
 
 
+def _bind(job: tuple[str, list[tuple[str, str, dict[str, str]]], float, float, int]) -> dict[str, float]:
+    """Bind pods `(name, node, annotations)` of `ns`, the i-th at `start + i / rate` (monotonic), as a
+    scheduler binds a burst: name -> when its Binding was answered."""
+    ns, binds, rate, start, threads = job
+    out: dict[str, float] = {}
+
+    def one(i: int) -> None:
+        name, node, ann = binds[i]
+        due = start + i / rate
+        if due > time.monotonic():
+            time.sleep(due - time.monotonic())
+        body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name, "annotations": ann},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}  # fmt: skip
+        _api.create_namespaced_pod_binding(name, ns, body, _preload_content=False).release_conn()
+        out[name] = time.monotonic()
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(binds))))
+    return out
+
+
 def _patch_status(job: tuple[str, list[str], float, float, int]) -> int:
     """Patch the status of pods `names` in `ns` round-robin at `rate` a second until `until`
     (monotonic), as kubelets reporting probes do; the number of patches answered."""
@@ -106,12 +127,29 @@ class PodCreator:
             out.update(part)
         return out
 
+    def bind(self, ns: str, binds: list[tuple[str, str, dict[str, str]]], rate: float) -> dict[str, float]:
+        """Bind `(pod, node, annotations)` in `ns` at `rate` a second in all: name -> when each was answered."""
+        start = time.monotonic() + 0.2  # every worker has its job by then
+        parts = [binds[i :: self.procs] for i in range(self.procs)]
+        jobs = [
+            (ns, part, rate / self.procs, start + i / rate, self.threads)
+            for i, part in enumerate(parts)
+            if part
+        ]
+        out: dict[str, float] = {}
+        for part in self.pool.map(_bind, jobs):
+            out.update(part)
+        return out
+
     def patch_status(self, ns: str, names: list[str], rate: float, seconds: float) -> int:
         """Status updates of `names` at `rate` a second in all, for `seconds`: how many were made."""
         until = time.monotonic() + seconds
         parts = [names[i :: self.procs] for i in range(self.procs)]
         jobs = [(ns, part, rate / self.procs, until, self.threads) for part in parts if part]
         return sum(self.pool.map(_patch_status, jobs))
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.pool._processes.values() if p.pid is not None]  # no public list
 
     def close(self) -> None:
         self.pool.shutdown()

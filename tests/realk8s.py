@@ -40,6 +40,7 @@ import requests
 import urllib3
 import yaml
 from kubernetes import client
+from kubernetes.client import rest
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_CLAIM = "authentication.kubernetes.io/node-name"  # in pod-bound tokens of servers that add it
@@ -604,31 +605,50 @@ def confirm_deletion(core: client.CoreV1Api, pod: Any) -> None:
         core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, body=opts)
 
 
-ADMIT_CONCURRENCY = 8  # below an API client's default connection pool (10)
+# Admissions in flight at once, each on a kept-alive connection of its own (with_pool): enough
+# that a burst's admissions never queue behind each other. With 8 (below an API client's default
+# pool of 10 on 2 CPUs) they waited seconds for a slot at a burst's 40-60 binds/s whatever the
+# admission delay asked: an admission is two writes (the device plugin's, the kubelet's), each
+# 0.05-0.7 s on an API server sharing 2 busy CPUs, so 8 at a time served 6-40 a second (issue 29,
+# benchmarks/bench_kubelet.py).
+ADMIT_CONCURRENCY = 128
+RELIST_S = 10.0  # how often a KubeletEmulator lists every pod again
+
+
+def with_pool(api: client.ApiClient, size: int) -> client.ApiClient:
+    """`api` keeping up to `size` connections: every call beyond an API client's pool (10 on
+    2 CPUs) opens and throws away a TLS connection, whose handshake costs CPU on both sides."""
+    api.configuration.connection_pool_maxsize = size
+    api.rest_client = rest.RESTClientObject(api.configuration)
+    return api
 
 
 class KubeletEmulator:
     """What the kubelets of fake nodes would do to pods: a bound pod is set Running and Ready after
     `admit_delay` seconds, and a pod being deleted is removed at once (the kubelet confirms its
     termination with a grace-period-0 delete). `on_admit(pod)` runs before the status write (a test
-    device manager hooks in there). Runs a real watch on the API server."""
+    device manager hooks in there). Runs a real watch on the API server. `nodes(name)`, if given,
+    says which nodes' pods this one serves (the others are another's); `concurrency`: admissions
+    in flight at once (ADMIT_CONCURRENCY if 0); `watching` is set once the first list is handled and
+    the watch opens."""
 
     def __init__(
-        self, cp: ControlPlane, namespace: str | None = None, admit_delay: float = 0.0,
+        self, cp: Any, namespace: str | None = None, admit_delay: float = 0.0,
         on_admit: Callable[[Any], None] | None = None, ready: bool = True,
+        nodes: Callable[[str], bool] | None = None, concurrency: int = 0,
     ) -> None:  # fmt: skip
-        self.core = client.CoreV1Api(cp.new_api_client())
+        concurrency = concurrency or ADMIT_CONCURRENCY
+        self.core = client.CoreV1Api(with_pool(cp.new_api_client(), concurrency + 2))
         self.namespace = namespace
+        self.nodes = nodes
+        self.watching = threading.Event()
         self.admit_delay = admit_delay
         self.on_admit = on_admit
         self.ready = ready
         self._stop = threading.Event()
         self._seen: set[str] = set()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kubelet-emulator")
-        # Admissions talk to the API server a few at a time: each API client keeps 10 connections,
-        # and every call beyond that opened (and threw away) a new TLS connection, whose handshake
-        # costs the API server and this process CPU on the cores the measured parts share.
-        self._calls = threading.BoundedSemaphore(ADMIT_CONCURRENCY)
+        self._calls = threading.BoundedSemaphore(concurrency)
         self.errors: list[str] = []
 
     def start(self) -> KubeletEmulator:
@@ -651,34 +671,48 @@ class KubeletEmulator:
         return self.core.list_pod_for_all_namespaces(**kw)
 
     def _run(self) -> None:
+        # Listed once, then watched on from the last resourceVersion seen (bookmarks keep it fresh);
+        # listed again after an error or an expired version, and every RELIST_S, which retries a
+        # deletion whose confirmation failed. (Listing every pod of the cluster at each 2 s watch
+        # renewal cost this process and the API server more CPU than the admissions themselves
+        # once a benchmark had a thousand pods.)
+        rv: str | None = None
+        listed = 0.0
         while not self._stop.is_set():
             try:
-                lst = json.loads(self._list(_preload_content=False).data)
-                for obj in lst.get("items") or ():
-                    self._handle_event(obj)
-                rv = lst["metadata"]["resourceVersion"]
+                if rv is None or time.monotonic() - listed > RELIST_S:
+                    lst = json.loads(self._list(_preload_content=False).data)
+                    for obj in lst.get("items") or ():
+                        self._handle_event(obj)
+                    rv, listed = lst["metadata"]["resourceVersion"], time.monotonic()
+                    self.watching.set()
                 resp = self._list(watch=True, resource_version=rv, timeout_seconds=2, _preload_content=False,
-                                  allow_watch_bookmarks=False)  # fmt: skip
+                                  allow_watch_bookmarks=True)  # fmt: skip
                 try:
                     for line in resp:
                         if self._stop.is_set():
                             break
                         ev = json.loads(line)
+                        if ev.get("type") == "ERROR":  # 410 Gone: the version is too old to watch from
+                            rv = None
+                            break
+                        rv = (ev["object"].get("metadata") or {}).get("resourceVersion") or rv
                         if ev.get("type") in ("ADDED", "MODIFIED"):
                             self._handle_event(ev["object"])
                 finally:
                     resp.release_conn()
             except Exception as e:  # keep emulating; a test asserts on its own outcomes
                 self.errors.append(repr(e))
+                rv = None
                 time.sleep(0.2)
 
     def _handle_event(self, obj: dict[str, Any]) -> None:
         """_handle for a listed or watched pod, made a V1Pod only when there is something to do: a
-        V1Pod costs ~1 ms of CPU to build, every pod is listed again every 2 s and has several
+        V1Pod costs ~1 ms of CPU to build, every pod is listed again every RELIST_S and has several
         events (bound, handoff, status), on the cores this harness shares with the control plane
         it measures."""
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
-        if not spec.get("nodeName"):
+        if not spec.get("nodeName") or (self.nodes is not None and not self.nodes(spec["nodeName"])):
             return
         deleting = bool(meta.get("deletionTimestamp"))
         if not deleting and (
