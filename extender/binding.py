@@ -222,10 +222,21 @@ class Binder:
         that does not fit (the bind's own fit says why), or one not remembered from its filter."""
         if pod is None or req.key in self.view.pods or req.key in self.view.locks.doubtful:
             return None
+        try:
+            a = self._fit_assume(args, pod, req, inflight=False)
+        except PlacementError:
+            return None
+        return a if isinstance(a, Assignment) else None
+
+    def _fit_assume(
+        self, args: BindArgs, pod: dict[str, Any], req: HostedPodRequest, inflight: bool = True
+    ) -> Assignment | FitFailure:
+        """The pod fitted on the node now and its assignment assumed in the view (view lock held);
+        the fit's failure when it does not fit. PlacementError when the view refuses it."""
         now = self.clock()
         f, reservation = self.fitter.node_fit(args.node, req, now, None)
         if isinstance(f, FitFailure):
-            return None
+            return f
         a = assignment_from_fit(
             self.view.state.nodes[args.node],
             req,
@@ -234,10 +245,7 @@ class Binder:
             reservation.id if reservation else "",
             self.view.nodes[args.node].gpu_indexes,
         )
-        try:
-            self.view.assume(req.key, req.uid, a, init_names(pod), pod_slots(pod), req.host, inflight=False)
-        except PlacementError:
-            return None
+        self.view.assume(req.key, req.uid, a, init_names(pod), pod_slots(pod), req.host, inflight=inflight)
         return a
 
     def _bind_claimed(
@@ -369,22 +377,12 @@ class Binder:
         """Fit the pod on the node again under the view's lock and hold the assignment (the next
         filter sees it before any watch does); BindError when it no longer fits."""
         with self._view():
-            now = self.clock()
-            f, reservation = self.fitter.node_fit(args.node, req, now, None)
-            if isinstance(f, FitFailure):
-                raise fit_error(args.node, f)
-            a = assignment_from_fit(
-                self.view.state.nodes[args.node],
-                req,
-                f,
-                now,
-                reservation.id if reservation else "",
-                self.view.nodes[args.node].gpu_indexes,
-            )
             try:
-                self.view.assume(req.key, req.uid, a, init_names(pod), pod_slots(pod), req.host)
+                a = self._fit_assume(args, pod, req)
             except PlacementError as e:
                 raise BindError(f"node {args.node}: {e}", "conflict") from e
+            if isinstance(a, FitFailure):
+                raise fit_error(args.node, a)
             self.view.locks.settle_claim(req.key)
         return a
 

@@ -27,6 +27,14 @@ def pyplot() -> Any:
     return plt
 
 
+def save(fig: Any, path: Path, dpi: int = 100) -> Path:
+    """Write `fig` as a PNG at `path` (its folder made if need be) and free it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 COLORS = {"random": "#999999", "bestfit": "#1f77b4", "fgd": "#ff7f0e", "gpupack": "#2ca02c"}
 
 

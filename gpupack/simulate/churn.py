@@ -41,6 +41,7 @@ from gpupack.core.model import FULL, ClusterState
 from gpupack.core.policies import POLICIES, UnknownPolicy, policy_spec, schedule
 from gpupack.simulate.openb import NodeList, PodList, TraceError, read_nodes, read_pods
 from gpupack.simulate.replay import build_state, pod_request, trace_workload
+from gpupack.simulate.usage import OneLineParser
 
 
 @dataclass
@@ -156,14 +157,8 @@ def _default_data() -> Path | None:
     return d if d.is_dir() else None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, status 2
-        print(f"gpupack simulate --churn: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="gpupack simulate --churn", description="Replay with departures, with and without defrag."
     )
     p.add_argument("--churn", action="store_true", help=argparse.SUPPRESS)  # accepted from the dispatcher

@@ -50,6 +50,7 @@ from gpupack.core.model import FULL, GPU, ClusterState, Node, PlacementError, Po
 from gpupack.core.policies import DEFAULT_POLICY, get_policy, schedule
 from gpupack.core.preemption import Choice, Preemptor, Victim, choose, may_evict
 from gpupack.simulate.tidal import Day, NodeType, Service, demand_factor, embedded_day, openb_day
+from gpupack.simulate.usage import OneLineParser
 
 MODES = ("none", "preempt")
 ONLINE_PRIORITY = 100_000  # deploy/examples/priorityclasses.yaml: gpupack-online
@@ -713,6 +714,7 @@ def format_table(out: dict) -> str:
 
 def chart(outs: list[dict], path: Path) -> Path:
     from gpupack.simulate.chart import pyplot
+    from gpupack.simulate.chart import save as save_chart
 
     plt = pyplot()
     fig, axes = plt.subplots(len(outs), 2, figsize=(13, 4.2 * len(outs)), squeeze=False)
@@ -739,21 +741,12 @@ def chart(outs: list[dict], path: Path) -> Path:
             ax.legend(fontsize=8)
         use.set_title(out["day"], fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, status 2
-        print(f"gpupack simulate --tidal --preemption: {message}", file=sys.stderr)
-        raise SystemExit(2)
+    return save_chart(fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = Settings()
-    p = _Parser(
+    p = OneLineParser(
         prog="gpupack simulate --tidal --preemption",
         description="A day where offline jobs fill the night and online demand returns in the morning, "
         "on a fixed pool, with and without GPU-aware preemption (docs/defrag.md).",

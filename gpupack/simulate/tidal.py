@@ -53,6 +53,7 @@ from gpupack.core.autoscale import NodeGroup, plan_scale_up
 from gpupack.core.defrag import Limits, plan_nodes, verify_plan
 from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import DEFAULT_POLICY, get_policy, schedule
+from gpupack.simulate.usage import OneLineParser
 
 MODES = ("none", "emptiest", "gpupack")
 
@@ -535,10 +536,10 @@ def format_table(out: dict) -> str:
 
 
 def chart(outs: list[dict], path: Path) -> Path:
-    import matplotlib
+    from gpupack.simulate.chart import pyplot
+    from gpupack.simulate.chart import save as save_chart
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(outs), 2, figsize=(13, 4.2 * len(outs)), squeeze=False)
     colors = {"none": "#999999", "emptiest": "#ff7f0e", "gpupack": "#2ca02c"}
@@ -570,20 +571,11 @@ def chart(outs: list[dict], path: Path) -> Path:
         bars.set_ylim(0, max(vals) * 1.35)
         bars.set_ylabel("node-hours (measured day)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, status 2
-        print(f"gpupack simulate --tidal: {message}", file=sys.stderr)
-        raise SystemExit(2)
+    return save_chart(fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="gpupack simulate --tidal", description="A tidal day with and without night consolidation."
     )
     p.add_argument("--tidal", action="store_true", help=argparse.SUPPRESS)  # accepted from the dispatcher
