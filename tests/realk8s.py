@@ -640,7 +640,7 @@ class KubeletEmulator:
         concurrency = concurrency or ADMIT_CONCURRENCY
         self.core = client.CoreV1Api(with_pool(cp.new_api_client(), concurrency + 2))
         self.namespace = namespace
-        self.nodes = nodes
+        self.serves = nodes  # not `nodes`: subclasses (dm_nodes) keep their nodes there
         self.watching = threading.Event()
         self.admit_delay = admit_delay
         self.on_admit = on_admit
@@ -712,7 +712,7 @@ class KubeletEmulator:
         events (bound, handoff, status), on the cores this harness shares with the control plane
         it measures."""
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
-        if not spec.get("nodeName") or (self.nodes is not None and not self.nodes(spec["nodeName"])):
+        if not spec.get("nodeName") or (self.serves is not None and not self.serves(spec["nodeName"])):
             return
         deleting = bool(meta.get("deletionTimestamp"))
         if not deleting and (
