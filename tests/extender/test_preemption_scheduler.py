@@ -162,7 +162,7 @@ def test_online_pod_takes_a_whole_gpu_from_one_offline_pod(cluster, ns, sfx, sch
     rec = record_of(p)
     assert rec is not None and len(rec.victims) == 1 and rec.node == p["spec"]["nodeName"]
     left = present(cluster, ns)
-    assert len([n for n in left if n.startswith("off-")]) == 1, sorted(left)
+    assert len([n for n, p in left.items() if n.startswith("off-") and stopping(p)]) == 1, sorted(left)
     victim = rec.victims[0].rsplit(":", 1)[0].split("/")[1]
     assert any(r.startswith("Preempting:") and victim in r for r in reasons(cluster, ns, "web"))
     until(
