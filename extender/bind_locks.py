@@ -77,12 +77,12 @@ class BindLocks:
         """The claim of `key` holds its room in the view now (see `charged`)."""
         with self.view.lock:
             self.charged.add(key)
+            self.view.changed.notify_all()  # a filter waiting for this room (Filter._await_room)
 
     def unsettled(self, exclude_uid: str) -> dict[str, str]:
         """node -> key of a pod about to take room there that no fit sees yet: a bind that has
         arrived and holds nothing yet. A fit on such a node may be refused by the bind that
-        follows it. (A pod only expected on a node, see `expected`, is not counted: kube-scheduler
-        may never bind it, and a filter must not wait for that.)"""
+        follows it. (A pod only expected on a node is not counted: see `coming`.)"""
         out: dict[str, str] = {}
         with self.view.lock:
             for node, binds in self.claims.items():
@@ -90,6 +90,21 @@ class BindLocks:
                     if k not in self.charged and (uid != exclude_uid or not uid):
                         out.setdefault(node, k)
                         break
+        return out
+
+    def coming(self, exclude_uid: str, now: float) -> dict[str, str]:
+        """node -> key of a pod expected to be bound there any moment (see `expected`) whose bind
+        has not arrived: kube-scheduler starts that bind and its next pod's filter together, so
+        the filter can overtake it. Unlike `unsettled`, the pod may never be bound (another node
+        chosen, a later plugin failing it), so a filter waits for it only briefly."""
+        out: dict[str, str] = {}
+        with self.view.lock:
+            for uid, (until, key, nodes) in list(self.expected.items()):
+                if until <= now:
+                    del self.expected[uid]
+                elif uid != exclude_uid:
+                    for n in nodes:
+                        out.setdefault(n, key)
         return out
 
     def unclaim(self, node: str, key: str) -> None:

@@ -142,7 +142,7 @@ class Binder:
             self._bind(args)
         except BindError as e:
             self.metrics.bind_failures.labels(e.reason).inc()
-            log.info("bind %s -> %s failed: %s", args.key, args.node, e)
+            log.info("bind %s -> %s failed (%s): %s", args.key, args.node, e.reason, e)
             return bind_result(str(e))
         self.metrics.binds.inc()
         return bind_result("")

@@ -29,6 +29,10 @@ log = logging.getLogger("gpupack.extender")
 # bind holds it on arrival unless its pod must be read first) before it answers an error that
 # kube-scheduler retries.
 WHOLE_WAIT_S = 1.0
+# How long it waits for the bind of a pod only expected on those nodes (BindLocks.coming) to
+# arrive: kube-scheduler starts it as it starts this filter, so it comes within milliseconds, or
+# the pod is not being bound (held at Permit, another node chosen) and the node passes.
+COMING_WAIT_S = 0.5
 
 
 def busy_reason(node: str, key: str) -> str:
@@ -134,6 +138,15 @@ class Filter:
             codes["not-best"] = codes.get("not-best", 0) + len(passed) - len(kept)
             passed = kept
         unsettled = self.view.locks.unsettled(pod.uid) if passed else {}
+        if passed and not waited:
+            # Every node answered is expected to take another pod any moment (kube-scheduler
+            # started its bind with this filter; see BindLocks.coming): wait for that bind to
+            # charge its room, as for one that has arrived, so a fit this answer gives is one the
+            # bind will not refuse. Once waited, such a node passes: that pod may never come.
+            coming = self.view.locks.coming(pod.uid, time.monotonic())
+            if coming and all(n in coming or n in unsettled for n in passed):
+                self._await_room(passed, pod.uid)
+                return self.filter(args, waited=True)
         if any(n in unsettled for n in passed):
             # A node that is about to take a pod whose room the view does not charge yet is not
             # whole: a fit there may be refused by the bind that follows. Another node that passes
@@ -167,12 +180,15 @@ class Filter:
 
     def _await_room(self, nodes: list[str], uid: str) -> None:
         """Wait (at most WHOLE_WAIT_S, standing aside for the binds) until one of `nodes` has the
-        room of the pod about to take it charged, or is no longer about to take one."""
-        deadline = time.monotonic() + WHOLE_WAIT_S
+        room of the pod about to take it charged, or is no longer about to take one (nor expected
+        to)."""
+        t0 = time.monotonic()
+        deadline = t0 + WHOLE_WAIT_S
         with self.activity.aside(), self.view.changed:
-            while (left := deadline - time.monotonic()) > 0:
+            while (left := deadline - (now := time.monotonic())) > 0:
                 unsettled = self.view.locks.unsettled(uid)
-                if any(n not in unsettled for n in nodes):
+                coming = self.view.locks.coming(uid, now) if now - t0 < COMING_WAIT_S else {}
+                if any(n not in unsettled and n not in coming for n in nodes):
                     return
                 self.view.changed.wait(min(left, 0.05))
 

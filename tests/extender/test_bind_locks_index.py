@@ -7,6 +7,7 @@ Views are plain objects (no API server)."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +16,7 @@ from ext_helpers import container, node_obj, pod_obj
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extender import filtering
 from extender.bind_locks import BindLocks
 from extender.binding import assignment_from_fit
 from extender.config import ExtenderConfig
@@ -40,7 +42,8 @@ pod_spec = st.tuples(
 
 
 def _locks(pods: list[tuple], claims: list[tuple], expected: list[tuple]) -> BindLocks:
-    view: Any = SimpleNamespace(lock=threading.RLock(), pods={})
+    lock = threading.RLock()
+    view: Any = SimpleNamespace(lock=lock, changed=threading.Condition(lock), pods={})
     locks = BindLocks(view)
     for i, (node, ho, deleting, bound, inflight, doubtful) in enumerate(pods):
         key = f"ns/p{i}"
@@ -152,3 +155,72 @@ def test_keep_best_skips_a_locked_best_node_for_the_next_and_keeps_it_when_all_a
         _bind_pending(view, ext, pod_obj(f"q{i}", [container("main", 1, 20000, 30)], uid=f"uid-q{i}"), n)
     out = _filter(ext, "c", names)
     assert len(out["NodeNames"]) == 1 and not out["FailedNodes"]
+
+
+def _one_gpu_node() -> tuple[ClusterView, Extender]:
+    view = ClusterView()
+    view.replace_nodes([node_obj("solo", n=1)])
+    view.replace_pods([])
+    view.synced.set()
+    ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
+    return view, ext
+
+
+def _whole(name: str) -> dict:
+    return pod_obj(name, [container("main", 1)], uid=f"uid-{name}")
+
+
+def _arrive_and_hold(view: ClusterView, ext: Extender, pod: dict, node: str) -> None:
+    """What Binder._bind does on a bind's arrival: claim the node, fit the pod, hold its room."""
+    req = ext.pod_request(pod)
+    with view.lock:
+        view.locks.claim(node, req.key, req.uid)
+        f, _ = ext.fitter.node_fit(node, req, NOW, None)
+        assert f, f
+        a = assignment_from_fit(view.state.nodes[node], req, f, NOW, "", view.nodes[node].gpu_indexes)
+        view.assume(req.key, req.uid, a, frozenset())
+        view.locks.settle_claim(req.key)
+
+
+def test_a_filter_that_overtakes_the_last_pods_bind_waits_for_it_and_gives_no_fit_the_bind_refuses():
+    """Issue 31 item 7: kube-scheduler starts a pod's bind and its next pod's filter together. When
+    the only node that fits is the one the first pod is about to take, the filter that overtakes
+    the bind must not pass it on a view without the first pod (its bind would then refuse the fit):
+    it waits for that bind to hold its room, then answers from the whole view."""
+    view, ext = _one_gpu_node()
+    assert ext.filter(ExtenderArgs(_whole("a"), ["solo"], None))["NodeNames"] == ["solo"]
+    answers: list[dict] = []
+    t = threading.Thread(target=lambda: answers.append(ext.filter(ExtenderArgs(_whole("b"), ["solo"], None))))
+    t.start()
+    # the filter is waiting for a's bind (not answered on a view without it)
+    t.join(0.2)
+    assert t.is_alive() and not answers
+    _arrive_and_hold(view, ext, _whole("a"), "solo")
+    t.join(5)
+    assert not t.is_alive()
+    out = answers[0]
+    assert out["NodeNames"] == [] and "solo" in out["FailedNodes"], out
+
+
+def test_a_filter_waits_at_most_briefly_for_a_pod_that_is_never_bound():
+    """The expected pod may never be bound (kube-scheduler chose otherwise): after the short wait
+    the node passes."""
+    view, ext = _one_gpu_node()
+    assert ext.filter(ExtenderArgs(_whole("a"), ["solo"], None))["NodeNames"] == ["solo"]
+    t0 = time.monotonic()
+    out = ext.filter(ExtenderArgs(_whole("b"), ["solo"], None))
+    assert out["NodeNames"] == ["solo"], out
+    assert filtering.COMING_WAIT_S * 0.9 <= time.monotonic() - t0 < filtering.WHOLE_WAIT_S
+
+
+def test_a_filter_does_not_wait_when_another_node_is_free_of_expected_binds():
+    view = ClusterView()
+    view.replace_nodes([node_obj("n-a", n=1), node_obj("n-b", n=1)])
+    view.replace_pods([])
+    view.synced.set()
+    ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
+    first = ext.filter(ExtenderArgs(_whole("a"), ["n-a", "n-b"], None))["NodeNames"]
+    t0 = time.monotonic()
+    out = ext.filter(ExtenderArgs(_whole("b"), ["n-a", "n-b"], None))
+    assert out["NodeNames"] and out["NodeNames"] != first
+    assert time.monotonic() - t0 < filtering.WHOLE_WAIT_S

@@ -96,7 +96,11 @@ def test_answers_follow_every_kind_of_change():
             else rng.sample(names, 6)
         )
         args = parse_extender_args({"Pod": pod, "NodeNames": asked})
+        # the last pod was bound or dropped by now: no bind of it is still expected (BindLocks.coming;
+        # the two filters below would otherwise wait on it, and answer apart as it expires)
+        view.locks.expected.clear()
         out = ext.filter(args)
+        view.locks.expected.clear()
         assert out == _fresh(view, policy).filter(args), f"filter differs at step {step}"
         checked["filter"] += 1
         if out["NodeNames"]:
@@ -211,7 +215,9 @@ def test_answers_follow_every_change_with_the_nodes_in_a_new_order_each_time():
             pod = _pod(step, rng.choice(SHAPES), rng.random() < 0.2)
             asked = rng.sample(names, rng.choice([len(names)] * 6 + [len(names) - 1, len(names) - 2, 6]))
             args = parse_extender_args({"Pod": pod, "NodeNames": asked})
+            view.locks.expected.clear()  # the last pod was bound or dropped (see the test above)
             out = ext.filter(args)
+            view.locks.expected.clear()
             want = Extender(
                 view, policy, None, clock=lambda: NOW, config=ExtenderConfig(keep_best=keep_best)
             ).filter(args)

@@ -1,7 +1,7 @@
 """A reduced run of benchmarks/soak_handoff.py on the tests' control plane: mixed pod shapes, deletions
 while a handoff is pending, two extender SIGKILLs and a leader hand-over, through the real
 kube-scheduler, the kubelet's real device manager and the real device plugin processes (and two
-plugin SIGKILLs); it must end with no over-committed GPU, no container env or allocation that differs
+plugin SIGKILLs); it must end with no bind refused a fit filter passed, no over-committed GPU, no container env or allocation that differs
 from its assignment, no refused admission, no node over its slots and no locked node."""
 
 from __future__ import annotations
@@ -30,3 +30,5 @@ def test_reduced_soak_ends_with_no_overcommit_no_mismatch_no_locked_node(cluster
     # everything that fits is placed: what stays Pending does so for capacity, with the reason
     assert out["handoffs_done"] >= 12, out
     assert not out["plugin_errors"] and not out["kubelet_errors"], out
+    # issue 31 item 7: no bind refuses a fit that filter passed, across both extender SIGKILLs
+    assert out["binds_failed_fit"] == 0, out["binds_failed_fit_detail"]
