@@ -3,9 +3,8 @@
 `python -m gpupack.token` runs in the scheduler pod (deploy/scheduler/deployment.yaml), once as an
 init step and then as a sidecar that listens on nothing. With the pod's own account
 (`gpupack-scheduler`, whose RBAC may create `serviceaccounts/token` for `gpupack-extender` only)
-it asks the TokenRequest API for a token of `--service-account`, bound to this pod
-(`boundObjectRef`: the token dies with the pod) and valid for `--expiry-s`, and writes into
-`--out-dir` (a memory emptyDir mounted only into the extender):
+it asks the TokenRequest API for a token of `--service-account`, valid for `--expiry-s` and bound
+to this pod's life, and writes into `--out-dir` (a memory emptyDir mounted only into the extender):
 
 - `token`, replaced by a rename (a reader never sees half of one) at half its lifetime, so that an
   API server that is away for a while still finds the old token valid when it returns;
@@ -15,6 +14,12 @@ it asks the TokenRequest API for a token of `--service-account`, bound to this p
 
 So the extender, which listens on the network, holds only its own account's rights, while the
 pod keeps one identity for kube-scheduler and the certificate step.
+
+Bound to the pod's life, not to the pod: the API server refuses to bind a token to a pod that runs
+as another account ("cannot bind token for serviceaccount ... to pod running with different
+serviceaccount name"). So the minter creates an empty Secret (type gpupack.io/token-binding) owned
+by its pod and binds the token to that Secret: when the pod is deleted the garbage collector
+deletes the Secret, and from then on the API server refuses the token, as it would a pod-bound one.
 """
 
 from __future__ import annotations
@@ -35,11 +40,16 @@ from gpupack import logs
 
 PROG = "gpupack.token"
 MIN_EXPIRY_S = 600  # the API server refuses a TokenRequest for less
+BINDING_TYPE = "gpupack.io/token-binding"
 log = logging.getLogger(PROG)
 
 
 class TokenError(Exception):
     """A token request the API server refused or answered unusably: the message says what to fix."""
+
+
+class Unbound(TokenError):
+    """The Secret the token was to be bound to is gone: a new one is needed."""
 
 
 @dataclass(frozen=True)
@@ -48,21 +58,63 @@ class Minted:
     expires: dt.datetime
 
 
+@dataclass(frozen=True)
+class Binding:
+    """The Secret a token is bound to (it dies with it)."""
+
+    name: str
+    uid: str
+
+
+def binding_secret(
+    api: Any, namespace: str, account: str, pod_name: str, pod_uid: str, timeout_s: float = 30.0
+) -> Binding:
+    """A new empty Secret owned by pod `pod_name`: the garbage collector deletes it with the pod."""
+    from gpupack.kubeclient import ApiException, api_reason, bounded, request_json
+
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": BINDING_TYPE,
+        "metadata": {
+            "generateName": f"{account}-token-",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/part-of": "gpupack", "gpupack.io/token-for": account},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod_uid}],
+        },
+    }
+    try:
+        out = bounded(request_json)(api, "POST", f"/api/v1/namespaces/{namespace}/secrets", body, timeout_s)
+    except ApiException as e:
+        hint = (
+            f": this pod's ServiceAccount needs `create` on `secrets` in {namespace} (deploy/scheduler/rbac.yaml, "
+            "Role gpupack-extender-token)"
+            if e.status == 403
+            else ""
+        )
+        raise TokenError(
+            f"cannot create the Secret that binds the token to pod {pod_name}: {api_reason(e)}{hint}"
+        ) from e
+    except ValueError as e:
+        raise TokenError(f"creating the binding Secret: {e}") from e
+    meta = out.get("metadata") or {}
+    return Binding(str(meta.get("name") or ""), str(meta.get("uid") or ""))
+
+
 def request_token(
     api: Any,
     namespace: str,
     account: str,
     expiry_s: int,
-    pod_name: str,
-    pod_uid: str,
+    bound: Binding | None,
     timeout_s: float = 30.0,
 ) -> Minted:
-    """One TokenRequest for `account`, bound to pod `pod_name` (uid `pod_uid`) when given."""
+    """One TokenRequest for `account`, bound to the Secret `bound` when given."""
     from gpupack.kubeclient import ApiException, api_reason, bounded, request_json
 
     spec: dict[str, Any] = {"expirationSeconds": expiry_s}
-    if pod_name:
-        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod_uid}
+    if bound is not None:
+        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Secret", "name": bound.name, "uid": bound.uid}
     path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token"
     try:
         out = bounded(request_json)(api, "POST", path, {"apiVersion": "authentication.k8s.io/v1",
@@ -76,9 +128,11 @@ def request_token(
             ) from e
         if e.status == 404:
             raise TokenError(
-                f"no ServiceAccount {namespace}/{account} (or no pod {pod_name} with uid {pod_uid} to bind "
-                f"the token to): {api_reason(e)}; apply deploy/scheduler/serviceaccount.yaml"
+                f"no ServiceAccount {namespace}/{account}: {api_reason(e)}; apply deploy/scheduler/serviceaccount.yaml"
             ) from e
+        if e.status in (400, 422) and bound is not None:
+            raise Unbound(f"token request for {namespace}/{account}: its binding Secret {bound.name} is gone or "
+                          f"changed ({api_reason(e)})") from e  # fmt: skip
         raise TokenError(f"token request for {namespace}/{account} failed: {api_reason(e)}") from e
     except ValueError as e:
         raise TokenError(f"token request for {namespace}/{account}: {e}") from e
@@ -137,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", ""),
                    help="its namespace (default: $POD_NAMESPACE)")  # fmt: skip
     p.add_argument("--pod-name", default=os.environ.get("POD_NAME", ""),
-                   help="bind the token to this pod (default: $POD_NAME; with --pod-uid)")  # fmt: skip
+                   help="the token dies with this pod (default: $POD_NAME; with --pod-uid)")  # fmt: skip
     p.add_argument(
         "--pod-uid", default=os.environ.get("POD_UID", ""), help="that pod's uid (default: $POD_UID)"
     )
@@ -180,12 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if not args.pod_name:
         log.warning("no --pod-name: the token is bound to no pod and lives until it expires")
+    bound: Binding | None = None
     while True:
         try:
-            minted = request_token(api, args.namespace, args.service_account, args.expiry_s, args.pod_name,
-                                   args.pod_uid)  # fmt: skip
+            if args.pod_name and bound is None:
+                bound = binding_secret(api, args.namespace, args.service_account, args.pod_name, args.pod_uid)
+            minted = request_token(api, args.namespace, args.service_account, args.expiry_s, bound)
             write_files(out, minted, str(api.configuration.host), ca_pem)
         except (TokenError, OSError) as e:
+            if isinstance(e, Unbound):
+                bound = None  # someone deleted it: the next attempt makes another
             if args.once:
                 print(f"{PROG}: {e}", file=sys.stderr)
                 return 1
