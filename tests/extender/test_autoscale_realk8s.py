@@ -62,7 +62,7 @@ def stack(
             )
             st.templates = f"{sysns}/gpupack-node-templates"
             ext_kc = cluster.service_account_kubeconfig(
-                tmp_path / "sa.kubeconfig", sysns, "gpupack-scheduler"
+                tmp_path / "sa.kubeconfig", sysns, "gpupack-extender"
             )
         st.flags = ("--log-level", "info", "--autoscale-templates", st.templates, "--autoscale-namespace", sysns,
                     "--autoscale-group-label", GROUP_LABEL, "--autoscale-interval-s", "1")  # fmt: skip
