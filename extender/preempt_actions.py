@@ -69,7 +69,6 @@ class Plan:
     choice: Choice
     hold: Reservation
     victims: dict[str, Victim]  # the chosen ones, as the chooser saw them
-    exhausted: set[str]  # budgets that allowed no more disruptions when it was made
 
 
 def in_parallel(fn: Callable[[_T], int], items: list[_T]) -> list[int]:
