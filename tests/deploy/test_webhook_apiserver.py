@@ -123,15 +123,15 @@ def test_gpu_mem_only_gets_a_gpu_count_and_the_scheduler_name(webhook):
     assert a.resources.requests == a.resources.limits
     assert cpu.resources.limits == {"cpu": "1"}
     assert pod.spec.init_containers[0].resources.limits["gpupack.io/gpu"] == "1"
-    assert pod.spec.scheduler_name == "gpupack-extender"
+    assert pod.spec.scheduler_name == "gpupack-scheduler"
     # only an init container asks for a GPU: the matchConditions see it too
     pod = webhook.create(
         ns, "init", [c("cpu", {"cpu": "1"})], initContainers=[c("i", {"gpupack.io/gpu-mem": "512"})]
     )
     assert pod.spec.init_containers[0].resources.limits["gpupack.io/gpu"] == "1"
-    assert pod.spec.scheduler_name == "gpupack-extender"
+    assert pod.spec.scheduler_name == "gpupack-scheduler"
     # a pod that already names its GPUs and gpupack's scheduler is left as it is
-    pod = webhook.create(ns, "q", [c("a", {"gpupack.io/gpu": "2"})], schedulerName="gpupack-extender")
+    pod = webhook.create(ns, "q", [c("a", {"gpupack.io/gpu": "2"})], schedulerName="gpupack-scheduler")
     assert pod.spec.containers[0].resources.limits == {"gpupack.io/gpu": "2"}
 
 
@@ -438,7 +438,7 @@ def test_the_webhook_tells_a_stranger_nothing_it_did_not_send(webhook):
     }
     # with the pod's UID (which only its own token carries) its own node is allowed
     assert ask("dp-s", real.metadata.uid, node)["allowed"]
-    pod = {"metadata": {"name": "big", "namespace": "t"}, "spec": {"schedulerName": "gpupack-extender",
+    pod = {"metadata": {"name": "big", "namespace": "t"}, "spec": {"schedulerName": "gpupack-scheduler",
            "containers": [c("a", {"gpupack.io/gpu": "1", "gpupack.io/gpu-mem": "999999"})]}}  # fmt: skip
     review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
               "request": {"uid": "r", "kind": {"kind": "Pod"}, "operation": "CREATE", "object": pod}}  # fmt: skip
