@@ -86,7 +86,7 @@ def pct(values: list[float], q: float) -> float:
 
 # Flags of the deployed extender that only concern where it listens, TLS, the webhook or the Lease
 # (set here), not how it schedules.
-_NOT_SCHEDULING = ("--host", "--port", "--metrics-port", "--webhook-port", "--tls-cert", "--tls-key",
+_NOT_SCHEDULING = ("--kubeconfig", "--host", "--port", "--metrics-port", "--webhook-port", "--tls-cert", "--tls-key",
                    "--set-scheduler-name", "--lease-namespace", "--lease-name")  # fmt: skip
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-from kubernetes import client
 from prometheus_client import Counter, Histogram
 
 from gpupack import handoff
@@ -70,7 +69,6 @@ class Plan:
     choice: Choice
     hold: Reservation
     victims: dict[str, Victim]  # the chosen ones, as the chooser saw them
-    exhausted: set[str]  # budgets that allowed no more disruptions when it was made
 
 
 def in_parallel(fn: Callable[[_T], int], items: list[_T]) -> list[int]:
@@ -104,7 +102,7 @@ class PreemptionActions:
                 alive.append(p)
         for p in alive:
             if not (p.get("metadata") or {}).get("deletionTimestamp"):
-                self.evict(p, pin.key_of(pod), deleting_ok=False)
+                self.evict(p, pin.key_of(pod))
         if alive:
             # kube-scheduler keeps a nomination only while victims it marked itself are terminating
             # (v1.36: their DisruptionTarget condition says PreemptionByScheduler); a failed attempt
@@ -212,7 +210,8 @@ class PreemptionActions:
             return False
         names = ", ".join(f"{k} (priority {pool[k].priority}, {pool[k].pod_class})" for k in choice.victims)
         forced = (
-            f"; {choice.budget_violations} of them against a PodDisruptionBudget, as no other choice existed"
+            f"; {choice.budget_violations} of them covered by a PodDisruptionBudget that allows no disruption now,"
+            " as no other choice existed: evicted once their budget allows it"
             if choice.budget_violations
             else ""
         )
@@ -233,8 +232,7 @@ class PreemptionActions:
             )  # fmt: skip
         for v in victims:
             vic = pool[pin.key_of(v)]
-            must = bool(choice.budget_violations) and any(b in plan.exhausted for b in vic.budgets)
-            self.evict(v, pre.pod.key, deleting_ok=must, priority=pre.priority, node=choice.node)
+            self.evict(v, pre.pod.key, priority=pre.priority, node=choice.node)
             self.metrics.victims.labels(vic.pod_class, str(vic.priority)).inc()
         # after the evictions, as kube-scheduler does: its next failed attempt then sees lower-priority
         # pods terminating on the nominated node and keeps the nomination (up to v1.28; later
@@ -264,12 +262,10 @@ class PreemptionActions:
             time.sleep(0.02)
         log.warning("node %s: reservation %s not seen by the watch within %.0f s", node, rid, timeout_s)
 
-    def evict(
-        self, v: dict[str, Any], for_key: str, deleting_ok: bool, priority: int = 0, node: str = ""
-    ) -> None:
-        """Evict `v` through the Eviction API. A budget that refuses it is waited out (next pass)
-        unless the choice had to violate one (`deleting_ok`): then it is deleted as kube-scheduler's
-        own preemption deletes, with its grace period."""
+    def evict(self, v: dict[str, Any], for_key: str, priority: int = 0, node: str = "") -> None:
+        """Evict `v` through the Eviction API. A budget that refuses it is waited out (each pass
+        tries again while the room is held), even when every choice had to break a budget: the
+        extender holds no right to delete pods (issue 31), so a budget is never overridden."""
         meta = v.get("metadata") or {}
         ns, name, uid = meta.get("namespace") or "default", str(meta.get("name")), pin.uid_of(v)
         try:
@@ -278,17 +274,8 @@ class PreemptionActions:
             if e.status == 404:
                 return
             refused = budget_refusal(e) if e.status == 429 else None
-            if refused is None or not deleting_ok:
-                log.info(
-                    "eviction of %s for %s refused: %s", f"{ns}/{name}", for_key, refused or api_reason(e)
-                )
-                return
-            try:
-                opts = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
-                self.kc.json(self.kc.core.delete_namespaced_pod, name, ns, body=opts)
-            except ApiException as e2:
-                log.warning("deleting %s/%s for %s failed: %s", ns, name, for_key, api_reason(e2))
-                return
+            log.info("eviction of %s for %s refused: %s", f"{ns}/{name}", for_key, refused or api_reason(e))
+            return
         if self.events is not None and node:
             self.events.pod(
                 ns, name, uid, "Preempted",

@@ -176,14 +176,13 @@ class Preempter:
                     # only once they are gone (another preemptor's victims): held for it as for
                     # its own, so no lower-priority pod takes it meanwhile
                     r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
-                    plans.append(Plan(p, pre, choice, r, {}, set()))
+                    plans.append(Plan(p, pre, choice, r, {}))
                     nodes[choice.node] = resv.hold(nodes[choice.node], [r])
                 else:
                     nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
                 continue
             r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
-            exhausted = {b for b, n in allowed.items() if n <= 0}
-            plans.append(Plan(p, pre, choice, r, {k: pool[k] for k in choice.victims}, exhausted))
+            plans.append(Plan(p, pre, choice, r, {k: pool[k] for k in choice.victims}))
             for k in choice.victims:  # never picked again in this pass; their room is held
                 for b in pool[k].budgets:
                     allowed[b] = allowed.get(b, 0) - 1

@@ -45,7 +45,7 @@ from .wire import WireError
 
 log = logging.getLogger("gpupack.extender.webhook")
 
-EXTENDER_SA = "gpupack-scheduler"
+EXTENDER_SA = "gpupack-extender"
 DEVICE_PLUGIN_SA = "gpupack-device-plugin"
 # The device plugin's whole say in a pod's state: it records Allocate, nothing else.
 PLUGIN_KEYS = frozenset({ANN_HANDOFF, ANN_ALLOCATED})

@@ -2,7 +2,9 @@
 settings, and the helpers every caller of the API needs (raw JSON, bounded calls, error text).
 
 Loading: `--kubeconfig FILE` when given; else the pod's service account (in-cluster); else
-$KUBECONFIG or ~/.kube/config. Each call builds its own Configuration, so two clients in one
+$KUBECONFIG or ~/.kube/config. A `--kubeconfig` whose user names a `tokenFile` has that file
+re-read whenever it changes (as client-go does): the extender's token is minted for it by
+`python -m gpupack.token` and replaced well before it expires. Each call builds its own Configuration, so two clients in one
 process (a test's and a component's) never share the library's global default.
 
 Calls are made with `_preload_content=False` and parsed as API JSON (camelCase dicts, what
@@ -14,9 +16,12 @@ answering must fail a call, never hang a component.
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
@@ -51,7 +56,56 @@ def load_config(kubeconfig: str | None = None) -> client.Configuration:
         # TypeError/ValueError: a kubeconfig that is YAML but not a kubeconfig
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster or default kubeconfig"
         raise KubeConfigError(f"cannot configure the Kubernetes client ({where}): {e}") from e
+    if kubeconfig:
+        token_file = _token_file(kubeconfig)
+        if token_file:
+            _follow_token_file(cfg, token_file)
     return cfg
+
+
+def _token_file(kubeconfig: str) -> str:
+    """The current context's user's `tokenFile` (relative to the kubeconfig's folder), or ""."""
+    try:
+        with open(kubeconfig) as f:
+            doc = yaml.safe_load(f) or {}
+        ctx_name = doc.get("current-context")
+        ctx = next(c["context"] for c in doc.get("contexts") or [] if c.get("name") == ctx_name)
+        user = next(u.get("user") or {} for u in doc.get("users") or [] if u.get("name") == ctx.get("user"))
+    except (OSError, yaml.YAMLError, StopIteration, KeyError, TypeError, AttributeError):
+        return ""  # load_kube_config accepted it: a layout this reader does not know has no tokenFile
+    path = user.get("tokenFile") if isinstance(user, dict) and not user.get("token") else None
+    if not isinstance(path, str) or not path:
+        return ""
+    return os.path.join(os.path.dirname(os.path.abspath(kubeconfig)), path)
+
+
+def _follow_token_file(cfg: client.Configuration, path: str) -> None:
+    """Re-read `path` on the first request after it changed. The library reads a kubeconfig's
+    tokenFile once; a bound token expires, and its minter replaces the file (a rename, so a
+    reader never sees half a token). A stat per request costs about a microsecond."""
+    lock = threading.Lock()
+    seen: list[tuple[int, int]] = [(-1, -1)]
+
+    def refresh(c: client.Configuration) -> None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return  # keep the token in hand: the API server says whether it is still good
+        key = (st.st_ino, st.st_mtime_ns)
+        if key == seen[0]:
+            return
+        with lock:
+            try:
+                with open(path) as f:
+                    token = f.read().strip()
+            except OSError:
+                return
+            if token:
+                c.api_key["BearerToken"] = f"Bearer {token}"
+                seen[0] = key
+
+    refresh(cfg)
+    cfg.refresh_api_key_hook = refresh
 
 
 def api_client(kubeconfig: str | None = None, connections: int = 0, retries: int = 0) -> client.ApiClient:

@@ -66,6 +66,8 @@ POLICIES = (
     "gpupack-pod-state",
     "gpupack-device-plugin-scope",
     "gpupack-scheduler-scope",
+    "gpupack-scheduler-node-scope",
+    "gpupack-extender-delete-scope",
     "gpupack-defrag-scope",
 )
 

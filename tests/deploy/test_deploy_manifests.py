@@ -140,12 +140,61 @@ def test_scheduler_config_names_the_extender(base):
     assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == ("filter", "prioritize", "bind")
     dep = find(base, "Deployment", "gpupack-scheduler")
     names = [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]]
-    assert names == ["kube-scheduler", "extender"]  # the sidecar design
+    # the sidecar design (the autoscale component patches containers/1: the extender), and the
+    # extender's token minter
+    assert names == ["kube-scheduler", "extender", "extender-token"]
+
+
+def test_the_extender_holds_only_its_own_accounts_token(base):
+    """Issue 31: the pod's token (gpupack-scheduler) reaches kube-scheduler, the certificate step
+    and the minter only; the extender gets a token of gpupack-extender, minted for it, dying with
+    the pod, in memory, shared with the minter alone; the minter listens on nothing."""
+    spec = find(base, "Deployment", "gpupack-scheduler")["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "gpupack-scheduler" and spec["automountServiceAccountToken"] is False
+    for sa in ("gpupack-scheduler", "gpupack-extender"):
+        assert find(base, "ServiceAccount", sa)["automountServiceAccountToken"] is False
+    vols = {v["name"]: v for v in spec["volumes"]}
+    (tok,) = [s["serviceAccountToken"] for s in vols["kube-api-access"]["projected"]["sources"]
+              if "serviceAccountToken" in s]  # fmt: skip
+    assert tok["path"] == "token" and "audience" not in tok
+    assert vols["extender-token"]["emptyDir"]["medium"] == "Memory"
+    every = spec["initContainers"] + spec["containers"]
+    mounts = {c["name"]: {m["name"]: m for m in c.get("volumeMounts") or []} for c in every}
+    with_pod_token = {c for c, m in mounts.items() if "kube-api-access" in m}
+    assert with_pod_token == {"webhook-certs", "kube-scheduler", "extender-token-init", "extender-token"}
+    assert {c for c, m in mounts.items() if "extender-token" in m} == {"extender", "extender-token-init",
+                                                                      "extender-token"}  # fmt: skip
+    assert mounts["extender"]["extender-token"]["readOnly"] is True
+    ext = next(c for c in every if c["name"] == "extender")
+    kubeconfig = next(a.split("=", 1)[1] for a in ext["args"] if a.startswith("--kubeconfig="))
+    assert kubeconfig == mounts["extender"]["extender-token"]["mountPath"] + "/kubeconfig"
+    init = next(c for c in every if c["name"] == "extender-token-init")
+    side = next(c for c in every if c["name"] == "extender-token")
+    for m in (init, side):
+        assert m["command"] == ["python", "-m", "gpupack.token"] and "ports" not in m
+        assert "--service-account=gpupack-extender" in m["args"]
+        assert f"--out-dir={mounts['extender']['extender-token']['mountPath']}" in m["args"]
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in m["env"]}
+        assert env == {
+            "POD_NAMESPACE": "metadata.namespace",
+            "POD_NAME": "metadata.name",
+            "POD_UID": "metadata.uid",
+        }
+        assert m["securityContext"]["readOnlyRootFilesystem"] is True
+    assert init["args"] == side["args"] + ["--once"]
+    # the extender's token: at most an hour (the minter replaces it at half its life)
+    expiry = int(next(a.split("=", 1)[1] for a in side["args"] if a.startswith("--expiry-s=")))
+    assert 600 <= expiry <= 3600
+    # the minter may mint that account's tokens only
+    role = find(base, "Role", "gpupack-extender-token")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["serviceaccounts/token"],
+                              "resourceNames": ["gpupack-extender"], "verbs": ["create"]},
+                             {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]  # fmt: skip
 
 
 def test_webhooks_get_their_ca_without_an_operator(base):
     dep = find(base, "Deployment", "gpupack-scheduler")
-    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    init = next(c for c in dep["spec"]["template"]["spec"]["initContainers"] if c["name"] == "webhook-certs")
     assert init["command"] == ["python", "-m", "gpupack.certs"]
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         wc = find(base, kind, "gpupack")

@@ -1,11 +1,12 @@
 """deploy/'s RBAC checked with real ServiceAccount tokens against the real kube-apiserver.
 
-The RBAC manifests of the scheduler pod (kube-scheduler, the gpupack extender sidecar with its
-webhook, the `gpupack certs` init step) and of the device plugin are applied as shipped (moved
-into a namespace of this test), and each component runs as the real program with its own
-ServiceAccount's token, through a FaultProxy that records what it asks for, while a GPU pod goes
-the whole way: admitted by the webhook, scheduled by kube-scheduler through the extender, bound,
-and its GPU handed over by the device plugin's Allocate. Then:
+The RBAC manifests of the scheduler pod (kube-scheduler, the `gpupack certs` init step and the
+token minter as gpupack-scheduler; the gpupack extender sidecar with its webhook as
+gpupack-extender, with the token the real minter requests for it) and of the device plugin are
+applied as shipped (moved into a namespace of this test), and each component runs as the real
+program with its ServiceAccount's token, through a FaultProxy that records what it asks for, while
+a GPU pod goes the whole way: admitted by the webhook, scheduled by kube-scheduler through the
+extender, bound, and its GPU handed over by the device plugin's Allocate; then a preemption. Then:
 
 - every request each component made is allowed for its ServiceAccount (no 403 anywhere);
 - every permission of every gpupack Role/ClusterRole was needed by some request of the component
@@ -41,14 +42,16 @@ from gpupack import certs
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, ANN_INVENTORY, decode_assignment
 
 REPO = Path(__file__).resolve().parents[2]
-SCHED_SA, DP_SA = "gpupack-scheduler", "gpupack-device-plugin"
+SCHED_SA, EXT_SA, DP_SA = "gpupack-scheduler", "gpupack-extender", "gpupack-device-plugin"
 RBAC_FILES = ("scheduler/rbac.yaml", "deviceplugin/rbac.yaml")
 # Which component each gpupack role is for (the manifests say so in their comments): its rules
 # must all be needed by THAT component's requests.
 ROLE_OWNER = {
     "gpupack-scheduler-leader-election": "kube-scheduler",
     "gpupack-extender": "extender",
+    "gpupack-extender-lease": "extender",
     "gpupack-extender-preemption": "extender",
+    "gpupack-extender-token": "token",
     "gpupack-webhook-certs": "certs",
     "gpupack-webhook-cabundle": "certs",
     "gpupack-device-plugin": "device-plugin",
@@ -109,7 +112,7 @@ class Flow:
         (tmp / "proxy.key").write_bytes(key)
         tls = (str(tmp / "proxy.crt"), str(tmp / "proxy.key"))
         self.proxies = {c: FaultProxy(cluster.url, tls=tls).start()
-                        for c in ("certs", "extender", "kube-scheduler", "device-plugin")}  # fmt: skip
+                        for c in ("certs", "token", "extender", "kube-scheduler", "device-plugin")}  # fmt: skip
         self.procs: list[Any] = []
 
     def stop(self) -> None:
@@ -216,6 +219,25 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
                            dt.timedelta(days=366))  # fmt: skip
     assert (tls / "tls.crt").read_bytes() == renewed.cert
 
+    # 1b. the token minter (as the pod's account) mints the extender's token, bound to a Secret a
+    #     stand-in of the scheduler pod owns; the extender reads it through a kubeconfig's tokenFile
+    sched_pod = cluster.core.create_namespaced_pod(ns, {"metadata": {"name": "gpupack-scheduler-0"}, "spec": {
+        "nodeName": flow.node, "serviceAccountName": SCHED_SA, "automountServiceAccountToken": False,
+        "containers": [{"name": "c", "image": "registry.invalid/x:1"}]}})  # fmt: skip
+    minted = tmp / "extender-token"
+    mint = subprocess.run(
+        [sys.executable, "-m", "gpupack.token", "--once", *deploy_objects.container_args(
+            "scheduler/deployment.yaml", "extender-token", ns, {}, drop=("--out-dir",)),
+         "--namespace", ns, "--pod-name", sched_pod.metadata.name, "--pod-uid", sched_pod.metadata.uid,
+         "--out-dir", str(minted), "--kubeconfig", str(flow.kubeconfig("token", SCHED_SA))],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert mint.returncode == 0, mint.stderr
+    ext_kc = tmp / "extender.kubeconfig"
+    kc = kubeconfig_dict(flow.proxies["extender"].url, "", flow.ca)
+    kc["users"][0]["user"] = {"tokenFile": str(minted / "token")}
+    ext_kc.write_text(json.dumps(kc))
+
     # 2. the device plugin publishes its node's inventory
     dp = _DevicePlugin(
         flow.kubeconfig("device-plugin", DP_SA, node=flow.node), flow.node, tmp / "device-plugin.log"
@@ -231,10 +253,10 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
         "extender",
         ns,
         {"POD_NAMESPACE": ns, "POD_NAME": socket.gethostname()},
-        drop=("--port", "--metrics-port", "--webhook-port", "--tls-cert", "--tls-key"),
+        drop=("--port", "--metrics-port", "--webhook-port", "--tls-cert", "--tls-key", "--kubeconfig"),
     )
     with deploy_objects.pod_namespace(ns):
-        ext = ExtenderProcess(flow.kubeconfig("extender", SCHED_SA), tmp / "extender.log", "--metrics-port",
+        ext = ExtenderProcess(ext_kc, tmp / "extender.log", "--metrics-port",
                               str(free_port()), "--webhook-port", str(webhook_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
                               *shipped_args)  # fmt: skip
     flow.procs.append(ext)
@@ -296,8 +318,9 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     assert late.status_code == 404 and "not found" in late.text, late.text
     assert flow.proxies["extender"].count("GET", rf"/namespaces/{flow.work}/pods/p$") >= 1
     # 5. a preemption (issue 26) whose only choice breaks a budget: the controller holds the GPU
-    #    (Node patch), reads the budgets, is refused by the Eviction API, deletes the victim, and
-    #    nominates the node for the preemptor, which kube-scheduler then binds there
+    #    (Node patch), reads the budgets, is refused by the Eviction API and nominates the node for
+    #    the preemptor; it deletes nothing (issue 31: no delete right), and evicts once the budget
+    #    allows it; kube-scheduler then binds the preemptor there
     _preemption(cluster, flow, dp)
     # a Prometheus scrape of the plugin (it reads its node's pods for the per-pod series)
     assert requests.get(f"http://127.0.0.1:{dp.metrics_port}/metrics", timeout=10).status_code == 200
@@ -323,8 +346,8 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
     # --- what they asked for, against what the manifests grant
     api = cluster.api_client()
     seen = {c: rbac_usage.seen_by(p) for c, p in flow.proxies.items()}
-    for component, sa in (("certs", SCHED_SA), ("extender", SCHED_SA), ("kube-scheduler", SCHED_SA),
-                          ("device-plugin", DP_SA)):  # fmt: skip
+    for component, sa in (("certs", SCHED_SA), ("token", SCHED_SA), ("extender", EXT_SA),
+                          ("kube-scheduler", SCHED_SA), ("device-plugin", DP_SA)):  # fmt: skip
         refused = rbac_usage.denied(api, f"system:serviceaccount:{ns}:{sa}", seen[component])
         assert refused == [], f"{component} was refused: {refused}"
     roles = [o for o in shipped if o["kind"] in ("Role", "ClusterRole")]
@@ -339,7 +362,8 @@ def test_each_component_runs_with_exactly_its_rbac(flow: Flow, cluster: ControlP
             excess[name] = left
     assert excess == {}, f"permissions no request needed: {excess}"
     # a binding to a built-in role must grant something the component needed and nothing else does
-    for sa, components in ((SCHED_SA, ("certs", "extender", "kube-scheduler")), (DP_SA, ("device-plugin",))):
+    for sa, components in ((SCHED_SA, ("certs", "token", "kube-scheduler")), (EXT_SA, ("extender",)),
+                           (DP_SA, ("device-plugin",))):  # fmt: skip
         bound = {b: _rules(api, b[0], b[1], b[2], shipped) for b in _bound_roles(shipped, ns, sa)}
         used = set().union(*(seen[c] for c in components))
         for b, rules in bound.items():
@@ -382,13 +406,16 @@ def _preemption(cluster: ControlPlane, flow: Flow, dp: _DevicePlugin) -> None:
     core.create_namespaced_pod(w, {"metadata": {"name": "hi", "labels": {"gpupack.io/class": "online"}}, "spec": {
         "priorityClassName": high, "containers": [
             {"name": "a", "image": "registry.invalid/x:1", "resources": {"limits": {"gpupack.io/gpu": "1"}}}]}})  # fmt: skip
+    px = flow.proxies["extender"]
+    # refused by the budget, tried again on the next pass, never deleted
+    until(lambda: px.count("POST", rf"/namespaces/{w}/pods/v/eviction$") >= 2, 60, "the eviction retried")
+    assert core.read_namespaced_pod("v", w).metadata.deletion_timestamp is None
+    pol.delete_namespaced_pod_disruption_budget("keep-v", w)
     until(
         lambda: not core.list_namespaced_pod(w, field_selector="metadata.name=v").items, 60, "the victim gone"
     )
     until(lambda: _bound(cluster, w, "hi"), 60, "the preemptor bound")
-    px = flow.proxies["extender"]
-    assert px.count("POST", rf"/namespaces/{w}/pods/v/eviction$") >= 1
-    assert px.count("DELETE", rf"/namespaces/{w}/pods/v$") == 1
+    assert px.count("DELETE", rf"/namespaces/{w}/pods/v$") == 0
     # the nomination comes after the evictions (as kube-scheduler's): a victim that goes at once can
     # let kube-scheduler bind the preemptor first (v1.36 requeues it that fast)
     until(lambda: px.count("PATCH", rf"/namespaces/{w}/pods/hi/status$") >= 1, 30, "the nomination written")
@@ -406,7 +433,24 @@ def test_what_the_accounts_must_never_do(cluster: ControlPlane):
         + deploy_objects.load("scheduler/serviceaccount.yaml") + deploy_objects.load("deviceplugin/serviceaccount.yaml"),
         ns))  # fmt: skip
     sched, dp = f"system:serviceaccount:{ns}:{SCHED_SA}", f"system:serviceaccount:{ns}:{DP_SA}"
+    ext = f"system:serviceaccount:{ns}:{EXT_SA}"
     for user, args in [
+        # the extender (issue 31): no pod delete, no Secret, no webhook configuration, no token
+        (ext, ("delete", "pods", "-n", "default")),
+        (ext, ("delete", "pods", "-n", ns)),
+        (ext, ("get", "secrets/gpupack-webhook-tls", "-n", ns)),
+        (ext, ("create", "secrets", "-n", ns)),
+        (ext, ("update", "mutatingwebhookconfigurations/gpupack")),
+        (ext, ("update", "validatingwebhookconfigurations/gpupack")),
+        (ext, ("create", "serviceaccounts/gpupack-extender", "--subresource=token", "-n", ns)),
+        (ext, ("update", "leases/gpupack-scheduler", "-n", ns)),
+        (ext, ("update", "pods", "-n", "default")),
+        # the pod's account mints the extender's tokens only
+        (sched, ("create", "serviceaccounts/gpupack-device-plugin", "--subresource=token", "-n", ns)),
+        (sched, ("create", "serviceaccounts/gpupack-scheduler", "--subresource=token", "-n", ns)),
+        (sched, ("create", "serviceaccounts/gpupack-extender", "--subresource=token", "-n", "default")),
+        (sched, ("patch", "pods", "-n", "default")),
+        (sched, ("patch", "nodes")),
         # the scheduler pod: its own Secret and webhook configurations only, no workload changes
         (sched, ("get", "secrets/other", "-n", ns)),
         (sched, ("list", "secrets", "-n", ns)),
@@ -416,10 +460,12 @@ def test_what_the_accounts_must_never_do(cluster: ControlPlane):
         (sched, ("create", "mutatingwebhookconfigurations")),
         (sched, ("create", "pods")),
         (sched, ("update", "leases/kube-controller-manager", "-n", "kube-system")),
-        # patch nodes is granted for preemption's holds, and narrowed to them (and the scale-down
-        # mark) by gpupack-scheduler-node-scope (tests/security/test_admission_state.py)
+        # the extender's patch nodes is granted for preemption's holds, and narrowed to them (and the
+        # scale-down mark) by gpupack-scheduler-node-scope (tests/security/test_admission_state.py)
+        (ext, ("update", "nodes")),
+        (ext, ("patch", "nodes", "--subresource=status")),
+        (ext, ("delete", "nodes")),
         (sched, ("update", "nodes")),
-        (sched, ("patch", "nodes", "--subresource=status")),
         (sched, ("delete", "nodes")),
         (sched, ("create", "clusterrolebindings")),
         # the device plugin: its node's annotations and its pods' annotations, nothing more
@@ -435,6 +481,12 @@ def test_what_the_accounts_must_never_do(cluster: ControlPlane):
     # and the checks can say yes: what they need is granted
     assert _can(cluster, sched, "update", "secrets/gpupack-webhook-tls", "-n", ns) == "yes"
     assert _can(cluster, sched, "create", "pods", "--subresource=binding", "-n", "default") == "yes"
+    assert (
+        _can(cluster, sched, "create", "serviceaccounts/gpupack-extender", "--subresource=token", "-n", ns)
+        == "yes"
+    )
+    assert _can(cluster, ext, "create", "pods", "--subresource=eviction", "-n", "default") == "yes"
+    assert _can(cluster, ext, "get", "leases/gpupack-scheduler", "-n", ns) == "yes"
     assert _can(cluster, dp, "patch", "nodes") == "yes"
 
 

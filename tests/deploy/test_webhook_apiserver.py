@@ -174,12 +174,12 @@ def test_gpupack_state_is_written_by_gpupack_only_without_a_policy_api(webhook):
     assert "gpupack.io/assignment, gpupack.io/handoff, label gpupack.io/managed may be set" in e.value.body
     tenant.create_namespaced_pod(ns, {"metadata": {"name": "p"}, "spec": {"containers": [c("a")]}})
     sched = client.CoreV1Api(
-        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-scheduler"))
+        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-extender"))
     )
     client.RbacAuthorizationV1Api(webhook.cp.api_client()).create_namespaced_role_binding(ns, {
         "metadata": {"name": "sched-edit"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
-        "subjects": [{"kind": "ServiceAccount", "name": "gpupack-scheduler", "namespace": webhook.system}]})  # fmt: skip
+        "subjects": [{"kind": "ServiceAccount", "name": "gpupack-extender", "namespace": webhook.system}]})  # fmt: skip
     before = webhook.admissions()
     sched.patch_namespaced_pod("p", ns, {"metadata": {"labels": {"gpupack.io/managed": "true"},
                                                       "annotations": {"gpupack.io/handoff": "pending"}}})  # fmt: skip
@@ -201,14 +201,14 @@ def test_a_binding_cannot_carry_gpupack_state_without_a_policy_api(webhook):
     rbac = client.RbacAuthorizationV1Api(webhook.cp.api_client())
     rbac.create_namespaced_role(ns, {"metadata": {"name": "binder"}, "rules": [
         {"apiGroups": [""], "resources": ["pods", "pods/binding", "bindings"], "verbs": ["create", "get"]}]})  # fmt: skip
-    for sa_ns, sa in ((ns, "app"), (webhook.system, "gpupack-scheduler")):
+    for sa_ns, sa in ((ns, "app"), (webhook.system, "gpupack-extender")):
         rbac.create_namespaced_role_binding(ns, {
             "metadata": {"name": f"binder-{sa}"},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "binder"},
             "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": sa_ns}]})  # fmt: skip
     tenant = client.CoreV1Api(webhook.cp.new_api_client(webhook.cp.service_account_token(ns, "app")))
     sched = client.CoreV1Api(
-        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-scheduler"))
+        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-extender"))
     )
     node = f"wh-{webhook.sfx}"
 
@@ -304,12 +304,12 @@ def test_pod_updates_do_not_depend_on_the_webhook(webhook):
     webhook.create(ns, "p", [c("a", {"gpupack.io/gpu-mem": "1024"})])
     # as the extender's account, the writer of gpupack's state
     sched = client.CoreV1Api(
-        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-scheduler"))
+        webhook.cp.new_api_client(webhook.cp.service_account_token(webhook.system, "gpupack-extender"))
     )
     client.RbacAuthorizationV1Api(webhook.cp.api_client()).create_namespaced_role_binding(ns, {
         "metadata": {"name": "sched-edit"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
-        "subjects": [{"kind": "ServiceAccount", "name": "gpupack-scheduler", "namespace": webhook.system}]})  # fmt: skip
+        "subjects": [{"kind": "ServiceAccount", "name": "gpupack-extender", "namespace": webhook.system}]})  # fmt: skip
     before = webhook.admissions()
     p = sched.patch_namespaced_pod(
         "p", ns, {"metadata": {"annotations": {"gpupack.io/handoff": "pending"}, "labels": {"x": "y"}}}

@@ -61,9 +61,7 @@ def stack(
                 sysns, {"metadata": {"name": "gpupack-node-templates"}, "data": {"templates": text}}
             )
             st.templates = f"{sysns}/gpupack-node-templates"
-            ext_kc = cluster.service_account_kubeconfig(
-                tmp_path / "sa.kubeconfig", sysns, "gpupack-scheduler"
-            )
+            ext_kc = cluster.service_account_kubeconfig(tmp_path / "sa.kubeconfig", sysns, "gpupack-extender")
         st.flags = ("--log-level", "info", "--autoscale-templates", st.templates, "--autoscale-namespace", sysns,
                     "--autoscale-group-label", GROUP_LABEL, "--autoscale-interval-s", "1")  # fmt: skip
         st.ext = ExtenderProcess(ext_kc, tmp_path / "extender-0.log", *st.flags)

@@ -16,7 +16,7 @@ from realk8s import ControlPlane, binary
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "operator-guide.md"
 FILES = ("scheduler/serviceaccount.yaml", "scheduler/rbac.yaml", "deviceplugin/serviceaccount.yaml",
          "deviceplugin/rbac.yaml", "defrag/serviceaccount.yaml", "defrag/rbac.yaml")  # fmt: skip
-ACCOUNTS = ("gpupack-scheduler", "gpupack-device-plugin", "gpupack-defrag")
+ACCOUNTS = ("gpupack-scheduler", "gpupack-extender", "gpupack-device-plugin", "gpupack-defrag")
 # granted to every authenticated user by the API server's own defaults
 EVERYONE = {"selfsubjectaccessreviews.authorization.k8s.io", "selfsubjectrulesreviews.authorization.k8s.io",
             "selfsubjectreviews.authentication.k8s.io"}  # fmt: skip

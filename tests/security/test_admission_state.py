@@ -33,7 +33,7 @@ from gpupack.contract import (
     LABEL_MANAGED,
 )
 
-SCHED_SA, DP_SA = "gpupack-scheduler", "gpupack-device-plugin"
+EXT_SA, DP_SA = "gpupack-extender", "gpupack-device-plugin"
 FORBIDDEN = "may be set, changed or removed by gpupack only"
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 
@@ -99,7 +99,7 @@ def s(k8s: ControlPlane) -> Iterator[Setup]:
     def api(namespace: str, sa: str) -> client.CoreV1Api:
         return client.CoreV1Api(k8s.new_api_client(k8s.service_account_token(namespace, sa)))
 
-    setup = Setup(k8s, sys_ns, ns, n1, n2, api(ns, "app"), api(sys_ns, SCHED_SA), api(sys_ns, DP_SA))
+    setup = Setup(k8s, sys_ns, ns, n1, n2, api(ns, "app"), api(sys_ns, EXT_SA), api(sys_ns, DP_SA))
 
     def active() -> bool:  # a new policy is enforced once the API server has compiled it
         try:
@@ -256,9 +256,10 @@ def test_a_binding_cannot_carry_gpupack_state(s: Setup):
 
 
 def test_the_schedulers_account_changes_only_gpupack_state_and_scheduling_status(s: Setup):
-    """Issue 31 item 3: the extender's token (shared with kube-scheduler) patched a kube-system
-    pod's image, set labels and status.phase. It may write gpupack.io/ annotations and what
-    kube-scheduler writes (conditions, nominatedNodeName), nothing else of a pod."""
+    """Issue 31 item 3: the extender's token (then shared with kube-scheduler) patched a kube-system
+    pod's image, set labels and status.phase, and deleted pods. Its own account (gpupack-extender)
+    may write gpupack.io/ annotations, a pod's conditions and nominatedNodeName, nothing else of a
+    pod, and delete none."""
     s.cp.ensure_namespace("kube-system")
     # unbound: on v1.36 a bound pod's nominatedNodeName may not be set, by anyone
     body = {"metadata": {"name": f"sys-{s.ns}", "labels": {"tier": "control-plane"}},
@@ -276,6 +277,7 @@ def test_the_schedulers_account_changes_only_gpupack_state_and_scheduling_status
     assert scope in refused(
         s.extender.patch_namespaced_pod_status, name, "kube-system", {"status": {"phase": "Failed"}}
     )
+    assert "cannot delete resource" in refused(s.extender.delete_namespaced_pod, name, "kube-system")
     refused(s.extender.create_namespaced_pod, s.ns, {  # RBAC, and the policy behind it
         "metadata": {"name": "made"}, "spec": {"containers": [{"name": "a", "image": "registry.invalid/x:1"}]}})  # fmt: skip
     p = s.cp.core.read_namespaced_pod(name, "kube-system")
@@ -353,13 +355,31 @@ def test_the_schedulers_account_creates_only_autoscale_placeholders(s: Setup):
         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete"]}]})  # fmt: skip
     rbac.create_namespaced_role_binding(s.sys_ns, {"metadata": {"name": "placeholders"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "placeholders"},
-        "subjects": [{"kind": "ServiceAccount", "name": SCHED_SA, "namespace": s.sys_ns}]})  # fmt: skip
+        "subjects": [{"kind": "ServiceAccount", "name": EXT_SA, "namespace": s.sys_ns}]})  # fmt: skip
     owner = s.cp.core.create_namespaced_config_map(s.sys_ns, {"metadata": {"name": "gpupack-autoscale"}})
     good = placeholder_pod("g1", 64, "gpupack.io/node-group", s.sys_ns,
                            {"name": "gpupack-autoscale", "uid": owner.metadata.uid})  # fmt: skip
     assert good["spec"]["containers"][0]["image"] == PLACEHOLDER_IMAGE
     made = until(lambda: _created(s, good), 30, "RBAC for the placeholder in effect")
     s.extender.delete_namespaced_pod(made, s.sys_ns, grace_period_seconds=0)
+    # RBAC's delete covers every pod of the namespace (the scheduler's and the plugin's pods run
+    # there); policy gpupack-extender-delete-scope leaves the placeholders only
+    other = s.cp.core.create_namespaced_pod(s.sys_ns, {"metadata": {"name": "not-a-placeholder"},
+        "spec": {"containers": [{"name": "a", "image": "registry.invalid/x:1"}]}}).metadata.name  # fmt: skip
+
+    def enforced() -> bool:  # a dry run goes through admission and deletes nothing
+        try:
+            s.extender.delete_namespaced_pod(other, s.sys_ns, dry_run="All")
+        except client.ApiException as e:
+            return "may delete only gpupack's autoscale placeholders" in e.body
+        return False
+
+    until(enforced, 30, "gpupack-extender-delete-scope enforced")
+    assert "may delete only gpupack's autoscale placeholders" in refused(
+        s.extender.delete_namespaced_pod, other, s.sys_ns
+    )
+    assert s.cp.core.read_namespaced_pod(other, s.sys_ns).metadata.deletion_timestamp is None
+    s.cp.core.delete_namespaced_pod(other, s.sys_ns, grace_period_seconds=0)
     scope = "may not create pods but gpupack's autoscale placeholders"
     evil = copy.deepcopy(good)
     evil["spec"]["containers"][0]["image"] = "registry.invalid/evil:1"

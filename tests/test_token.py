@@ -1,0 +1,50 @@
+"""gpupack.token's pure parts: the files it writes are a kubeconfig the client layer loads (and
+follows), and a token is replaced at half its remaining life. Against the real API server:
+tests/security/test_extender_identity.py."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from gpupack import kubeclient, token
+
+
+def test_written_files_load_as_a_kubeconfig_that_follows_its_token(tmp_path):
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    ca = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    token.write_files(tmp_path, token.Minted("first", now), "https://10.0.0.1:443", ca)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ca.crt", "kubeconfig", "token"]
+    cfg = kubeclient.load_config(str(tmp_path / "kubeconfig"))
+    assert cfg.host == "https://10.0.0.1:443" and cfg.ssl_ca_cert == str(tmp_path / "ca.crt")
+    assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer first"
+    token.write_files(tmp_path, token.Minted("second", now), "https://10.0.0.1:443", ca)
+    assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer second"
+    # a token file gone for a moment keeps the one in hand (the API server judges it)
+    (tmp_path / "token").unlink()
+    assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer second"
+
+
+def test_a_kubeconfig_with_an_inline_token_is_not_followed(tmp_path):
+    (tmp_path / "kc").write_text(
+        '{"apiVersion": "v1", "kind": "Config", "current-context": "c",'
+        ' "clusters": [{"name": "k", "cluster": {"server": "http://127.0.0.1:1"}}],'
+        ' "users": [{"name": "u", "user": {"token": "inline"}}],'
+        ' "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}'
+    )
+    cfg = kubeclient.load_config(str(tmp_path / "kc"))
+    assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer inline"
+
+
+def test_a_token_is_replaced_at_half_its_remaining_life():
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    minted = token.Minted("t", now + dt.timedelta(seconds=1800))
+    assert token.refresh_at(minted, now) == now + dt.timedelta(seconds=900)
+
+
+def test_bad_flags_are_refused_before_any_request(capsys):
+    assert token.main(["--service-account", "x", "--namespace", "n", "--out-dir", "/nonexistent",
+                       "--expiry-s", "60"]) == 2  # fmt: skip
+    assert "at least 600" in capsys.readouterr().err
+    assert token.main(["--service-account", "x", "--namespace", "n", "--out-dir", "/nonexistent",
+                       "--pod-name", "p"]) == 2  # fmt: skip
+    assert "go together" in capsys.readouterr().err
