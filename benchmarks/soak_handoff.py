@@ -169,6 +169,8 @@ class Pair:
             "--lease-namespace", self.lease_ns, "--lease-name", LEASE, "--identity", self.name,
             "--bind-wait-s", "3", "--sweep-interval-s", "1", "--stale-handoff-s", "60",
             "--log-level", "info",  # every bind failure with its reason, also a SIGKILLed one's
+            # as shipped (deploy/scheduler/deployment.yaml): kube-scheduler binds where filter kept
+            "--filter-keep-best", "1",
             port=self.port,
         )  # fmt: skip
         e.wait_ready(60)
