@@ -115,7 +115,19 @@ def s(k8s: ControlPlane) -> Iterator[Setup]:
         k8s.core.patch_node(n2, {"spec": {"unschedulable": None}})
         return False
 
-    until(active, 30, "the ValidatingAdmissionPolicies to be enforced")
+    def plugin_pods_active() -> bool:
+        # the device plugin's scope on pods as well as on nodes: under load the API server was
+        # seen enforcing one before the other
+        try:
+            setup.patch(setup.plugin, "probe-dp", {"labels": {"probe": "x"}})
+        except client.ApiException as e:
+            return e.status in (403, 422) and "gpupack device plugin: may change only" in e.body
+        return False
+
+    until(active, 60, "the ValidatingAdmissionPolicies to be enforced")
+    setup.pod(k8s.core, "probe-dp", node=n1)
+    until(plugin_pods_active, 60, "the device plugin's policy to be enforced on pods")
+    k8s.core.delete_namespaced_pod("probe-dp", ns, grace_period_seconds=0)
     try:
         yield setup
     finally:
