@@ -1,7 +1,7 @@
 """Fuzz the extender's verbs and the admission webhook over real HTTP(S) (issue 11, "Done when").
 
 The real `gpupack extender` process (verbs on loopback HTTP, webhook on HTTPS with a certificate
-from `gpupack certs`, metrics on a port of its own; all served by extender/guarded.py) runs against a real control plane (etcd + kube-apiserver
+from `gpupack certs`, metrics on a port of its own; all served by gpupack/guarded.py) runs against a real control plane (etcd + kube-apiserver
 v1.28.7, tests/realk8s.py) with a few GPU nodes, and receives generated bodies: valid-looking
 requests with one field mutated into a wrong type, a huge or exponent-laden number
 (`gpu-mem: "1e300000"`), a long string, deep nesting, or plain garbage. Every answer must be
