@@ -183,7 +183,7 @@ def crowds(counts: list[int], probes: int, urls: dict[str, str], http: requests.
             for _ in range(probes):
                 t0 = time.perf_counter()
                 try:
-                    if e == "metrics":
+                    if e.endswith("metrics"):
                         r = http.get(url, timeout=timeout_s)
                     else:
                         r = http.post(url, data=bodies[e], headers={"Content-Type": "application/json"},
