@@ -1,7 +1,7 @@
 """Fuzz the extender's verbs and the admission webhook over real HTTP(S) (issue 11, "Done when").
 
 The real `gpupack extender` process (verbs on loopback HTTP, webhook on HTTPS with a certificate
-from `gpupack certs`, metrics on a port of its own; all served by extender/guarded.py) runs against a real control plane (etcd + kube-apiserver
+from `gpupack certs`, metrics on a port of its own; all served by gpupack/guarded.py) runs against a real control plane (etcd + kube-apiserver
 v1.28.7, tests/realk8s.py) with a few GPU nodes, and receives generated bodies: valid-looking
 requests with one field mutated into a wrong type, a huge or exponent-laden number
 (`gpu-mem: "1e300000"`), a long string, deep nesting, or plain garbage. Every answer must be
@@ -9,7 +9,8 @@ below 500 and no request may take 100 ms or more (the figures are printed, and w
 written as one JSON object).
 
 Then slow and idle clients (issue 31): for each count of --crowd, that many connections are
-opened to each port (webhook, metrics, verbs) and left idle, or trickle a byte of a request head
+opened to each port (webhook, metrics, verbs, and the metrics/health port of a real `gpupack
+device-plugin` process over the tests' fake NVML, on a node of its own) and left idle, or trickle a byte of a request head
 a second; meanwhile a valid request to each port is timed (median and worst of --probes) and
 compared with the same requests without the crowd, measured just before in the same run. No
 port may be delayed by 1 s or more.
@@ -26,9 +27,11 @@ import contextlib
 import copy
 import datetime as dt
 import json
+import os
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -180,7 +183,7 @@ def crowds(counts: list[int], probes: int, urls: dict[str, str], http: requests.
             for _ in range(probes):
                 t0 = time.perf_counter()
                 try:
-                    if e == "metrics":
+                    if e.endswith("metrics"):
                         r = http.get(url, timeout=timeout_s)
                     else:
                         r = http.post(url, data=bodies[e], headers={"Content-Type": "application/json"},
@@ -216,6 +219,7 @@ def run(
     rng = random.Random(seed)
     cp = realk8s.ControlPlane(workdir / "k8s").start(controller_manager=False)
     ext = None
+    plugin: subprocess.Popen[bytes] | None = None
     try:
         for n in NODES:
             inv = NodeInventory(gpus=tuple(GPUInfo(uuid=f"GPU-{n}-{i}", index=i, model="NVIDIA-H100", mem_mib=81559,
@@ -228,6 +232,10 @@ def run(
             certs.ensure(kube, "gpupack-system", "gpupack-webhook-tls", "localhost", [], [], tls, 3650, 365,
                          dt.timedelta(days=30))  # fmt: skip
         hook_port, metrics_port = free_port(), free_port()
+        # the device plugin's port: the real plugin process, over the tests' fake NVML
+        plugin_port = free_port()
+        cp.make_node("fuzz-dp")
+        plugin = _start_plugin(cp.write_kubeconfig(workdir / "kubeconfig-dp"), plugin_port, workdir)
         ext = ExtenderProcess(cp.write_kubeconfig(workdir / "kubeconfig"), workdir / "extender.log",
                               "--webhook-port", str(hook_port), "--metrics-port", str(metrics_port), "--tls-cert", str(tls / "tls.crt"),
                               "--tls-key", str(tls / "tls.key"), "--set-scheduler-name")  # fmt: skip
@@ -275,11 +283,12 @@ def run(
         out["answers_5xx"] = sum(v for st in per.values() for k, v in st["status"].items() if k >= 500)
         out["slower_than_100ms"] = sum(1 for st in per.values() for m in st["ms"] if m >= 100)
         out["max_ms"] = max((v["max_ms"] for v in out["endpoints"].values()), default=0.0)
+        _wait_ok(http, f"http://127.0.0.1:{plugin_port}/healthz", workdir / "device-plugin.log")
         out["crowds"] = crowds(crowd_counts or [], probes, {
             "validate": urls["validate"], "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
-            "filter": urls["filter"]}, http, rng)  # fmt: skip
-        out["delayed_1s"] = sum(1 for c in out["crowds"] for e in ("validate", "metrics", "filter")
-                                if c["ports"][e]["delay_max_ms"] >= 1000)  # fmt: skip
+            "filter": urls["filter"], "plugin-metrics": f"http://127.0.0.1:{plugin_port}/metrics"}, http, rng)  # fmt: skip
+        out["delayed_1s"] = sum(1 for c in out["crowds"] for v in c["ports"].values()
+                                if v["delay_max_ms"] >= 1000)  # fmt: skip
         out["offenders"] = [{"ms": round(m, 1), "server_ms": sv, "endpoint": e, "status": s, "bytes": n,
                              "body": b.decode("utf-8", "replace")}
                             for m, e, s, n, b, sv in sorted(worst, key=lambda w: w[0], reverse=True)[:10]]  # fmt: skip
@@ -287,7 +296,34 @@ def run(
     finally:
         if ext is not None:
             ext.stop()
+        if plugin is not None:
+            plugin.terminate()
+            plugin.wait(15)
         cp.stop()
+
+
+def _start_plugin(kubeconfig: Path, port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    kubelet_dir = tempfile.mkdtemp(prefix="fz")  # unix socket paths are short
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "deviceplugin"), str(ROOT)]))
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpupack", "device-plugin", "--node-name", "fuzz-dp", "--kubelet-dir", kubelet_dir,
+         "--kubeconfig", str(kubeconfig), "--metrics-port", str(port), "--metrics-addr", "127.0.0.1",
+         "--nvml-module", "fake_nvml", "--nvml-config", json.dumps({"gpus": 8})],
+        cwd=ROOT, env=env, stdout=(workdir / "device-plugin.log").open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def _wait_ok(http: requests.Session, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if http.get(url, timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url} not ready: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
 
 
 def main() -> int:

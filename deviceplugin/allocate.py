@@ -20,7 +20,7 @@ from collections import OrderedDict
 from kubernetes.client.rest import ApiException
 
 from deviceplugin.health import DeviceState
-from deviceplugin.kube import Kube
+from deviceplugin.kube import Kube, webhook_refusal
 from deviceplugin.metrics import Metrics
 from gpupack import handoff
 from gpupack.contract import ContractError
@@ -29,6 +29,12 @@ from gpupack.handoff import HandoffError
 log = logging.getLogger("gpupack.deviceplugin.allocate")
 
 CONFLICT_RETRIES = 5
+# On Kubernetes 1.28-1.29 the API server refuses the plugin's writes while gpupack's plugin-node
+# webhook is down or stalled (failurePolicy Fail: it is the only check that the plugin writes its
+# own node's pods). Allocate tries again for this long (a scheduler pod restarting) before it
+# fails the container's admission; the kubelet waits on Allocate, admitting nothing else meanwhile.
+WEBHOOK_WAIT_S = 8.0
+WEBHOOK_RETRY_S = 0.5
 
 
 class Allocator:
@@ -39,8 +45,10 @@ class Allocator:
         state: DeviceState,
         metrics: Metrics | None = None,
         enforcement: str = handoff.ENFORCE_BOTH,
+        webhook_wait_s: float = WEBHOOK_WAIT_S,
     ) -> None:
         self.kube = kube
+        self.webhook_wait_s = webhook_wait_s
         self.node = node
         self.state = state
         self.metrics = metrics
@@ -69,7 +77,9 @@ class Allocator:
 
     def _allocate(self, device_ids: list[str]) -> dict[str, str]:
         ids = frozenset(device_ids)
-        for attempt in range(CONFLICT_RETRIES):
+        conflicts = 0
+        webhook_deadline: float | None = None
+        while conflicts < CONFLICT_RETRIES:
             try:
                 pods = self.kube.pods_on_node(self.node)
             except (ApiException, OSError) as e:
@@ -97,10 +107,28 @@ class Allocator:
                 )
             except ApiException as e:
                 if e.status == 409:
+                    conflicts += 1
                     log.info(
-                        "pod %s changed while allocating (attempt %d); re-reading", plan.pod.key, attempt + 1
+                        "pod %s changed while allocating (attempt %d); re-reading", plan.pod.key, conflicts
                     )
                     continue
+                hook = webhook_refusal(e)
+                if hook:
+                    now = time.monotonic()
+                    webhook_deadline = webhook_deadline or now + self.webhook_wait_s
+                    if now < webhook_deadline:
+                        log.warning(
+                            "cannot record the allocation on pod %s yet: the API server cannot call admission"
+                            " webhook %s (gpupack-scheduler's webhook port down or stalled); retrying",
+                            plan.pod.key, hook, extra={"node": self.node, "pod": plan.pod.key},
+                        )  # fmt: skip
+                        time.sleep(WEBHOOK_RETRY_S)
+                        continue
+                    raise HandoffError(
+                        f"cannot record the allocation on pod {plan.pod.key}: the API server refuses the device"
+                        f" plugin's writes while admission webhook {hook} is unavailable (tried for"
+                        f" {self.webhook_wait_s:g} s); bring gpupack-scheduler's webhook back"
+                    ) from e
                 if e.status == 404:
                     raise HandoffError(f"pod {plan.pod.key} was deleted during Allocate") from e
                 raise HandoffError(
@@ -188,6 +216,7 @@ def _reason(msg: str) -> str:
         ("neither a slot", "device_mismatch"),
         ("unhealthy", "unhealthy_gpu"),
         ("is not on node", "unknown_gpu"),
+        ("admission webhook", "webhook_unavailable"),
         ("Kubernetes API", "api_error"),
         ("cannot record", "api_error"),
         ("deleted", "pod_deleted"),

@@ -6,6 +6,8 @@ client models, and patched as JSON merge patches with a resourceVersion precondi
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,23 @@ TIMEOUT_S = 4
 # otherwise fail the pod's admission outright.
 READ_RETRIES = 3
 KubeError = kubeclient.KubeConfigError
+
+
+_FAILED_WEBHOOK = re.compile(r'failed calling webhook "([^"]+)"')
+
+
+def webhook_refusal(e: BaseException) -> str:
+    """The admission webhook named in an API server's refusal because it could not call it
+    (down, or stalled past its timeout, with failurePolicy Fail), else "". On Kubernetes 1.28-1.29
+    every write of the plugin goes through gpupack's plugin-node webhook, which fails closed."""
+    if not isinstance(e, kubeclient.ApiException) or e.status not in (500, 503, 504):
+        return ""
+    try:
+        message = str(json.loads(e.body or "{}").get("message") or "")
+    except (ValueError, AttributeError):
+        message = str(e.body or "")
+    found = _FAILED_WEBHOOK.search(message)
+    return found.group(1) if found else ""
 
 
 def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:

@@ -14,28 +14,26 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from deviceplugin.health import DeviceState
 from gpupack import handoff
 from gpupack.contract import ANN_ASSIGNMENT, Assignment, ContractError
 from gpupack.core.fit import pod_charge
+from gpupack.guarded import GuardedServer, Limits, raise_fd_limit
 
 log = logging.getLogger("gpupack.deviceplugin.metrics")
 
 MIB = 1 << 20
 
-
-class QuietHandler(WSGIRequestHandler):
-    """No access log line per scrape (the kubelet's and Prometheus' probes would fill the log)."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+# The metrics/health port is open to the network (Prometheus, the kubelet's probes): a budget of
+# its own, served by gpupack/guarded.py, so idle or trickling connections hold no thread and the
+# 1,025th connection closes the one that has waited longest. Scrapes and probes are small GETs;
+# a scrape lists this node's pods at most once per ttl_s, so 4 threads are plenty.
+METRICS_LIMITS = Limits(max_connections=1024, max_body=65536, threads=4)
 
 
 def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]]:
@@ -156,7 +154,13 @@ class Metrics:
     def handoff_failed(self, reason: str) -> None:
         self.handoff_failures.labels(node=self.node, reason=reason).inc()
 
-    def serve(self, port: int, addr: str = "0.0.0.0", ready: Callable[[], str] | None = None) -> Any:
+    def serve(
+        self,
+        port: int,
+        addr: str = "0.0.0.0",
+        ready: Callable[[], str] | None = None,
+        limits: Limits = METRICS_LIMITS,
+    ) -> MetricsServer:
         """/metrics, plus /healthz and /readyz for the kubelet's probes. The probes never touch
         the API server (/metrics lists this node's pods): an API slowdown must not restart the
         plugin on every GPU node. `ready` returns "" when ready, else why not."""
@@ -174,6 +178,19 @@ class Metrics:
                 return [(why or "ok").encode() + b"\n"]
             return metrics_app(environ, start_response)
 
-        server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=QuietHandler)
-        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-        return server
+        raise_fd_limit()  # each connection is a descriptor: the limit must be reached first
+        server = GuardedServer()
+        listener = server.add(app, addr, port, limits, name="metrics")
+        server.start()
+        return MetricsServer(server, listener.port)
+
+
+class MetricsServer:
+    """The running metrics/health listener: its port, and stop()."""
+
+    def __init__(self, server: GuardedServer, port: int) -> None:
+        self.server = server
+        self.port = port
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -14,7 +14,7 @@ from deviceplugin.api import KUBELET_SOCKET_NAME
 from deviceplugin.discovery import Discovery
 from deviceplugin.health import DeviceState, HealthWatcher
 from deviceplugin.kube import Kube
-from deviceplugin.metrics import Metrics
+from deviceplugin.metrics import Metrics, MetricsServer
 from deviceplugin.nvml_facade import NvmlFacade
 from deviceplugin.publish import Publisher
 from deviceplugin.registration import KubeletWatcher
@@ -60,7 +60,7 @@ class DevicePlugin:
             cfg.socket_name,
             on_registered=self.metrics.registrations.inc,
         )
-        self._metrics_server = None
+        self._metrics_server: MetricsServer | None = None
 
     def start(self) -> None:
         os.makedirs(self.cfg.kubelet_dir, exist_ok=True)
@@ -86,7 +86,7 @@ class DevicePlugin:
     def metrics_port(self) -> int | None:
         if self._metrics_server is None:
             return None
-        return int(self._metrics_server.server_address[1])
+        return self._metrics_server.port
 
     def stop(self) -> None:
         """Stop serving and remove the socket (SIGTERM)."""
@@ -97,8 +97,7 @@ class DevicePlugin:
         self.health.stop()
         self.publisher.stop()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+            self._metrics_server.stop()
         try:
             self.nvml.shutdown()
         except Exception as e:  # shutting down anyway

@@ -1,7 +1,8 @@
 """Publishes this node's GPU inventory (contract.NodeInventory) on its Node object.
 
 Written at start and again on every health change, by a background thread that retries until
-the API accepts it, so a health change is never lost to a transient API error.
+the API accepts it, so a health change is never lost to a transient API error or to gpupack's
+plugin-node webhook being down (Kubernetes 1.28-1.29, where it fails closed).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from datetime import UTC, datetime
 from kubernetes.client.rest import ApiException
 
 from deviceplugin.health import DeviceState
-from deviceplugin.kube import Kube
+from deviceplugin.kube import Kube, webhook_refusal
 from gpupack import contract
 from gpupack.contract import ANN_INVENTORY, LABEL_GPU_COUNT, LABEL_GPU_MODEL, LABEL_GPU_NODE, NodeInventory
 
@@ -95,6 +96,12 @@ class Publisher:
                     self.publish_once()
                 except Exception as e:  # keep trying: the extender needs the inventory
                     why = f"{e.status} {e.reason}" if isinstance(e, ApiException) else str(e)
+                    hook = webhook_refusal(e)
+                    if hook:  # Kubernetes 1.28-1.29: the plugin-node webhook fails closed
+                        why = (
+                            f"the API server refuses the device plugin's writes while admission webhook {hook}"
+                            " is unavailable (gpupack-scheduler's webhook port down or stalled)"
+                        )
                     log.warning(
                         "cannot publish inventory of node %s: %s; retrying in %.0fs",
                         self.node,

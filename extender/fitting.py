@@ -79,6 +79,8 @@ class Fitter:
                 "with its kubelet, or has gone)",
                 "no-slots",
             ), None
+        if info.inventory_conflict:
+            return FitFailure(info.inventory_conflict, "inventory-contradicts-kubelet", True), None
         need = pod.gpu_slots
         free = view.slots_free(name)
         if need > free:
@@ -219,7 +221,8 @@ class Fitter:
         node = self.view.state.nodes.get(name)
         state = None
         if node is not None:
-            key = (signature(node), self.view.slots_free(name), info.slots, bool(info.inventory_error))
+            key = (signature(node), self.view.slots_free(name), info.slots, bool(info.inventory_error),
+                   bool(info.inventory_conflict))  # fmt: skip
             state = self._state_ids.get(key)
             if state is None:
                 if len(self._state_ids) >= STATE_IDS_MAX:

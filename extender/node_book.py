@@ -21,6 +21,7 @@ from .records import (
     NodeInfo,
     allocatable_slots,
     blocking_taints,
+    kubelet_contradiction,
     node_from_inventory,
     node_ready,
     room_grew,
@@ -97,11 +98,13 @@ class NodeBook:
                         info.inventory_error = str(e)
                         self.view.problem("corrupt-inventory", f"node/{name}/inventory", str(e))
                 info.gpu_indexes = [g.index for g in sorted(inv.gpus, key=lambda g: g.index)] if inv else []
+                info.slots_per_gpu = inv.slots_per_gpu if inv else info.slots_per_gpu
                 self._rebuild(name, node_from_inventory(name, inv, unsched, labels))
             else:
                 node = self.view.state.nodes[name]
                 node.schedulable, node.labels = not unsched, labels
                 self.view.host.recount(name)
+            self._check_kubelet(name, info)
             if res_raw != info.reservations_raw:
                 info.reservations_raw = res_raw
                 info.reservations, info.reservations_error = (), ""
@@ -120,6 +123,23 @@ class NodeBook:
             if why:
                 self.view.on_room(name, why)
             self.view.changed.notify_all()
+
+    def _check_kubelet(self, name: str, info: NodeInfo) -> None:
+        """The inventory against the kubelet's own count (records.kubelet_contradiction): both
+        change on their own (the plugin publishes, the kubelet reports its allocatable), so each
+        update of either is checked."""
+        healthy = sum(1 for g in self.view.state.nodes[name].gpus if g.healthy)
+        was, info.inventory_conflict = (
+            info.inventory_conflict,
+            kubelet_contradiction(name, healthy, info.slots_per_gpu, info.slots),
+        )
+        if info.inventory_conflict:
+            if info.inventory_conflict != was:
+                self.view.problem(
+                    "inventory-contradicts-kubelet", f"node/{name}/kubelet", info.inventory_conflict
+                )
+        elif was:
+            self.view.problems.pop(f"node/{name}/kubelet", None)
 
     def delete(self, name: str) -> None:
         with self.view.lock:

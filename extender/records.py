@@ -12,6 +12,7 @@ from gpupack.contract import (
     ANN_HANDOFF,
     HANDOFF_PENDING,
     RES_GPU,
+    SLOTS_PER_GPU,
     Assignment,
     ContractError,
     NodeInventory,
@@ -32,6 +33,10 @@ class NodeInfo:
     name: str
     inventory_raw: str | None = None
     inventory_error: str = ""
+    # the inventory lists more healthy GPUs than the kubelet's gpupack.io/gpu allocatable has room
+    # for (kubelet_contradiction): no GPU pod goes there until they agree
+    inventory_conflict: str = ""
+    slots_per_gpu: int = SLOTS_PER_GPU  # the inventory's, to read `slots` in GPUs
     reservations_raw: str | None = None
     reservations: tuple[Reservation, ...] = ()
     reservations_error: str = ""
@@ -163,6 +168,22 @@ def allocatable_slots(obj: dict[str, Any]) -> int:
         return int(str(raw))
     except ValueError:
         return 0
+
+
+def kubelet_contradiction(name: str, healthy: int, slots_per_gpu: int, slots: int) -> str:
+    """Why node `name`'s inventory contradicts its kubelet ("" when it does not): it lists more
+    healthy GPUs than the kubelet's `gpupack.io/gpu` allocatable divided by the slots per GPU. The
+    kubelet counts the device plugin's healthy device IDs of this node only, so an inventory written
+    by anyone else (another node's plugin token, a forged 8-GPU node) shows here. A node without
+    slots is `no-slots` already (the plugin not registered yet)."""
+    if slots <= 0 or healthy * slots_per_gpu <= slots:
+        return ""
+    return (
+        f"node {name}: its gpupack.io/inventory annotation lists {healthy} healthy GPU(s), but its kubelet"
+        f" offers {slots} {RES_GPU} slot(s), room for {slots // slots_per_gpu} GPU(s) at {slots_per_gpu}"
+        " a GPU; no GPU pod goes there until they agree (an inventory the node's own device plugin did"
+        " not write, or a GPU the kubelet has not yet seen recover)"
+    )
 
 
 def blocking_taints(obj: dict[str, Any]) -> frozenset[tuple[str, str, str]]:

@@ -62,6 +62,7 @@ def collect(view: ClusterView, only: set[str] | None = None, include_empty: bool
                     "node": name,
                     "schedulable": node.schedulable,
                     "inventory_error": info.inventory_error or None,
+                    "inventory_conflict": info.inventory_conflict or None,
                     "reservations_error": info.reservations_error or None,
                     "defrag_reservations": [r.id for r in info.reservations],
                     "pending_handoffs": pending,

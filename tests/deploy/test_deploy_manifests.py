@@ -18,6 +18,7 @@ import yaml
 
 pytest.importorskip("kubernetes_validate", reason="needs the test extra: pip install -e '.[test]'")
 
+from deviceplugin import kube as plugin_kube  # noqa: E402
 from tools import kustomize  # noqa: E402
 from tools import validate_deploy as V  # noqa: E402
 
@@ -202,10 +203,13 @@ def test_webhooks_get_their_ca_without_an_operator(base):
             f"--{kind.removesuffix('WebhookConfiguration').lower()}-webhook-configuration=gpupack"
             in init["args"]
         )
-        # fail closed, except the device plugin's node check: the plugin's writes never wait on
-        # gpupack's scheduler pod (the admission policy still bounds what they may change)
-        assert all(h["matchConditions"] and h["failurePolicy"] == ("Ignore" if h["name"] == "plugin-node.gpupack.io" else "Fail")
-                   for h in wc["webhooks"])  # fmt: skip
+        # every webhook fails closed, the device plugin's node check too: on Kubernetes 1.28-1.29
+        # it is the only check that the plugin writes its own node (issue 31 item 4)
+        assert all(h["matchConditions"] and h["failurePolicy"] == "Fail" for h in wc["webhooks"])
+        # a stalled webhook refuses the plugin's write before the plugin's own API timeout
+        for hook in wc["webhooks"]:
+            if hook["name"] == "plugin-node.gpupack.io":
+                assert hook["timeoutSeconds"] < plugin_kube.TIMEOUT_S
 
 
 def test_examples_cover_inference_hpa_batch_and_pdb(examples):
@@ -427,3 +431,53 @@ def test_the_autoscale_component_renders_validates_and_starts_the_controller(tmp
     (ext,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "extender"]
     assert "--autoscale-templates=gpupack-system/gpupack-node-templates" in ext["args"]
     assert find(objs, "Role", "gpupack-autoscale")["metadata"]["namespace"] == "gpupack-system"
+
+
+# who may reach each network port of gpupack's pods (issue 31): the metrics ports only from
+# namespaces labelled as scrapers, the webhook only from the ipBlocks an operator narrows to the API
+# server, and the extender's verbs (loopback) from nobody
+SCRAPERS = [{"namespaceSelector": {"matchLabels": {"gpupack.io/metrics-scraper": "true"}}}]
+WHO = {
+    "metrics": "scrapers",
+    "sched-metrics": "scrapers",
+    "webhook": "ipBlocks",
+    "extender": "nobody",
+}
+
+
+def test_network_policies_admit_each_port_only_from_who_needs_it(base):
+    policies = [o for o in base if o["kind"] == "NetworkPolicy"]
+    workloads = [o for o in base if o["kind"] in ("Deployment", "DaemonSet")]
+    seen: set[tuple[str, str]] = set()
+    for w in workloads:
+        tpl = w["spec"]["template"]
+        labels = tpl["metadata"].get("labels") or {}
+        mine = [
+            p for p in policies
+            if p["metadata"]["namespace"] == w["metadata"]["namespace"]
+            and all(labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())
+        ]  # fmt: skip
+        ports = [p["name"] for c in tpl["spec"]["containers"] for p in c.get("ports") or []]
+        if not ports:
+            continue
+        assert not tpl["spec"].get("hostNetwork"), (
+            f"{w['metadata']['name']}: a policy cannot guard host ports"
+        )
+        assert len(mine) == 1 and mine[0]["spec"]["policyTypes"] == ["Ingress"], w["metadata"]["name"]
+        rules = mine[0]["spec"]["ingress"]
+        for port in ports:
+            admitting = [r for r in rules if any(p["port"] == port for p in r.get("ports") or [])]
+            want = WHO[port]
+            seen.add((w["metadata"]["name"], port))
+            if want == "nobody":
+                assert not admitting, (w["metadata"]["name"], port)
+                continue
+            assert len(admitting) == 1, (w["metadata"]["name"], port)
+            frm = admitting[0]["from"]
+            if want == "scrapers":
+                assert frm == SCRAPERS, (w["metadata"]["name"], port, frm)
+            else:
+                assert frm and all(set(f) == {"ipBlock"} for f in frm), (w["metadata"]["name"], port, frm)
+        # no rule admits a port the pod does not name (nor every port: a rule without ports)
+        assert all(r.get("ports") for r in rules), w["metadata"]["name"]
+    assert {("gpupack-device-plugin", "metrics"), ("gpupack-scheduler", "webhook")} <= seen

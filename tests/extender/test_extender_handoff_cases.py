@@ -34,6 +34,7 @@ from ext_helpers import (
     extender_with_scheduler,
     get_pod,
     gpu_node,
+    inventory,
     kill_tree,
     list_pods,
     pod_obj,
@@ -54,6 +55,7 @@ from gpupack.contract import (
     RES_GPU,
     Assignment,
     GPUShare,
+    NodeInventory,
     decode_assignment,
 )
 
@@ -415,7 +417,11 @@ def test_no_node_gets_more_gpu_pods_than_its_slots_and_a_node_without_slots_gets
     cluster, ns, sfx, sched
 ):
     full, gone = f"gpu-few-slots-{sfx}", f"gpu-plugin-gone-{sfx}"
-    gpu_node(cluster, full, 1)
+    # a GPU of 3 slots, as its inventory and its kubelet both say (an inventory with more slots
+    # than the kubelet offers is refused outright: test_inventory_vs_kubelet.py)
+    gpu_node(
+        cluster, full, 1, raw_inventory=NodeInventory(gpus=inventory(full, 1).gpus, slots_per_gpu=3).to_json()
+    )
     realk8s.set_node_status(cluster.core, full, {"cpu": "64", "memory": "512Gi", "pods": "250", RES_GPU: "3"})
     gpu_node(cluster, gone, 1)  # the device plugin died: the kubelet reports 0 allocatable
     realk8s.set_node_status(cluster.core, gone, {"cpu": "64", "memory": "512Gi", "pods": "250", RES_GPU: "0"})
@@ -495,15 +501,14 @@ def test_device_plugin_probes_do_not_touch_the_api_server():
     m = Metrics("n", DeviceState([], []), list_pods=lambda: hung.wait(20) and [], ttl_s=0)
     server = m.serve(0, "127.0.0.1", ready=lambda: "")
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+        url = f"http://127.0.0.1:{server.port}"
         for path in ("/healthz", "/readyz"):
             t0 = time.monotonic()
             assert urllib.request.urlopen(url + path, timeout=5).read() == b"ok\n"
             assert time.monotonic() - t0 < 1
     finally:
         hung.set()
-        server.shutdown()
-        server.server_close()
+        server.stop()
     repo = Path(__file__).resolve().parents[2]
     ds = yaml.safe_load((repo / "deploy" / "deviceplugin" / "daemonset.yaml").read_text())
     (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c.get("livenessProbe")]

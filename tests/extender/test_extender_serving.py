@@ -1,4 +1,4 @@
-"""How the real extender process serves its verbs (extender/guarded.py): open connections hold no
+"""How the real extender process serves its verbs (gpupack/guarded.py): open connections hold no
 thread and a request thread is reused for the next request (kube-scheduler keeps only 2 idle
 connections to an extender, so binds in parallel open new ones all the time, and a thread started
 for each was measurable); kube-scheduler's kept-alive connection carries one verb after another;

@@ -1,4 +1,4 @@
-"""extender/guarded.py on its own: a thread gets a request only once it is whole, each stage has
+"""gpupack/guarded.py on its own: a thread gets a request only once it is whole, each stage has
 its deadline, and a listener at its connection limit closes the connection that waited longest."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from realk8s import until
 
-from extender.guarded import GuardedServer, Limits, Listener
+from gpupack.guarded import GuardedServer, Limits, Listener
 
 CALLS: list[str] = []
 
