@@ -168,15 +168,15 @@ def _judge(
             held = pod.assignment()  # a record of the older form: names only
     except ContractError as e:
         return no(REASON_NOT_PLACED, f"its gpupack annotations cannot be read ({e}). {_NOT_PLACED_FIX}")
-    if held is None or not record.served:
+    if held is None:
         return no(
             REASON_NOT_PLACED,
-            f"gpupack never handed this pod a GPU (no allocation record). {_NOT_PLACED_FIX}",
+            f"gpupack never placed this pod (no assignment, no allocation record). {_NOT_PLACED_FIX}",
         )
     if held.pod_uid != pod.uid or held.node != node:
         return no(
             REASON_NOT_PLACED,
-            f"its allocation record is for pod UID {held.pod_uid} on node {held.node}, this pod is UID "
+            f"its gpupack record is for pod UID {held.pod_uid} on node {held.node}, this pod is UID "
             f"{pod.uid} on node {node}. {_NOT_PLACED_FIX}",
         )
     if pod.handoff == HANDOFF_FAILED:
