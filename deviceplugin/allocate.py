@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kubernetes.client.rest import ApiException
 
@@ -39,8 +40,12 @@ class Allocator:
         state: DeviceState,
         metrics: Metrics | None = None,
         enforcement: str = handoff.ENFORCE_BOTH,
+        after_failure: Callable[[], None] | None = None,
     ) -> None:
         self.kube = kube
+        # called after a failed Allocate: the kubelet rejects the pod it was admitting, and pending
+        # assignments its earlier containers consumed are handed back (PreStart.repair_consumed)
+        self.after_failure = after_failure
         self.node = node
         self.state = state
         self.metrics = metrics
@@ -61,6 +66,8 @@ class Allocator:
             if self.metrics:
                 self.metrics.handoff_failed(_reason(str(e)))
             log.error("Allocate(%d device(s)) failed: %s", len(device_ids), e, extra={"node": self.node})
+            if self.after_failure is not None:
+                self.after_failure()
             raise
         finally:
             if self.metrics:

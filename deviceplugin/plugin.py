@@ -49,7 +49,8 @@ class DevicePlugin:
         self.state = DeviceState(discovery.gpus, discovery.skipped)
         self.kube = Kube(api_client)
         self.metrics = Metrics(cfg.node, self.state, list_pods=lambda: self.kube.pods_on_node(cfg.node))
-        self.allocator = Allocator(self.kube, cfg.node, self.state, self.metrics, cfg.enforcement)
+        self.allocator = Allocator(self.kube, cfg.node, self.state, self.metrics, cfg.enforcement,
+                                   after_failure=lambda: self.prestart.repair_consumed())  # fmt: skip
         self.stopping = threading.Event()
         self.socket_path = os.path.join(cfg.kubelet_dir, cfg.socket_name)
         self.podresources = PodResourcesClient(cfg.pod_resources_socket)

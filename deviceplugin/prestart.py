@@ -115,6 +115,22 @@ class PreStart:
             extra={"node": self.node, "pod": decision.holder},
         )
 
+    def repair_consumed(self) -> None:
+        """After a failed Allocate (the kubelet rejects the pod it was admitting, and never calls
+        PreStartContainer for it): hand back the assignments that pod's earlier containers consumed,
+        i.e. records claiming device IDs the kubelet says another pod holds. Best effort."""
+        try:
+            holders = self.podresources.gpu_holders()
+            pods = self.kube.pods_on_node(self.node)
+        except (PodResourcesUnavailable, ApiException, OSError) as e:
+            log.warning("cannot check for consumed assignments after a failed Allocate: %s", e)
+            return
+        repairs = identity.consumed_repairs(holders, pods, self.node)
+        if repairs:
+            self._repair(
+                identity.refused(identity.REASON_NOT_RECORDED, "", "a pod the kubelet rejected", repairs), 0
+            )
+
     def _refused(self, reason: str, message: str, device_ids: list[str]) -> None:
         if self.metrics:
             self.metrics.prestart_refusals.labels(node=self.node, reason=reason).inc()

@@ -241,6 +241,32 @@ def _refuse_with_repairs(
     return refused(reason, message, holder_key, repairs)
 
 
+def consumed_repairs(answer: Iterable[Holder], pods: Iterable[Any], node: str) -> list[Repair]:
+    """Patches for the live pods on `node` whose records claim device IDs that the kubelet says
+    another pod holds. Asked after a failed Allocate: the kubelet rejects the pod it was admitting,
+    so the records that pod's earlier containers consumed must be handed back now; PreStartContainer,
+    which would have repaired them, is never called for a rejected pod."""
+    held_by: dict[str, set[str]] = {}
+    for h in answer:
+        for d in h.device_ids:
+            held_by.setdefault(d, set()).add(h.key)
+    views = [pod_view(p) for p in pods]
+    out: list[Repair] = []
+    for p in views:
+        if p.node_name != node or not _awaiting_start(p):
+            continue
+        try:
+            record = p.allocation_record()
+        except ContractError:
+            continue
+        lost = tuple(
+            c for c in record.served if any(held_by.get(d, set()) - {p.key} for d in record.ids.get(c, ()))
+        )
+        if lost and record.held is not None:
+            out.append(_repair(p, record, lost, [q for q in views if q.node_name == node], ""))
+    return out
+
+
 def repairs_for(
     views: Iterable[PodView], node: str, ids: frozenset[str], holder_key: str, holder_uid: str = ""
 ) -> list[Repair]:
@@ -252,21 +278,34 @@ def repairs_for(
     pods = [p for p in views if p.node_name == node]
     out: list[Repair] = []
     for p in pods:
-        if (p.key == holder_key and (not holder_uid or p.uid == holder_uid)) or not p.live:
+        if (p.key == holder_key and (not holder_uid or p.uid == holder_uid)) or not _awaiting_start(p):
             continue
         try:
             record = p.allocation_record()
         except ContractError:
             continue
         lost = tuple(c for c in record.served if record.ids.get(c, frozenset()) & ids)
-        if not lost or record.held is None:
-            continue
-        others_pending = any(
-            q.uid != p.uid and q.key != holder_key and q.live and q.handoff == HANDOFF_PENDING for q in pods
-        )
-        state = HANDOFF_FAILED if others_pending or p.handoff == HANDOFF_FAILED else HANDOFF_PENDING
-        out.append(Repair(p, lost, repair_patch(record, lost, state), state))
+        if lost and record.held is not None:
+            out.append(_repair(p, record, lost, pods, holder_key))
     return out
+
+
+def _repair(
+    p: PodView, record: contract.AllocationRecord, lost: tuple[str, ...], pods: list[PodView], holder_key: str
+) -> Repair:
+    others_pending = any(
+        q.uid != p.uid and q.key != holder_key and q.live and q.handoff == HANDOFF_PENDING for q in pods
+    )
+    state = HANDOFF_FAILED if others_pending or p.handoff == HANDOFF_FAILED else HANDOFF_PENDING
+    return Repair(p, lost, repair_patch(record, lost, state), state)
+
+
+def _awaiting_start(p: PodView) -> bool:
+    """Only a pod the kubelet has not started can have had its assignment consumed by another pod:
+    a pod whose assignment another pod took is refused at its own admission (its Allocate finds no
+    pending handoff), so it never runs. A Running pod's record is its own, even where a device ID
+    it claims was handed out again (its kubelet already let go of it)."""
+    return p.live and p.phase in ("", "Pending")
 
 
 def repair_patch(

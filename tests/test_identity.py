@@ -158,7 +158,8 @@ def test_no_repair_of_terminal_pods_the_holder_itself_or_unrelated_ids():
     gone = pod("g", a=assignment("uid-g"), served={"main": OWN_IDS}, phase="Succeeded")
     unrelated = pod("u", a=assignment("uid-u", gpu=B), served={"main": ids(B, 2)})
     holder = pod("h", a=assignment("uid-h"), served={"main": OWN_IDS}, state="failed")
-    views = list(map(handoff.pod_view, [gone, unrelated, holder]))
+    running = pod("r", a=assignment("uid-r"), served={"main": OWN_IDS}, phase="Running")
+    views = list(map(handoff.pod_view, [gone, unrelated, holder, running]))
     assert identity.repairs_for(views, NODE, OWN_IDS, "ns/h", "uid-h") == []
 
 
@@ -203,3 +204,14 @@ def test_plan_allocate_records_the_device_ids_it_served():
     plan = handoff.plan_allocate(p, NODE, OWN_IDS, {A: True})
     rec = contract.decode_allocation_record(plan.patch[ANN_ALLOCATED], "p")
     assert rec.ids == {"main": OWN_IDS} and plan.patch[ANN_HANDOFF] == contract.HANDOFF_DONE
+
+
+def test_after_a_failed_allocate_records_whose_ids_another_pod_holds_are_handed_back():
+    """A wrong pod's first container consumed the pending pod's assignment, its next container's
+    Allocate failed: the kubelet rejects it without PreStartContainer, so the repair happens then."""
+    victim = pod("v", a=assignment("uid-v"), served={"main": OWN_IDS})
+    own = pod("own2", a=assignment("uid-own2", gpu=B), served={"main": ids(B, 1)})
+    answer = [held("wrong", OWN_IDS, "a"), held("own2", ids(B, 1))]
+    [r] = identity.consumed_repairs(answer, [victim, own], NODE)
+    assert (r.pod.key, r.containers, r.handoff) == ("ns/v", ("main",), contract.HANDOFF_PENDING)
+    assert identity.consumed_repairs([held("v", OWN_IDS), held("own2", ids(B, 1))], [victim, own], NODE) == []
