@@ -22,8 +22,8 @@ from kubernetes.client.rest import ApiException
 from deviceplugin.api import podresources_pb2, podresources_pb2_grpc
 from deviceplugin.kube import Kube
 from deviceplugin.metrics import Metrics
-from gpupack import identity
-from gpupack.contract import RES_GPU
+from gpupack import handoff, identity
+from gpupack.contract import HANDOFF_PENDING, RES_GPU
 
 log = logging.getLogger("gpupack.deviceplugin.prestart")
 
@@ -170,7 +170,7 @@ class PreStart:
         """Apply the decision's repairs; False when one conflicted (re-read and decide again)."""
         for r in decision.repairs:
             try:
-                self.kube.patch_pod_annotations(
+                patched = self.kube.patch_pod_annotations(
                     r.pod.namespace, r.pod.name, r.patch, resource_version=r.pod.resource_version
                 )
             except ApiException as e:
@@ -196,4 +196,35 @@ class PreStart:
                 decision.holder,
                 extra={"node": self.node, "pod": r.pod.key},
             )
+            if r.handoff == HANDOFF_PENDING:
+                self._one_pending(r.pod.key, patched)
         return True
+
+    def _one_pending(self, key: str, patched: dict) -> None:
+        """The extender may have bound another pod to the node between our read and the repair
+        (the pod was `done` then): the node must not have two pending handoffs (Allocate refuses to
+        guess between them), so the repaired pod gives way (handoff failed; it is re-created)."""
+        try:
+            pending = handoff.pending_pods_on_node(self.kube.pods_on_node(self.node), self.node)
+        except (ApiException, OSError) as e:
+            log.warning("cannot check the node's pending handoffs after repairing pod %s: %s", key, e)
+            return
+        if len(pending) < 2 or key not in {p.key for p in pending}:
+            return
+        view = handoff.pod_view(patched)
+        try:
+            self.kube.patch_pod_annotations(
+                view.namespace,
+                view.name,
+                handoff.failed_annotations(),
+                resource_version=view.resource_version,
+            )
+        except (ApiException, OSError) as e:
+            log.warning("cannot set the handoff of pod %s failed: %s", key, e)
+            return
+        log.warning(
+            "pod %s: another pod's handoff became pending on the node meanwhile; handoff set failed "
+            "(delete the pod so its controller re-creates it)",
+            key,
+            extra={"node": self.node, "pod": key},
+        )
