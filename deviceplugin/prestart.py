@@ -189,11 +189,11 @@ class PreStart:
                 log.warning("cannot repair the allocation record of pod %s: %s", r.pod.key, e)
                 continue
             log.warning(
-                "repaired pod %s: container(s) %s handed back (handoff %s): pod %s had taken its GPU",
+                "repaired pod %s: container(s) %s handed back (handoff %s): %s had taken its GPU",
                 r.pod.key,
                 ",".join(r.containers),
                 r.handoff,
-                decision.holder,
+                f"pod {decision.holder}" if "/" in decision.holder else decision.holder,
                 extra={"node": self.node, "pod": r.pod.key},
             )
             if r.handoff == HANDOFF_PENDING:
