@@ -281,11 +281,15 @@ def check(pods: list[dict[str, Any]], nodes: dict[str, dict[str, Any]]) -> dict[
 def run(
     cp: realk8s.ControlPlane, tmp: Path, pods: int, nodes: int, seed: int,
     ns: str = NS, lease_ns: str = LEASE_NS, prefix: str = "soak", settle_s: float = 20.0,
-    kubelet_mode: str = "device-manager",
+    kubelet_mode: str = "device-manager", intruders: int = 0, late: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """The soak on `cp`: pods in `ns`, nodes `<prefix>-<i>`, the Lease in `lease_ns`; it ends once
     nothing has changed for `settle_s` (pods that fit nowhere stay Pending). `kubelet_mode`:
-    "device-manager" or "emulator" (see the module's doc)."""
+    "device-manager" or "emulator" (see the module's doc). With the device manager, `intruders`
+    `gpupack.io/gpu` pods gpupack never placed are put on nodes (preferably one with a pending
+    handoff) and `late` pods are admitted late: their handoff is given up as the extender's janitor
+    does after --stale-handoff-s, and their admission waits until another pod is bound to their node
+    (or 8 s). Neither may start a container with a GPU (issue 31 item 1)."""
     if kubelet_mode not in KUBELETS:
         raise ValueError(f"kubelet_mode must be one of {KUBELETS}, got {kubelet_mode!r}")
     rng = random.Random(seed)
@@ -301,7 +305,7 @@ def run(
         else:
             for n in names:
                 gpu_node(cp, n, GPUS_PER_NODE)
-        return _run(cp, tmp, pods, names, seed, rng, ns, lease_ns, settle_s, dm)
+        return _run(cp, tmp, pods, names, seed, rng, ns, lease_ns, settle_s, dm, intruders, late)
     finally:
         for node in dm.values():
             node.close(keep_logs=tmp / "nodes")
@@ -310,6 +314,7 @@ def run(
 def _run(
     cp: realk8s.ControlPlane, tmp: Path, pods: int, names: list[str], seed: int, rng: random.Random,
     ns: str, lease_ns: str, settle_s: float, dm: dict[str, dm_nodes.DeviceManagerNode],
+    intruders: int = 0, late: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     core = cp.core
     leader = Leader(cp, "replica-a", lease_ns)
@@ -339,10 +344,26 @@ def _run(
                     break
 
     threading.Thread(target=deleter, daemon=True).start()
+    # issue 31 item 1: unplaced GPU pods and late admissions, spread over the run
+    intruder_at = set(rng.sample(range(pods), min(intruders, pods))) if dm else set()
+    late_at = set(rng.sample(range(1, pods), min(late, pods - 1))) if dm else set()
+    intruder_names: list[str] = []
+    late_names: list[str] = []
+    if late_at:
+        threading.Thread(
+            target=_late_janitor, args=(core, ns, dm_kubelet, late_names, stop), daemon=True
+        ).start()
     t0 = time.monotonic()
     active = a
     for i in range(pods):
-        create_pod(core, shapes(rng, i, ns), ns)
+        body = shapes(rng, i, ns)
+        if i in late_at:  # held before it exists; the janitor looks at it once it does
+            dm_kubelet.hold[body["metadata"]["name"]] = threading.Event()
+        create_pod(core, body, ns)
+        if i in late_at:
+            late_names.append(body["metadata"]["name"])
+        if i in intruder_at:
+            intruder_names.append(_intruder(core, ns, names, len(intruder_names), rng))
         if i == pods // 4:
             events.append(
                 f"extender {active.name} SIGKILLed and restarted ({active.restart_extender():.1f} s away)"
@@ -404,7 +425,7 @@ def _run(
     )  # fmt: skip
     if dm:
         with dm_kubelet.mu:
-            refused = dict(dm_kubelet.rejected)
+            refused = all_refused = dict(dm_kubelet.rejected)
             admitted = dict(dm_kubelet.admitted)
             out.update(
                 env_mismatches=len(dm_kubelet.env_mismatches), env_mismatch_detail=dm_kubelet.env_mismatches[:5],
@@ -412,13 +433,25 @@ def _run(
                 harness_s_mean=round(dm_kubelet.harness_s / max(dm_kubelet.harness_runs, 1), 2),
                 plugin_restarts=sum(n.plugin_starts - 1 for n in dm.values()),
             )  # fmt: skip
+        # intruders and late pods are refused by design; any other refusal counts
+        expected = set(intruder_names) | set(late_names)
+        started = dict(dm_kubelet.started)
+        out.update(
+            intruders=len(intruder_names), late=len(late_names),
+            intruders_started=sum(started.get(n, 0) for n in intruder_names),
+            late_started=sum(started.get(n, 0) for n in late_names),
+            intruders_refused=sum(n in refused for n in intruder_names),
+            late_refused=sum(n in refused for n in late_names),
+            **_plugin_log_figures(tmp, dm),
+        )  # fmt: skip
+        refused = {k: v for k, v in refused.items() if k not in expected}
         out["admissions_refused"] = len(refused)
         out["refused_detail"] = [f"{k}: {v}" for k, v in list(refused.items())[:3]]
         # every live pod whose handoff is done went through a device manager run that gave it its env
         unadmitted = [
             p["metadata"]["name"] for p in final
             if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
-            and p["metadata"]["name"] not in admitted and p["metadata"]["name"] not in refused
+            and p["metadata"]["name"] not in admitted and p["metadata"]["name"] not in all_refused
         ]  # fmt: skip
         out["not_admitted"] = len(unadmitted)
         out["not_admitted_detail"] = unadmitted[:5]
@@ -455,6 +488,70 @@ def _run(
     return out
 
 
+def _intruder(core: client.CoreV1Api, ns: str, nodes: list[str], i: int, rng: random.Random) -> str:
+    """A `gpupack.io/gpu` pod gpupack never placed (another scheduler's, put on a node by hand),
+    on a node whose handoff is pending if there is one: the kubelet may admit it before that pod."""
+    waiting = sorted({p["spec"]["nodeName"] for p in list_pods(core, ns) if p["spec"].get("nodeName")
+                      and annotations(p).get(ANN_HANDOFF) == HANDOFF_PENDING and p["spec"]["nodeName"] in nodes})  # fmt: skip
+    name = f"intruder-{i}"
+    body = {
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"schedulerName": "default-scheduler", "nodeName": rng.choice(waiting or nodes),
+                 "containers": [{"name": "main", "image": "busybox", "resources": {"limits": {RES_GPU: "1"}}}]},
+    }  # fmt: skip
+    core.create_namespaced_pod(ns, body, _preload_content=False)
+    return name
+
+
+def _late_janitor(
+    core: client.CoreV1Api, ns: str, kubelet: dm_nodes.DeviceManagerKubelet, late: list[str],
+    stop: threading.Event,
+) -> None:  # fmt: skip
+    """What the extender's janitor does to a handoff pending longer than --stale-handoff-s (marks it
+    failed, so the node takes the next pod), for the pods in `late`, whose admission is held; each
+    admission is let go once another pod is bound to its node after that, or after 8 s."""
+    given_up: dict[str, tuple[str, float]] = {}
+    while not stop.wait(0.2):
+        pods = {p["metadata"]["name"]: p for p in list_pods(core, ns)}
+        for name in list(late):
+            ev = kubelet.hold[name]
+            if ev.is_set():
+                continue
+            p = pods.get(name)
+            if p is None or p["metadata"].get("deletionTimestamp"):
+                ev.set()
+                continue
+            node = p["spec"].get("nodeName")
+            if name not in given_up:
+                if node and annotations(p).get(ANN_HANDOFF) == HANDOFF_PENDING:
+                    patch = {"metadata": {"resourceVersion": p["metadata"]["resourceVersion"],
+                                          "annotations": handoff.failed_annotations()}}  # fmt: skip
+                    with contextlib.suppress(client.ApiException):  # 409: look again next round
+                        core.patch_namespaced_pod(name, ns, patch)
+                        given_up[name] = (node, time.monotonic())
+                continue
+            node, since = given_up[name]
+            next_bound = any(
+                q["spec"].get("nodeName") == node and n != name and n not in given_up
+                and annotations(q).get(ANN_HANDOFF) == HANDOFF_PENDING for n, q in pods.items()
+            )  # fmt: skip
+            if next_bound or time.monotonic() - since > 8:
+                ev.set()
+    for name in late:
+        kubelet.hold[name].set()
+
+
+def _plugin_log_figures(tmp: Path, dm: dict[str, dm_nodes.DeviceManagerNode]) -> dict[str, int]:
+    """PreStartContainer's refusals and repairs, from every plugin's log (killed ones too)."""
+    lines = [line for n in dm.values() for f in sorted(n.dirs.base.glob("plugin-*.log"))
+             for line in f.read_text(errors="replace").splitlines()]  # fmt: skip
+    return {
+        "prestart_accepted": sum("PreStartContainer: pod" in x and "may start" in x for x in lines),
+        "prestart_refused": sum("PreStartContainer(" in x and "refused" in x for x in lines),
+        "records_repaired": sum("repaired pod" in x for x in lines),
+    }
+
+
 FIGURES_ZERO = ("overcommitted_gpus", "allocation_mismatches", "env_mismatches", "admissions_refused",
                 "not_admitted", "nodes_over_slots", "locked_nodes")  # fmt: skip
 
@@ -465,13 +562,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=None, help="default 100 with the device manager, else 300")
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--intruders", type=int, default=0, help="unplaced gpupack.io/gpu pods (device manager only)"
+    )
+    ap.add_argument("--late", type=int, default=0, help="pods admitted after their handoff was given up")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="gpupack-soak-"))
     cp = realk8s.ControlPlane(tmp).start()
     try:
         pods = args.pods or (100 if args.kubelet == "device-manager" else 300)
-        out = run(cp, tmp, pods, args.nodes, args.seed, kubelet_mode=args.kubelet)
+        out = run(cp, tmp, pods, args.nodes, args.seed, kubelet_mode=args.kubelet,
+                  intruders=args.intruders, late=args.late)  # fmt: skip
     finally:
         cp.stop()
     if args.json:
@@ -480,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         keys = ["kubelet", "pods", "nodes", "gpus", "deleted_mid_handoff", "handoffs_done", "pending_live",
                 "seconds", "pods_per_s", *FIGURES_ZERO]  # fmt: skip
         if out["kubelet"] == "device-manager":
-            keys += ["admissions", "env_checked_containers", "harness_s_mean", "plugin_restarts"]
+            keys += ["admissions", "env_checked_containers", "harness_s_mean", "plugin_restarts",
+                     "intruders", "intruders_started", "late", "late_started", "prestart_refused",
+                     "records_repaired"]  # fmt: skip
         for k in keys:
             print(f"{k:24} {out[k]}")
         for e in out["events"]:

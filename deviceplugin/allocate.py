@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kubernetes.client.rest import ApiException
 
@@ -46,9 +47,13 @@ class Allocator:
         metrics: Metrics | None = None,
         enforcement: str = handoff.ENFORCE_BOTH,
         webhook_wait_s: float = WEBHOOK_WAIT_S,
+        after_failure: Callable[[], None] | None = None,
     ) -> None:
         self.kube = kube
         self.webhook_wait_s = webhook_wait_s
+        # called after a failed Allocate: the kubelet rejects the pod it was admitting, and pending
+        # assignments its earlier containers consumed are handed back (PreStart.repair_consumed)
+        self.after_failure = after_failure
         self.node = node
         self.state = state
         self.metrics = metrics
@@ -69,6 +74,8 @@ class Allocator:
             if self.metrics:
                 self.metrics.handoff_failed(_reason(str(e)))
             log.error("Allocate(%d device(s)) failed: %s", len(device_ids), e, extra={"node": self.node})
+            if self.after_failure is not None:
+                self.after_failure()
             raise
         finally:
             if self.metrics:

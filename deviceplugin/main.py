@@ -1,6 +1,6 @@
 """`gpupack device-plugin`: the per-node kubelet device plugin.
 
-    gpupack device-plugin --node-name N [--kubelet-dir DIR] [--metrics-port P]
+    gpupack device-plugin --node-name N [--kubelet-dir DIR] [--pod-resources-socket SOCK] [--metrics-port P]
                           [--enforcement hami-core|mps|both] [--kubeconfig FILE]
                           [--nvml-module MODULE [--nvml-config TEXT]]
     gpupack device-plugin --discover [--json] [--nvml-module ...]
@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 
-from deviceplugin.api import DEFAULT_PLUGIN_DIR
+from deviceplugin.api import DEFAULT_PLUGIN_DIR, DEFAULT_POD_RESOURCES_SOCKET
 from deviceplugin.discovery import NvmlUnavailable, discover, init_nvml
 from deviceplugin.nvml_facade import NvmlFacade
 from gpupack import handoff, logs
@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-name", default=os.environ.get("NODE_NAME", ""), help="this node (default $NODE_NAME)"
     )
     p.add_argument("--kubelet-dir", default=DEFAULT_PLUGIN_DIR, help="kubelet device plugin directory")
+    p.add_argument(
+        "--pod-resources-socket",
+        default=DEFAULT_POD_RESOURCES_SOCKET,
+        help="the kubelet's PodResources API socket, asked in PreStartContainer which pod holds a "
+        f"container's GPUs (default {DEFAULT_POD_RESOURCES_SOCKET})",
+    )
     p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)"
     )
@@ -136,6 +142,7 @@ def main(argv: list[str]) -> int:
         metrics_addr=args.metrics_addr,
         probe_interval_s=args.probe_interval,
         device_list_strategy=args.device_list_strategy,
+        pod_resources_socket=args.pod_resources_socket,
     )
     for s in found.skipped:
         logging.getLogger("gpupack.deviceplugin").warning("skipped %s", s)

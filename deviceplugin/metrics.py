@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from deviceplugin.health import DeviceState
-from gpupack import handoff
+from gpupack import handoff, identity
 from gpupack.contract import ANN_ASSIGNMENT, Assignment, ContractError
 from gpupack.core.fit import pod_charge
 from gpupack.guarded import GuardedServer, Limits, raise_fd_limit
@@ -144,6 +144,15 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=self.registry,
         ).labels(node)
+        self.prestart_refusals = Counter(
+            "gpupack_deviceplugin_prestart_refusals_total",
+            "Containers PreStartContainer refused to start, by reason (the holder of the GPU is not "
+            "the pod gpupack assigned it to, or could not be identified)",
+            ["node", "reason"],
+            registry=self.registry,
+        )
+        for reason in identity.REASONS:  # every reason exported from the start, at 0
+            self.prestart_refusals.labels(node=node, reason=reason)
         self.registrations = Counter(
             "gpupack_deviceplugin_kubelet_registrations_total",
             "Successful registrations with the kubelet",

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from kubernetes import client
 
 from deviceplugin.allocate import Allocator
-from deviceplugin.api import KUBELET_SOCKET_NAME
+from deviceplugin.api import DEFAULT_POD_RESOURCES_SOCKET, KUBELET_SOCKET_NAME
 from deviceplugin.discovery import Discovery
 from deviceplugin.health import DeviceState, HealthWatcher
 from deviceplugin.kube import Kube
 from deviceplugin.metrics import Metrics, MetricsServer
 from deviceplugin.nvml_facade import NvmlFacade
+from deviceplugin.prestart import PodResourcesClient, PreStart
 from deviceplugin.publish import Publisher
 from deviceplugin.registration import KubeletWatcher
 from deviceplugin.server import DevicePluginService, PluginServer
@@ -36,6 +37,7 @@ class PluginConfig:
     probe_interval_s: float = 5.0
     socket_name: str = SOCKET_NAME
     device_list_strategy: str = "envvar"  # see server.DEVICE_LIST_STRATEGIES
+    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
 
 
 class DevicePlugin:
@@ -47,11 +49,14 @@ class DevicePlugin:
         self.state = DeviceState(discovery.gpus, discovery.skipped)
         self.kube = Kube(api_client)
         self.metrics = Metrics(cfg.node, self.state, list_pods=lambda: self.kube.pods_on_node(cfg.node))
-        self.allocator = Allocator(self.kube, cfg.node, self.state, self.metrics, cfg.enforcement)
+        self.allocator = Allocator(self.kube, cfg.node, self.state, self.metrics, cfg.enforcement,
+                                   after_failure=lambda: self.prestart.repair_consumed())  # fmt: skip
         self.stopping = threading.Event()
         self.socket_path = os.path.join(cfg.kubelet_dir, cfg.socket_name)
+        self.podresources = PodResourcesClient(cfg.pod_resources_socket)
+        self.prestart = PreStart(self.kube, cfg.node, self.podresources, self.metrics)
         self.server = PluginServer(self.socket_path, DevicePluginService(self.state, self.allocator, self.stopping,
-                                                                            cfg.device_list_strategy))  # fmt: skip
+                                                                            cfg.device_list_strategy, self.prestart))  # fmt: skip
         self.health = HealthWatcher(nvml, self.state, probe_interval_s=cfg.probe_interval_s)
         self.publisher = Publisher(self.kube, cfg.node, self.state, cfg.enforcement)
         self.watcher = KubeletWatcher(
@@ -96,6 +101,7 @@ class DevicePlugin:
         self.server.stop()
         self.health.stop()
         self.publisher.stop()
+        self.podresources.close()
         if self._metrics_server is not None:
             self._metrics_server.stop()
         try:

@@ -15,14 +15,15 @@ import grpc
 from deviceplugin.allocate import Allocator
 from deviceplugin.api import HEALTHY, UNHEALTHY, api_pb2, api_pb2_grpc
 from deviceplugin.health import DeviceState
+from deviceplugin.prestart import PreStart, PreStartRefused
 from gpupack import contract
 from gpupack.handoff import HandoffError
 
 log = logging.getLogger("gpupack.deviceplugin.server")
 
-PLUGIN_OPTIONS = api_pb2.DevicePluginOptions(
-    pre_start_required=False, get_preferred_allocation_available=True
-)
+# pre_start_required: the kubelet calls PreStartContainer before each container start, when it
+# knows which pod holds the devices (deviceplugin/prestart.py); Allocate does not.
+PLUGIN_OPTIONS = api_pb2.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
 
 def device_id(uuid: str, slot: int) -> str:
@@ -65,7 +66,12 @@ def device_list_response(env: dict[str, str], strategy: str) -> api_pb2.Containe
 
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     def __init__(
-        self, state: DeviceState, allocator: Allocator, stopping: threading.Event, device_list: str = "envvar"
+        self,
+        state: DeviceState,
+        allocator: Allocator,
+        stopping: threading.Event,
+        device_list: str = "envvar",
+        prestart: PreStart | None = None,
     ) -> None:
         if device_list not in DEVICE_LIST_STRATEGIES:
             raise ValueError(
@@ -75,6 +81,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self.allocator = allocator
         self.stopping = stopping
         self.device_list = device_list
+        self.prestart = prestart
 
     def GetDevicePluginOptions(self, request, context):  # noqa: N802 (gRPC method names)
         return PLUGIN_OPTIONS
@@ -110,6 +117,14 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         return api_pb2.AllocateResponse(container_responses=responses)
 
     def PreStartContainer(self, request, context):  # noqa: N802
+        if self.prestart is None:  # fail closed: registered with pre_start_required, nothing to ask
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "gpupack: no PreStartContainer check configured"
+            )
+        try:
+            self.prestart.check(list(request.devices_ids))
+        except PreStartRefused as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"gpupack: {e}")
         return api_pb2.PreStartContainerResponse()
 
 

@@ -58,8 +58,10 @@ class Upkeep:
         """One janitor pass (the leader's extender, every few seconds): assignments held for
         Bindings that got no answer are settled (see Settler.settle_doubtful), and a handoff
         pending on a bound pod for longer than `stale_handoff_s` is reported and marked failed, so
-        its node takes GPU pods again (if that kubelet admits the pod after all, Allocate refuses
-        it: no GPU is handed out twice). Returns what it did."""
+        its node takes GPU pods again. Releasing its claim is safe: if that kubelet admits the pod
+        after all, the device plugin's PreStartContainer refuses its containers (handoff failed) and
+        hands back whatever assignment its Allocate consumed, so no GPU is handed out twice.
+        Returns what it did."""
         done = {"settled": 0, "failed": 0}
         if self.kube is None or not self.view.synced.is_set():
             return done

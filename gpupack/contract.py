@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -332,9 +332,13 @@ def _assignment_of(d: Any, where: str) -> Assignment:
     )
 
 
-def encode_allocated(served: list[str], a: Assignment) -> str:
+def encode_allocated(
+    served: list[str], a: Assignment, ids: Mapping[str, Collection[str]] | None = None
+) -> str:
     """The device plugin's allocation record (docs/contract.md §4): the containers Allocate has
-    served, in order, and the GPU shares each was handed (the assignment's, for those containers).
+    served, in order, the GPU shares each was handed (the assignment's, for those containers) and
+    the kubelet device IDs each was served with (`ids`, container -> IDs; PreStartContainer checks
+    that the pod holding those IDs in the kubelet is the pod whose record claims them).
     It outlives a removed assignment: the extender rebuilds a running pod's share from it."""
     held = Assignment(
         pod_uid=a.pod_uid,
@@ -344,20 +348,29 @@ def encode_allocated(served: list[str], a: Assignment) -> str:
         bound_at=a.bound_at,
         reservation=a.reservation,
     )
-    return json.dumps(
-        {"v": SCHEMA_VERSION, "served": served, "held": json.loads(held.to_json())},
-        separators=(",", ":"),
-        sort_keys=True,
-    )
+    record: dict[str, Any] = {"v": SCHEMA_VERSION, "served": served, "held": json.loads(held.to_json())}
+    if ids:
+        record["ids"] = {c: sorted(ids[c]) for c in served if c in ids}
+    return json.dumps(record, separators=(",", ":"), sort_keys=True)
 
 
-def _allocated(text: Any, pod: str) -> tuple[list[str], Assignment | None]:
+@dataclass(frozen=True)
+class AllocationRecord:
+    """`gpupack.io/allocated`, decoded. `held` is None and `ids` empty for a record of the older
+    form (a list of names); `ids` lacks a container served by a plugin before it stored IDs."""
+
+    served: list[str]
+    held: Assignment | None
+    ids: dict[str, frozenset[str]]
+
+
+def decode_allocation_record(text: Any, pod: str = "?") -> AllocationRecord:
     where = f"pod {pod} annotation {ANN_ALLOCATED}"
     d = _load_json(text, where)
     if isinstance(d, list):  # written by device plugins before the record held the shares
         if not all(isinstance(x, str) for x in d):
             raise ContractError(f"{where}: expected a JSON list of container names")
-        return d, None
+        return AllocationRecord(d, None, {})
     if not isinstance(d, dict):
         raise ContractError(f"{where}: expected a JSON object")
     if d.get("v") != SCHEMA_VERSION:
@@ -368,18 +381,25 @@ def _allocated(text: Any, pod: str) -> tuple[list[str], Assignment | None]:
     held = _assignment_of(_req(d, "held", dict, where), f"{where} held")
     if set(held.containers) - set(served):
         raise ContractError(f"{where}: held names containers that were not served")
-    return served, held
+    raw_ids = d.get("ids", {})
+    if not isinstance(raw_ids, dict) or not all(
+        isinstance(v, list) and all(isinstance(x, str) for x in v) for v in raw_ids.values()
+    ):
+        raise ContractError(f"{where}: ids: expected an object of container name -> list of device IDs")
+    if set(raw_ids) - set(served):
+        raise ContractError(f"{where}: ids names containers that were not served")
+    return AllocationRecord(served, held, {c: frozenset(v) for c, v in raw_ids.items()})
 
 
 def decode_allocated(text: Any, pod: str = "?") -> list[str]:
     """The container names Allocate has served, in order (either form of the record)."""
-    return _allocated(text, pod)[0]
+    return decode_allocation_record(text, pod).served
 
 
 def decode_allocation(text: Any, pod: str = "?") -> Assignment | None:
     """The GPU shares the served containers were handed (None: a record of the older form, a
     list of names only)."""
-    return _allocated(text, pod)[1]
+    return decode_allocation_record(text, pod).held
 
 
 # --- defrag reservations (defrag -> extender) --------------------------------------------------

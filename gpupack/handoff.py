@@ -103,10 +103,14 @@ class PodView:
         return contract.decode_assignment(raw, pod=self.key)
 
     def allocated(self) -> list[str]:
+        return self.allocation_record().served
+
+    def allocation_record(self) -> contract.AllocationRecord:
+        """The decoded `gpupack.io/allocated` record (empty when absent); ContractError when corrupt."""
         raw = self.annotations.get(ANN_ALLOCATED)
         if raw in (None, ""):
-            return []
-        return contract.decode_allocated(raw, pod=self.key)
+            return contract.AllocationRecord([], None, {})
+        return contract.decode_allocation_record(raw, pod=self.key)
 
 
 def _get(obj: Any, camel: str, snake: str | None = None, default: Any = None) -> Any:
@@ -361,7 +365,8 @@ def plan_allocate(
     p = pod_view(pod)
     try:
         a = p.assignment()
-        allocated = p.allocated()
+        record = p.allocation_record()
+        allocated = record.served
         containers = gpu_containers(p)
     except ContractError as e:
         raise HandoffError(f"pod {p.key}: {e}") from e
@@ -373,7 +378,8 @@ def plan_allocate(
     env = container_env(shares, enforcement)
     new_allocated = [*allocated, nxt.name]
     completes = len(new_allocated) >= len(containers)
-    patch = {ANN_ALLOCATED: contract.encode_allocated(new_allocated, a)}
+    served_ids = {**record.ids, nxt.name: frozenset(device_ids)}
+    patch = {ANN_ALLOCATED: contract.encode_allocated(new_allocated, a, served_ids)}
     if completes:
         patch[ANN_HANDOFF] = HANDOFF_DONE
     return AllocatePlan(pod=p, container=nxt.name, shares=shares, env=env, patch=patch, completes=completes)

@@ -1,5 +1,6 @@
-"""Generate deviceplugin/api/api_pb2*.py and the messages' type stub api_pb2.pyi from proto/api.proto
-(grpcio-tools).
+"""Generate deviceplugin/api/<name>_pb2*.py and the messages' type stubs <name>_pb2.pyi from
+proto/<name>.proto (grpcio-tools): the device plugin API (api.proto) and the kubelet's PodResources
+API (podresources.proto).
 
 `python -m deviceplugin.api.generate` rewrites the stubs; `--check` exits 1 when they are stale.
 """
@@ -13,7 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO / "proto"
 OUT_DIR = Path(__file__).resolve().parent
-FILES = ("api_pb2.py", "api_pb2.pyi", "api_pb2_grpc.py")
+PROTOS = ("api", "podresources")
+FILES = tuple(f"{p}{suffix}" for p in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
 def generate() -> dict[str, str]:
@@ -28,27 +30,30 @@ def generate() -> dict[str, str]:
                 f"--python_out={tmp}",
                 f"--pyi_out={tmp}",
                 f"--grpc_python_out={tmp}",
-                "api.proto",
+                *(f"{p}.proto" for p in PROTOS),
             ]
         )
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit status {rc}")
         out = {name: (Path(tmp) / name).read_text() for name in FILES}
     # protoc writes a top-level import; the stubs live in a package.
-    out["api_pb2_grpc.py"] = out["api_pb2_grpc.py"].replace(
-        "import api_pb2 as api__pb2", "from deviceplugin.api import api_pb2 as api__pb2"
-    )
+    for p in PROTOS:
+        out[f"{p}_pb2_grpc.py"] = out[f"{p}_pb2_grpc.py"].replace(
+            f"import {p}_pb2 as {p}__pb2", f"from deviceplugin.api import {p}_pb2 as {p}__pb2"
+        )
     return out
 
 
-def proto_descriptor() -> bytes:
-    """FileDescriptorProto of proto/api.proto as protoc compiles it now (serialized)."""
+def proto_descriptor(name: str = "api") -> bytes:
+    """FileDescriptorProto of proto/<name>.proto as protoc compiles it now (serialized)."""
     from google.protobuf import descriptor_pb2
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "api.desc"
-        rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_DIR}", f"--descriptor_set_out={out}", "api.proto"])
+        out = Path(tmp) / f"{name}.desc"
+        rc = protoc.main(
+            ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"--descriptor_set_out={out}", f"{name}.proto"]
+        )
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit status {rc}")
         fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())

@@ -115,11 +115,15 @@ def test_device_plugin_daemonset(base):
     ds = find(base, "DaemonSet", "gpupack-device-plugin")
     spec = ds["spec"]["template"]["spec"]
     host = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host == {"/var/lib/kubelet/device-plugins"}  # nothing it does not use (issue 11)
+    # nothing it does not use (issue 11); the kubelet's PodResources API for PreStartContainer (issue 31)
+    assert host == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"}
     assert spec["priorityClassName"] == "system-node-critical"
     assert spec["tolerations"] and spec["affinity"]["nodeAffinity"]
     c = spec["containers"][0]
     assert c["command"] == ["gpupack", "device-plugin"]
+    podres = {m["name"]: m for m in c["volumeMounts"]}["pod-resources"]
+    assert podres["mountPath"] == "/var/lib/kubelet/pod-resources" and podres["readOnly"] is True
+    assert "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock" in c["args"]
     assert c["resources"]["requests"] and c["resources"]["limits"]
     assert c["livenessProbe"] and c["readinessProbe"]
 

@@ -48,11 +48,16 @@ class DP:
 
     # -- the plugin --
     def plugin_cmd(
-        self, nvml: Mapping[str, Any] | None = None, *extra: str, kubeconfig: Path | None = None
+        self,
+        nvml: Mapping[str, Any] | None = None,
+        *extra: str,
+        kubeconfig: Path | None = None,
+        podresources: bool = True,
     ) -> str:
         return plugin_command(
-            self.node, self.kubelet_dir, kubeconfig or self.kubeconfig, nvml or self.nvml, *extra
-        )
+            self.node, self.kubelet_dir, kubeconfig or self.kubeconfig, nvml or self.nvml, *extra,
+            podresources=podresources,
+        )  # fmt: skip
 
     def start_plugin(
         self, nvml: Mapping[str, Any] | None = None, *extra: str, kubeconfig: Path | None = None

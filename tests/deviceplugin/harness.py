@@ -34,18 +34,41 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
+def podresources_socket(kubelet_dir: str | Path) -> Path:
+    """Where the PodResources emulator of a harness folder listens (beside ``k/``: the device
+    manager deletes every file in its own folder when it starts)."""
+    return Path(kubelet_dir).parent / "podres.sock"
+
+
 def plugin_command(
-    node: str, kubelet_dir: str | Path, kubeconfig: str | Path, nvml: Mapping[str, Any], *extra: str
+    node: str,
+    kubelet_dir: str | Path,
+    kubeconfig: str | Path,
+    nvml: Mapping[str, Any],
+    *extra: str,
+    podresources: bool = True,
 ) -> str:
-    """Shell command running the real plugin process over the fake NVML of tests/deviceplugin."""
+    """Shell command running the real plugin process over the fake NVML of tests/deviceplugin, and
+    beside it (same process group: stopped with it) the PodResources emulator its PreStartContainer
+    asks (tests/deviceplugin/podresources_emulator.py). `podresources=False`: no emulator (the
+    plugin then refuses every container start, fail closed)."""
+    sock = podresources_socket(kubelet_dir)
     argv = [
         sys.executable, "-m", "gpupack", "device-plugin", "--node-name", node,
         "--kubelet-dir", str(kubelet_dir), "--kubeconfig", str(kubeconfig),
+        "--pod-resources-socket", str(sock),
         "--nvml-module", "fake_nvml", "--nvml-config", json.dumps(dict(nvml)), "--probe-interval", "0.2", *extra,
     ]  # fmt: skip
     path = os.pathsep.join([str(HERE), str(REPO)])
+    cmd = f"cd {shlex.quote(str(REPO))} || exit 1; "
+    if podresources:
+        emu = [
+            sys.executable, str(HERE / "podresources_emulator.py"), "--socket", str(sock),
+            "--checkpoint-dir", str(kubelet_dir), "--pods-glob", str(Path(kubelet_dir).parent / "pods*.json"),
+        ]  # fmt: skip
+        cmd += f"{shlex.join(emu)} & "
     # exec: the harness signals the plugin's process group; no shell left in between
-    return f"cd {shlex.quote(str(REPO))} && PYTHONPATH={shlex.quote(path)} exec {shlex.join(argv)}"
+    return cmd + f"PYTHONPATH={shlex.quote(path)} exec {shlex.join(argv)}"
 
 
 def harness_pod(pod: Mapping[str, Any], expect_error: bool = False) -> dict[str, Any]:

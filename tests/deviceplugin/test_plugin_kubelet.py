@@ -204,7 +204,7 @@ def test_registration_devices_inventory_and_unhealthy_gpus(dp):
         assert dp.harness.run() == 0, dp.harness.report()
         reg = dp.harness.of("registered")[0]
         assert reg["endpoint"].endswith("gpupack.sock") and reg["get_preferred_allocation_available"] is True
-        assert reg["pre_start_required"] is False
+        assert reg["pre_start_required"] is True  # PreStartContainer checks the pod (issue 31)
         dev = dp.harness.of("devices")[-1]
         assert dev["healthy"] == 6 * SLOTS and dev["unhealthy"] == 2 * SLOTS, run
         assert {gpu_of(i) for i in dev["unhealthy_ids"]} == {bad[2].uuid, bad[5].uuid}

@@ -12,7 +12,7 @@ import pytest
 from fake_nvml import FakeConfigError, FakeNvml
 from google.protobuf import descriptor_pb2
 
-from deviceplugin.api import api_pb2, api_pb2_grpc
+from deviceplugin.api import api_pb2, api_pb2_grpc, podresources_pb2
 from deviceplugin.api.generate import proto_descriptor
 from deviceplugin.discovery import NvmlUnavailable, discover, init_nvml
 from deviceplugin.health import DeviceState, HealthWatcher
@@ -39,6 +39,25 @@ def test_committed_stubs_match_the_proto():
     for svc in fresh.service:
         for m in svc.method:
             assert f"/v1beta1.{svc.name}/{m.name}" in grpc_src
+
+
+def test_committed_podresources_stubs_match_the_proto_and_upstream_wire_names():
+    """proto/podresources.proto is k8s.io/kubelet/pkg/apis/podresources/v1/api.proto on the wire:
+    package v1, service PodResourcesLister, and the field numbers PreStartContainer reads."""
+    committed = descriptor_pb2.FileDescriptorProto.FromString(podresources_pb2.DESCRIPTOR.serialized_pb)
+    fresh = descriptor_pb2.FileDescriptorProto.FromString(proto_descriptor("podresources"))
+    assert committed == fresh, "deviceplugin/api stubs are stale: run python -m deviceplugin.api.generate"
+    grpc_src = (REPO / "deviceplugin" / "api" / "podresources_pb2_grpc.py").read_text()
+    for m in ("List", "GetAllocatableResources", "Get"):
+        assert f"/v1.PodResourcesLister/{m}" in grpc_src
+    fields = {(m.name, f.name): f.number for m in fresh.message_type for f in m.field}
+    assert fields[("ListPodResourcesResponse", "pod_resources")] == 1
+    assert fields[("PodResources", "name")] == 1 and fields[("PodResources", "namespace")] == 2
+    assert fields[("PodResources", "containers")] == 3
+    assert fields[("ContainerResources", "name")] == 1 and fields[("ContainerResources", "devices")] == 2
+    assert (
+        fields[("ContainerDevices", "resource_name")] == 1 and fields[("ContainerDevices", "device_ids")] == 2
+    )
 
 
 # Field numbers of k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1/api.proto: the wire contract.

@@ -160,6 +160,10 @@ class DeviceManagerKubelet(realk8s.KubeletEmulator):
         self.harness_runs = 0
         self.harness_s = 0.0
         self.in_flight: dict[str, threading.Event] = {}  # pod uid -> set when its admission has ended
+        # pod name -> its admission waits for this (a late admission: the soak's janitor gives up the
+        # pod's handoff and lets the next pod be bound first)
+        self.hold: dict[str, threading.Event] = {}
+        self.started: dict[str, int] = {}  # pod name -> containers that started (got run options)
 
     def _handle(self, pod: Any) -> None:
         meta = pod.metadata
@@ -191,6 +195,8 @@ class DeviceManagerKubelet(realk8s.KubeletEmulator):
     def _admit(self, v1pod: Any) -> None:
         ns, name = v1pod.metadata.namespace, v1pod.metadata.name
         node = self.nodes.get(v1pod.spec.node_name)
+        if name in self.hold:
+            self.hold[name].wait(60)
         try:
             if node is None:
                 return
@@ -202,19 +208,25 @@ class DeviceManagerKubelet(realk8s.KubeletEmulator):
                         return  # deleted before admission: a kubelet never admits it
                     t0 = time.monotonic()
                     rc, allocs = node.admit(pod)
+                    errors = [e.get("error") for e in node.dirs.harness.errors()]  # before the next run
                 finally:
                     done.set()
                 with self.mu:
+                    self.started[name] = len(allocs)
                     self.harness_runs += 1
                     self.harness_s += time.monotonic() - t0
             after = self._read(ns, name)
             if after is None or after["metadata"].get("deletionTimestamp"):
                 return  # deleted while it was admitted: nothing of it is left to run
             if rc != 0:
+                # containers of a refused pod that started anyway must still have got their own GPU
+                bad = env_mismatches(after, allocs) if allocs else []
                 with self.mu:
+                    self.env_checked += len(allocs)
+                    self.env_mismatches.extend(bad)
                     self.rejected[name] = (
                         f"exit {rc} on {node.name}; handoff {handoff_state(pod)} before, {handoff_state(after)}"
-                        f" after: {[e.get('error') for e in node.dirs.harness.errors()]}"
+                        f" after: {errors}"
                     )
                 status = {"status": {"phase": "Failed", "reason": "UnexpectedAdmissionError",
                                      "message": f"device manager run exited {rc}"}}  # fmt: skip
