@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -187,7 +188,9 @@ def make_policy(args: argparse.Namespace) -> Policy:
     return spec.make(seed=args.policy_seed, workload=read_workload(args.workload_file))
 
 
-def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
+def _extender_factory(
+    args: argparse.Namespace, listening: threading.Event | None = None
+) -> Callable[[], Any]:
     def make() -> Any:
         from gpupack.events import EventRecorder
         from gpupack.kubeclient import KubeClient
@@ -239,7 +242,7 @@ def _extender_factory(args: argparse.Namespace) -> Callable[[], Any]:
         ext = Extender(view, policy, kube, config, metrics=metrics, fence=fence, events=events)
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet).start()
-        Janitor(ext, args.sweep_interval_s).start()
+        Janitor(ext, args.sweep_interval_s, listening=listening).start()
         if args.preemption_interval_s > 0:
             from .preemption import Preempter
 
@@ -343,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         # kube-scheduler is the verbs' one caller (loopback); the listener is guarded all the same,
         # so that no container beside it can stall scheduling with a few connections
         server = GuardedServer()
-        server.add(_extender_factory(args)(), args.host, args.port,
+        listening = threading.Event()
+        server.add(_extender_factory(args, listening)(), args.host, args.port,
                    verbs_limits(args.max_body_bytes, args.threads), name="verbs")  # fmt: skip
+        listening.set()  # bound: kube-scheduler's next filter waits in the backlog, is not refused
         server.run(GRACEFUL_S)
     finally:
         if child is not None and child.poll() is None:

@@ -18,8 +18,14 @@ class Janitor:
     """Runs :meth:`Extender.requeue_waiting` once the view has synced, then :meth:`Extender.sweep`
     every `interval_s`, in a daemon thread."""
 
-    def __init__(self, ext: Extender, interval_s: float = 5.0) -> None:
+    def __init__(
+        self, ext: Extender, interval_s: float = 5.0, listening: threading.Event | None = None
+    ) -> None:
         self.ext, self.interval_s = ext, interval_s
+        # the restart pass waits for the verbs' listener too: a pod touched while kube-scheduler's
+        # filter is still refused (its retry from backoff fails after the touch) is parked again,
+        # and a v1.28 scheduler then leaves it for its 5-minute flush
+        self.listening = listening
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -34,6 +40,9 @@ class Janitor:
 
     def run(self) -> None:
         while not self.ext.view.synced.wait(0.5):
+            if self.stop.is_set():
+                return
+        while self.listening is not None and not self.listening.wait(0.5):
             if self.stop.is_set():
                 return
         try:

@@ -137,24 +137,36 @@ class Upkeep:
         left = max(0, len(todo) - limit) if limit > 0 else 0
         n = 0
         for pod in todo[: len(todo) - left]:
-            meta = pod.get("metadata") or {}
-            try:
-                self.kube.patch_pod_metadata(
-                    meta.get("namespace") or "default",
-                    meta["name"],
-                    {ANN_REQUEUED: stamp},
-                    {},
-                    str(meta.get("resourceVersion") or "") or None,
-                )
-                n += 1
-            except ApiException as e:
-                if e.status not in (404, 409):  # gone, or updated anyway (which requeues it too)
-                    log.warning(
-                        "cannot requeue pod %s/%s: %s", meta.get("namespace"), meta.get("name"), api_reason(e)
-                    )
+            n += self._touch(pod, stamp, parked_only)
         if n:
             log.info("asked kube-scheduler to retry %d waiting pod(s) now", n)
         return n, left
+
+    def _touch(self, pod: dict[str, Any], stamp: str, parked_only: bool) -> int:
+        """1 once the pod is touched. A conflict is read again: an update of kube-scheduler's own
+        (a status-only change, which does not requeue the pod) can be what moved it."""
+        assert self.kube is not None
+        for _ in range(3):
+            meta = pod.get("metadata") or {}
+            ns, name = meta.get("namespace") or "default", meta["name"]
+            try:
+                self.kube.patch_pod_metadata(
+                    ns, name, {ANN_REQUEUED: stamp}, {}, str(meta.get("resourceVersion") or "") or None
+                )
+                return 1
+            except ApiException as e:
+                if e.status == 409:
+                    try:
+                        pod = self.kube.get_pod(ns, name)
+                    except ApiException:
+                        return 0
+                    if not _waiting(pod, parked_only):
+                        return 0
+                    continue
+                if e.status != 404:  # gone
+                    log.warning("cannot requeue pod %s/%s: %s", ns, name, api_reason(e))
+                return 0
+        return 0
 
 
 def _requeued_at(pod: dict[str, Any]) -> str:

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 from ext_helpers import container, node_obj, pod_obj
+from kubernetes.client.rest import ApiException
 
 from extender.framework import Extender
-from extender.requeue import Requeuer
+from extender.requeue import Janitor, Requeuer
 from extender.upkeep import ANN_REQUEUED
 from extender.view import ClusterView
 from gpupack import handoff
@@ -193,3 +194,58 @@ def test_the_restart_pass_touches_each_pod_whose_attempt_failed_and_no_fresh_one
     ext = Extender(ClusterView(), get_policy(DEFAULT_POLICY), kube)  # type: ignore[arg-type]
     assert ext.requeue_waiting() == (2, 0)
     assert sorted(kube.patched) == ["errored", "parked"] and not kube.cached
+
+
+class ConflictingKube(FakeKube):
+    """The first touch of each pod answers 409 (kube-scheduler updated its status meanwhile);
+    `bound` pods read back bound."""
+
+    def __init__(self, pods: list[dict[str, Any]], bound: frozenset[str] = frozenset()) -> None:
+        super().__init__(pods)
+        self.bound = bound
+        self.conflicted: set[str] = set()
+        self.reads: list[str] = []
+
+    def patch_pod_metadata(self, ns: str, name: str, ann: dict, labels: dict, rv: str | None) -> dict:
+        if name not in self.conflicted:
+            self.conflicted.add(name)
+            raise ApiException(status=409, reason="Conflict")
+        return super().patch_pod_metadata(ns, name, ann, labels, rv)
+
+    def get_pod(self, ns: str, name: str) -> dict[str, Any]:
+        self.reads.append(name)
+        pod = copy.deepcopy(next(p for p in self.pods if p["metadata"]["name"] == name))
+        if name in self.bound:
+            pod["spec"]["nodeName"] = "n1"
+        return pod
+
+
+def test_a_requeue_touch_that_conflicts_is_read_again_and_retried():
+    kube = ConflictingKube(
+        [waiting("parked"), waiting("bound-meanwhile")], bound=frozenset({"bound-meanwhile"})
+    )
+    ext = Extender(ClusterView(), get_policy(DEFAULT_POLICY), kube)  # type: ignore[arg-type]
+    touched, left = ext.requeue_waiting()
+    assert (touched, left) == (1, 0)
+    assert kube.patched == ["parked"] and sorted(kube.reads) == ["bound-meanwhile", "parked"]
+
+
+def test_the_restart_requeue_waits_for_the_verbs_listener():
+    """Touched while kube-scheduler's filter is still refused, a pod is parked again by its next
+    failed attempt: the restart pass runs only once the listener is bound."""
+    kube = FakeKube([waiting("parked")])
+    view = ClusterView()
+    ext = Extender(view, get_policy(DEFAULT_POLICY), kube)  # type: ignore[arg-type]
+    listening = threading.Event()
+    janitor = Janitor(ext, interval_s=60, listening=listening).start()
+    try:
+        view.synced.set()
+        time.sleep(1.2)  # two of its waits: it must still be waiting
+        assert kube.lists == 0 and kube.patched == []
+        listening.set()
+        deadline = time.monotonic() + 30
+        while not kube.patched and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kube.patched == ["parked"]
+    finally:
+        assert janitor.close()
