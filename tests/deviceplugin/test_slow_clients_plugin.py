@@ -7,53 +7,17 @@ scrape without the crowd (measured first, in the same run: this machine's CPUs a
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import realk8s
 import requests
 from dp_node import DP
+from slow_clients import Crowd, crowd_fixture  # noqa: F401  (the `crowd` fixture)
 
 DELAY_S = 1.0
 
-
-class Crowd:
-    """`n` connections to `port`, idle or trickling a byte of a request head a second."""
-
-    def __init__(self, port: int, n: int, trickle: bool) -> None:
-        self.socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._trickle, daemon=True) if trickle else None
-        if self.thread:
-            self.thread.start()
-
-    def _trickle(self) -> None:
-        head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n"
-        i = 0
-        while not self.stop.wait(1.0):
-            for s in self.socks:
-                with contextlib.suppress(OSError):  # closed by the server: right for a client this slow
-                    s.send(head[i % len(head) : i % len(head) + 1])
-            i += 1
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread:
-            self.thread.join(5)
-        for s in self.socks:
-            s.close()
-
-
-@pytest.fixture
-def crowd() -> Iterator[list[Crowd]]:
-    made: list[Crowd] = []
-    yield made
-    for cr in made:
-        cr.close()
+HEAD = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n"
 
 
 def _start(dp: DP) -> str:
@@ -90,7 +54,7 @@ def test_idle_and_trickling_connections_do_not_delay_a_scrape(
 ) -> None:
     url = _start(dp)
     base = _scrape(url)
-    crowd.append(Crowd(int(url.rsplit(":", 1)[1]), n, trickle))
+    crowd.append(Crowd([int(url.rsplit(":", 1)[1])], n, trickle, HEAD))
     # the crowd taken in: a probe is answered only after the server accepted every connection
     # before it (the test is about a crowd that stays, not the burst that opened it)
     requests.get(url + "/healthz", timeout=30).raise_for_status()
@@ -104,7 +68,7 @@ def test_past_the_budget_the_longest_waiting_connection_goes(dp: DP, crowd: list
     """1,024 connections is the port's budget: a crowd past it (1,100) closes the connections
     that waited longest, and a scrape still gets through at once."""
     url = _start(dp)
-    cr = Crowd(int(url.rsplit(":", 1)[1]), 1100, trickle=False)
+    cr = Crowd([int(url.rsplit(":", 1)[1])], 1100, trickle=False)
     crowd.append(cr)
     requests.get(url + "/healthz", timeout=30).raise_for_status()
 

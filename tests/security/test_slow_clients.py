@@ -8,54 +8,18 @@ CPUs are shared)."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import requests
+from slow_clients import Crowd, crowd_fixture  # noqa: F401  (the `crowd` fixture)
 from test_webhook_apiserver import Webhook, c, webhook  # noqa: F401  (the module's fixture)
 
 from gpupack.contract import SCHEDULER_NAME
 
 DELAY_S = 1.0
 
-
-class Crowd:
-    """`n` connections to each port, idle or trickling a byte of a request head a second."""
-
-    def __init__(self, ports: list[int], n: int, trickle: bool) -> None:
-        self.socks = [socket.create_connection(("127.0.0.1", p), timeout=5) for p in ports for _ in range(n)]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._trickle, daemon=True) if trickle else None
-        if self.thread:
-            self.thread.start()
-
-    def _trickle(self) -> None:
-        head = b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
-        i = 0
-        while not self.stop.wait(1.0):
-            for s in self.socks:
-                with contextlib.suppress(OSError):  # closed by the server: right for a client this slow
-                    s.send(head[i % len(head) : i % len(head) + 1])
-            i += 1
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread:
-            self.thread.join(5)
-        for s in self.socks:
-            s.close()
-
-
-@pytest.fixture
-def crowd() -> Iterator[list[Crowd]]:
-    made: list[Crowd] = []
-    yield made
-    for cr in made:
-        cr.close()
+HEAD = b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
 
 
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
@@ -85,7 +49,7 @@ def test_idle_and_trickling_connections_delay_nothing(webhook: Webhook, crowd: l
         return tuple(max(t[k] for t in times) for k in range(3))  # type: ignore[return-value]
 
     base = calls("base")  # this machine's own pace, measured in the same run
-    crowd.append(Crowd([webhook_port, metrics_port, ext.port], n, trickle))
+    crowd.append(Crowd([webhook_port, metrics_port, ext.port], n, trickle, HEAD))
     # The crowd taken in: one probe through each port is answered only after the server accepted
     # (and set up TLS state for) every connection before it. The test is about a crowd that
     # stays, not about the burst that opened it.
