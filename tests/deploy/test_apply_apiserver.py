@@ -47,7 +47,7 @@ def _apply(cluster, where: Path) -> str:
     assert r.returncode == 0, r.stderr
     warnings = [w for w in r.stderr.splitlines() if "warning" in w.lower()]
     # the device plugin alone needs hostPath and root (the namespace enforces "privileged" for it)
-    expected = 'uses restricted volume type "hostPath"), runAsNonRoot != true (container "device-plugin"'
+    expected = 'restricted volume type "hostPath"), runAsNonRoot != true (container "device-plugin"'
     assert all(expected in w and "seccompProfile" not in w for w in warnings), r.stderr
     return r.stdout
 

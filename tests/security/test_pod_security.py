@@ -51,7 +51,7 @@ def test_every_pod_but_the_device_plugin_meets_restricted(cluster: ControlPlane)
     assert set(refused) == {"DaemonSet/gpupack-device-plugin"}, refused
     msg = refused["DaemonSet/gpupack-device-plugin"]
     # and only for what it cannot do without: the hostPath and root
-    for needed in ('volume \\"device-plugins\\" uses restricted volume type \\"hostPath\\"',
+    for needed in ('volumes \\"device-plugins\\", \\"pod-resources\\" use restricted volume type \\"hostPath\\"',
                    "runAsNonRoot != true", "must not set runAsUser=0"):  # fmt: skip
         assert needed in msg, msg
     for met in ("seccompProfile", "allowPrivilegeEscalation", "capabilities", "privileged", "hostNetwork"):
@@ -66,9 +66,17 @@ def test_the_device_plugin_mounts_only_what_it_uses():
     (ds,) = [o for o in deploy_objects.load("deviceplugin/daemonset.yaml") if o["kind"] == "DaemonSet"]
     spec = ds["spec"]["template"]["spec"]
     host = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host == {"/var/lib/kubelet/device-plugins"}
-    mounted = {m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
-    assert mounted == {v["name"] for v in spec["volumes"]}
-    # the plugin's code never opens the PodResources API
+    # the kubelet's socket directory, and its PodResources API (which pod holds a GPU, asked at
+    # PreStartContainer), read-only
+    assert host == {"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"}
+    mounts = {m["name"]: m for c in spec["containers"] for m in c.get("volumeMounts", [])}
+    assert set(mounts) == {v["name"] for v in spec["volumes"]}
+    (pr,) = [
+        v["name"]
+        for v in spec["volumes"]
+        if v.get("hostPath", {}).get("path") == "/var/lib/kubelet/pod-resources"
+    ]
+    assert mounts[pr].get("readOnly") is True
+    # of the PodResources API the plugin's code calls List alone (not Get, not GetAllocatableResources)
     code = "".join(p.read_text() for p in (DEPLOY.parent / "deviceplugin").glob("*.py"))
-    assert "pod-resources" not in code and "PodResources" not in code
+    assert ".List(" in code and ".Get(" not in code and "GetAllocatableResources" not in code
