@@ -167,12 +167,7 @@ class Allocator:
         so its assignment stops blocking binds to this node. Best effort: the Failed phase that
         follows unblocks the node too."""
         try:
-            self.kube.patch_pod_annotations(
-                pod.namespace,
-                pod.name,
-                handoff.failed_annotations(),
-                resource_version=pod.resource_version,
-            )
+            self.kube.fail_handoff(pod)
         except (ApiException, OSError) as e:
             log.warning(
                 "cannot mark the handoff of pod %s failed: %s",

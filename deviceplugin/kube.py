@@ -13,7 +13,7 @@ from typing import Any
 
 from kubernetes import client
 
-from gpupack import kubeclient
+from gpupack import handoff, kubeclient
 
 # Allocate makes a LIST and a PATCH: both bounded, so a slow API server fails the kubelet's Allocate
 # (it retries admission) instead of holding the node's handoff for minutes.
@@ -71,6 +71,12 @@ class Kube:
         if resource_version:
             meta["resourceVersion"] = resource_version  # 409 Conflict if the pod changed meanwhile
         return self.kc.merge_patch(self.core.patch_namespaced_pod, name, namespace, {"metadata": meta})
+
+    def fail_handoff(self, pod: handoff.PodView) -> None:
+        """Set the pod's handoff failed, unless it changed since `pod` was read (409 Conflict)."""
+        self.patch_pod_annotations(
+            pod.namespace, pod.name, handoff.failed_annotations(), resource_version=pod.resource_version
+        )
 
     def patch_node(self, node: str, labels: dict[str, str], annotations: dict[str, str]) -> None:
         self.kc.merge_patch(

@@ -211,14 +211,8 @@ class PreStart:
             return
         if len(pending) < 2 or key not in {p.key for p in pending}:
             return
-        view = handoff.pod_view(patched)
         try:
-            self.kube.patch_pod_annotations(
-                view.namespace,
-                view.name,
-                handoff.failed_annotations(),
-                resource_version=view.resource_version,
-            )
+            self.kube.fail_handoff(handoff.pod_view(patched))
         except (ApiException, OSError) as e:
             log.warning("cannot set the handoff of pod %s failed: %s", key, e)
             return

@@ -14,7 +14,7 @@ No I/O here: the device plugin (deviceplugin/prestart.py) asks PodResources and 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,21 +250,10 @@ def consumed_repairs(answer: Iterable[Holder], pods: Iterable[Any], node: str) -
     for h in answer:
         for d in h.device_ids:
             held_by.setdefault(d, set()).add(h.key)
-    views = [pod_view(p) for p in pods]
-    out: list[Repair] = []
-    for p in views:
-        if p.node_name != node or not _awaiting_start(p):
-            continue
-        try:
-            record = p.allocation_record()
-        except ContractError:
-            continue
-        lost = tuple(
-            c for c in record.served if any(held_by.get(d, set()) - {p.key} for d in record.ids.get(c, ()))
-        )
-        if lost and record.held is not None:
-            out.append(_repair(p, record, lost, [q for q in views if q.node_name == node], ""))
-    return out
+    return _repairs(
+        [pod_view(p) for p in pods], node, "", "",
+        lambda p, claimed: any(held_by.get(d, set()) - {p.key} for d in claimed),
+    )  # fmt: skip
 
 
 def repairs_for(
@@ -275,6 +264,18 @@ def repairs_for(
     holder. Their containers are taken out of the record and their handoff set back to pending,
     unless another pod's handoff is pending on the node (the extender lets one wait per node):
     then it is set failed."""
+    return _repairs(views, node, holder_key, holder_uid, lambda p, claimed: bool(claimed & ids))
+
+
+def _repairs(
+    views: Iterable[PodView],
+    node: str,
+    holder_key: str,
+    holder_uid: str,
+    taken: Callable[[PodView, frozenset[str]], bool],
+) -> list[Repair]:
+    """Repairs of the pods on `node` not yet started, but the holder, for each served container
+    whose recorded device IDs another pod took (`taken(pod, ids)`)."""
     pods = [p for p in views if p.node_name == node]
     out: list[Repair] = []
     for p in pods:
@@ -284,7 +285,7 @@ def repairs_for(
             record = p.allocation_record()
         except ContractError:
             continue
-        lost = tuple(c for c in record.served if record.ids.get(c, frozenset()) & ids)
+        lost = tuple(c for c in record.served if taken(p, record.ids.get(c, frozenset())))
         if lost and record.held is not None:
             out.append(_repair(p, record, lost, pods, holder_key))
     return out
