@@ -337,6 +337,22 @@ def test_the_webhook_port_speaks_only_tls_and_refuses_garbage(webhook):
     assert requests.get(webhook.ext.url + "/healthz", timeout=5).status_code == 200
 
 
+def plugin_pod_token(cp: Any, sys_ns: str, node: str) -> tuple[str, str]:
+    """A token of the device plugin's account (its RBAC applied) bound to plugin pod `dp-a` on
+    `node`, as a DaemonSet pod's projected token is, and its node claim: that node where the server
+    sets one (v1.30 on), else ""."""
+    deploy_objects.apply(cp, deploy_objects.remap(deploy_objects.load("deviceplugin/serviceaccount.yaml")
+                                                  + deploy_objects.load("deviceplugin/rbac.yaml"), sys_ns))  # fmt: skip
+    plugin = cp.core.create_namespaced_pod(sys_ns, {"metadata": {"name": "dp-a"}, "spec": {
+        "nodeName": node, "serviceAccountName": "gpupack-device-plugin", "containers": [c("p")]}})  # fmt: skip
+    tok: str = cp.core.create_namespaced_service_account_token("gpupack-device-plugin", sys_ns, {"spec": {
+        "expirationSeconds": 3600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "dp-a",
+                                                      "uid": plugin.metadata.uid}}}).status.token  # fmt: skip
+    claim = cp.token_node_claim(tok)
+    assert claim in ("", node), claim
+    return tok, claim
+
+
 def test_the_device_plugin_touches_only_its_own_node_with_its_pods_token(webhook):
     """A real token bound to a plugin pod on node A may patch a pod on A and node A, not a pod on B
     nor node B, whichever of gpupack's two mechanisms acts on this server. Where the server puts
@@ -346,15 +362,7 @@ def test_the_device_plugin_touches_only_its_own_node_with_its_pods_token(webhook
     cp, sys_ns, sfx = webhook.cp, webhook.system, webhook.sfx
     node_a, node_b = f"wh-{sfx}", f"whb-{sfx}"
     cp.make_node(node_b, extended={"gpupack.io/gpu": "16"})
-    deploy_objects.apply(cp, deploy_objects.remap(deploy_objects.load("deviceplugin/serviceaccount.yaml")
-                                                  + deploy_objects.load("deviceplugin/rbac.yaml"), sys_ns))  # fmt: skip
-    plugin = cp.core.create_namespaced_pod(sys_ns, {"metadata": {"name": "dp-a"}, "spec": {
-        "nodeName": node_a, "serviceAccountName": "gpupack-device-plugin", "containers": [c("p")]}})  # fmt: skip
-    tok = cp.core.create_namespaced_service_account_token("gpupack-device-plugin", sys_ns, {"spec": {
-        "expirationSeconds": 3600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "dp-a",
-                                                      "uid": plugin.metadata.uid}}}).status.token  # fmt: skip
-    claim = cp.token_node_claim(tok)
-    assert claim in ("", node_a), claim
+    tok, claim = plugin_pod_token(cp, sys_ns, node_a)
     dp = client.CoreV1Api(cp.new_api_client(tok))
     ns = webhook.namespace("wh-plugin")
     for name, node in (("on-a", node_a), ("on-b", node_b)):

@@ -31,7 +31,7 @@ import pytest
 from kubernetes import client
 from processes import free_port
 from realk8s import until
-from test_webhook_apiserver import Webhook, c, webhook  # noqa: F401  (the module's fixture)
+from test_webhook_apiserver import Webhook, c, plugin_pod_token, webhook  # noqa: F401  (the module's fixture)
 
 from deviceplugin.allocate import Allocator
 from deviceplugin.health import DeviceState
@@ -100,15 +100,7 @@ def test_the_plugin_writes_only_its_own_node_with_the_webhook_stalled_down_or_up
     cp.make_node(node_b, extended={"gpupack.io/gpu": "16"}, annotations={ANN_INVENTORY: real_inv_b})
     forged_inv = NodeInventory(gpus=(GPUInfo(uuid=f"GPU-b-{sfx}", index=0, model="NVIDIA-L4", mem_mib=8_000_000,
                                              sm_count=58),)).to_json()  # fmt: skip
-    deploy_objects.apply(cp, deploy_objects.remap(deploy_objects.load("deviceplugin/serviceaccount.yaml")
-                                                  + deploy_objects.load("deviceplugin/rbac.yaml"), sys_ns))  # fmt: skip
-    plugin = cp.core.create_namespaced_pod(sys_ns, {"metadata": {"name": "dp-a"}, "spec": {
-        "nodeName": node_a, "serviceAccountName": "gpupack-device-plugin", "containers": [c("p")]}})  # fmt: skip
-    tok = cp.core.create_namespaced_service_account_token("gpupack-device-plugin", sys_ns, {"spec": {
-        "expirationSeconds": 3600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "dp-a",
-                                                      "uid": plugin.metadata.uid}}}).status.token  # fmt: skip
-    claim = cp.token_node_claim(tok)
-    assert claim in ("", node_a), claim
+    tok, claim = plugin_pod_token(cp, sys_ns, node_a)
     dp_client = cp.new_api_client(tok)
     dp = client.CoreV1Api(dp_client)
     loose = client.CoreV1Api(cp.new_api_client(cp.service_account_token(sys_ns, "gpupack-device-plugin")))
