@@ -110,6 +110,9 @@ def webhook(k8s: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield Webhook(k8s, url, tmp / "tls" / "ca.crt", ext, sfx, system)
     finally:
         ext.stop()
+        # a module may have applied deploy/webhook/policies.yaml (cluster-scoped: reset keeps them);
+        # left in force they refuse the next module's writes of gpupack state as the admin
+        deploy_objects.drop_policies(k8s)
         k8s.reset()
 
 
