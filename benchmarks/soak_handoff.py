@@ -386,23 +386,38 @@ def _run(
         time.sleep(rng.uniform(0, 0.02))
     created = time.monotonic()
 
-    def progress() -> tuple[int, int]:
+    def progress() -> tuple[int, int, int]:
+        """(handoffs done, pods, bound pods the kubelet has not yet admitted or refused)."""
         ps = list_pods(core, ns)
         done = sum(
             1 for p in ps if p["spec"].get("nodeName") and annotations(p).get(ANN_HANDOFF) == HANDOFF_DONE
         )
-        return done, len(ps)
+        bound = [p for p in ps if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")]
+        if dm:
+            with dm_kubelet.mu:
+                seen = set(dm_kubelet.admitted) | set(dm_kubelet.rejected)
+            waiting = sum(1 for p in bound if p["metadata"]["name"] not in seen)
+        else:
+            waiting = sum(1 for p in bound if annotations(p).get(ANN_HANDOFF) == HANDOFF_PENDING)
+        return done, len(ps), waiting
 
+    # Settled: nothing changed for settle_s and no bound pod still waits for its admission (on a
+    # loaded machine a node's device manager runs queue up for longer than settle_s). A pod whose
+    # admission never comes is given up once nothing has changed for longer than the janitor's
+    # --stale-handoff-s, and then counted (not_admitted, locked_nodes).
     last, still = progress(), time.monotonic()
     t_last_bind = time.monotonic()
-    while time.monotonic() - still < settle_s and time.monotonic() - created < 600:
+    while time.monotonic() - created < 600:
+        quiet = time.monotonic() - still
+        if quiet >= max(settle_s, 90.0) or (quiet >= settle_s and last[2] == 0):
+            break
         time.sleep(1.0)
         cur = progress()
         if cur != last:
             if cur[0] != last[0]:
                 t_last_bind = time.monotonic()
             last, still = cur, time.monotonic()
-        if cur[0] == cur[1]:
+        if cur[0] == cur[1] and cur[2] == 0:
             break
     stop.set()
     # a last janitor pass may be due: give stale state its grace, then look
