@@ -24,9 +24,11 @@ Then, measured:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -45,9 +47,19 @@ from ext_helpers import DevicePluginEmulator, gpu_node  # noqa: E402
 from pod_creator import PodCreator  # noqa: E402
 from processes import ExtenderProcess, descendants, give_extender_cpus  # noqa: E402
 
-from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, Assignment, GPUShare  # noqa: E402
+from gpupack.contract import (  # noqa: E402
+    ANN_ASSIGNMENT,
+    ANN_HANDOFF,
+    HANDOFF_DONE,
+    Assignment,
+    GPUShare,
+    decode_assignment,
+)
 
 GPUS = 8
+# an 8 x H100 server as inference fleets run them (2 x 56 cores, 2 TiB): ~20 pods a node leave room
+# for the burst's 16-CPU pods, which the tests' 64-CPU default node would not
+NODE_HOST = {"cpu": "224", "memory": "2Ti"}
 SHARE = (20000, 30)  # MiB, SM % of a running share; two fit a GPU
 
 
@@ -80,13 +92,30 @@ def running_pods(rng: random.Random, nodes: list[str], n: int) -> list[dict[str,
                 }
             c["resources"]["limits"] = lim
             c["resources"]["requests"].update(lim)
-            a = Assignment("", node, "online", {"c": (share,)})
+            a = Assignment("", node, "online", {"c": (share,)})  # its UID once created: with_uid
             ann = {ANN_ASSIGNMENT: a.to_json(), ANN_HANDOFF: HANDOFF_DONE}
         out.append({"apiVersion": "v1", "kind": "Pod",
                     "metadata": {"name": f"run-{i}", "namespace": "running", "annotations": ann,
                                  "labels": {"gpupack.io/class": "online"}},
                     "spec": {"nodeName": node, "schedulerName": "gpupack-scheduler", "containers": [c]}})  # fmt: skip
     return out
+
+
+def with_uid(pod: dict[str, Any], uid: str) -> dict[str, str]:
+    """The pod's gpupack annotations, its assignment written for `uid` (the extender charges an
+    assignment only to the pod UID it names; the API server gives the UID at creation)."""
+    ann = dict(pod["metadata"]["annotations"])
+    ann[ANN_ASSIGNMENT] = dataclasses.replace(decode_assignment(ann[ANN_ASSIGNMENT]), pod_uid=uid).to_json()
+    return ann
+
+
+def create_running(creator: PodCreator, pods: list[dict[str, Any]]) -> None:
+    """Create `pods` (from running_pods) bound to their nodes; the GPU pods get their annotations,
+    with their UID, once created."""
+    bare = [{**p, "metadata": {k: v for k, v in p["metadata"].items() if k != "annotations"}} for p in pods]
+    uids = creator.create_uids("running", bare)
+    creator.annotate("running", [(p["metadata"]["name"], with_uid(p, uids[p["metadata"]["name"]]))
+                                 for p in pods if p["metadata"]["annotations"]])  # fmt: skip
 
 
 def cpu_of(pid: int) -> float:
@@ -143,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             names = [f"n{i:05d}" for i in range(args.nodes)]
             t = time.monotonic()
             with ThreadPoolExecutor(16) as pool:
-                list(pool.map(lambda n: gpu_node(cp, n), names))
+                list(pool.map(lambda n: gpu_node(cp, n, **NODE_HOST), names))
             res["setup_nodes_s"] = round(time.monotonic() - t, 1)
             for ns in ("running", "plain", "gpu", "gpupack-system"):
                 cp.ensure_namespace(ns)
             pods = running_pods(rng, names, args.pods)
             t = time.monotonic()
-            creator.create("running", pods)
+            create_running(creator, pods)
             res["setup_pods_s"] = round(time.monotonic() - t, 1)
             res["running_gpu_pods"] = sum(1 for p in pods if p["metadata"]["annotations"])
 
@@ -204,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
                 "correctness": gp["correctness"], "cpu_s": gp["cpu_s"],
             }  # fmt: skip
             res["rss_mib_end"] = rss_mib(ext.proc.pid)
+            # GPU pods the extender charges: every running one and the burst's, or its view is not the
+            # cluster's (its cluster gauges come from the replica whose scheduler holds the Lease)
+            m = re.search(
+                r"^gpupack_cluster_pods (\S+)$", ext.http.get(ext.url + "/metrics", timeout=60).text, re.M
+            )
+            res["charged_gpu_pods"] = int(float(m.group(1))) if m else None
+            res["gpu_pods_expected"] = res["running_gpu_pods"] + gp["bound"]
             res["load_avg"] = [round(x, 2) for x in os.getloadavg()]
         finally:
             if creator is not None:

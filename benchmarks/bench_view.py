@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
-from bench_scale import running_pods  # noqa: E402
+from bench_scale import running_pods, with_uid  # noqa: E402
 from ext_helpers import container, node_obj, pod_obj  # noqa: E402
 
 from extender.config import ExtenderConfig  # noqa: E402
@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     pods = running_pods(rng, names, args.pods)
     for i, p in enumerate(pods):  # as listed: with a uid, Running
         p["metadata"]["uid"] = f"uid-{i}"
+        if p["metadata"]["annotations"]:
+            p["metadata"]["annotations"] = with_uid(p, f"uid-{i}")
         p["metadata"]["resourceVersion"] = str(i + 1)
         p["status"] = {"phase": "Running"}
     res: dict[str, Any] = {"bench": "view", "nodes": args.nodes, "pods": args.pods}

@@ -6,6 +6,7 @@ clock (CLOCK_MONOTONIC on Linux), so they compare with the caller's time.monoton
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import threading
 import time
@@ -32,26 +33,51 @@ def _ready(_: int) -> bool:
     return _api is not None
 
 
-def _create(job: tuple[str, list[dict[str, Any]], int]) -> dict[str, float]:
-    ns, pods, threads = job
-    out: dict[str, float] = {}
+def _create(job: tuple[str, list[dict[str, Any]], int, bool]) -> dict[str, Any]:
+    """name -> when its creation was answered, or with `uids` the UID the API server gave it."""
+    ns, pods, threads, uids = job
+    out: dict[str, Any] = {}
 
     def one(p: dict[str, Any]) -> None:
+        name = p["metadata"]["name"]
         for attempt in range(5):
             try:
-                _api.create_namespaced_pod(ns, p, _preload_content=False).release_conn()
-                break
+                resp = _api.create_namespaced_pod(ns, p, _preload_content=False)
+                if uids:
+                    out[name] = json.loads(resp.data)["metadata"]["uid"]
+                else:
+                    resp.release_conn()
+                    out[name] = time.monotonic()
+                return
             except Exception as e:  # a 409 after a lost answer: it was created
                 if getattr(e, "status", 0) == 409:
-                    break
+                    if uids:
+                        out[name] = _api.read_namespaced_pod(name, ns).metadata.uid
+                    else:
+                        out[name] = time.monotonic()
+                    return
                 if attempt == 4:
                     raise
                 time.sleep(0.2)
-        out[p["metadata"]["name"]] = time.monotonic()
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, pods))
     return out
+
+
+def _annotate(job: tuple[str, list[tuple[str, dict[str, str]]], int]) -> int:
+    """Merge `annotations` into each pod `(name, annotations)` of `ns`: how many were written."""
+    ns, items, threads = job
+
+    def one(item: tuple[str, dict[str, str]]) -> None:
+        name, ann = item
+        _api.patch_namespaced_pod(
+            name, ns, {"metadata": {"annotations": ann}}, _preload_content=False
+        ).release_conn()
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, items))
+    return len(items)
 
 
 def _bind(job: tuple[str, list[tuple[str, str, dict[str, str]]], float, float, int]) -> dict[str, float]:
@@ -120,12 +146,24 @@ class PodCreator:
 
     def create(self, ns: str, pods: list[dict[str, Any]]) -> dict[str, float]:
         """Create `pods` in `ns` as fast as the workers can: name -> when its creation was answered."""
+        return self._create(ns, pods, uids=False)
+
+    def create_uids(self, ns: str, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """Create `pods` in `ns` as fast as the workers can: name -> the UID the API server gave it."""
+        return self._create(ns, pods, uids=True)
+
+    def _create(self, ns: str, pods: list[dict[str, Any]], uids: bool) -> dict[str, Any]:
         chunks = [pods[i :: self.procs] for i in range(self.procs)]
-        jobs = [(ns, c, self.threads) for c in chunks if c]
-        out: dict[str, float] = {}
+        jobs = [(ns, c, self.threads, uids) for c in chunks if c]
+        out: dict[str, Any] = {}
         for part in self.pool.map(_create, jobs):
             out.update(part)
         return out
+
+    def annotate(self, ns: str, items: list[tuple[str, dict[str, str]]]) -> int:
+        """Merge annotations into pods `(name, annotations)` of `ns`: how many were written."""
+        parts = [items[i :: self.procs] for i in range(self.procs)]
+        return sum(self.pool.map(_annotate, [(ns, part, self.threads) for part in parts if part]))
 
     def bind(self, ns: str, binds: list[tuple[str, str, dict[str, str]]], rate: float) -> dict[str, float]:
         """Bind `(pod, node, annotations)` in `ns` at `rate` a second in all: name -> when each was answered."""
