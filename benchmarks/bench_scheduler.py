@@ -352,7 +352,6 @@ def run_phase(
     running = [obs.running[n] - created[n] for n in names if n in obs.running]
     t_last = max((obs.bound[n] for n in names if n in obs.bound), default=t0)
     admit = [obs.running[n] - obs.bound[n] for n in names if n in obs.running and n in obs.bound]
-    from_resume = [obs.bound[n] - t0 for n in names if n in obs.bound]
     out: dict[str, Any] = {
         "pods": len(names),
         "bound": len(bound),
@@ -390,6 +389,7 @@ def run_phase(
         )
 
     if queued:
+        from_resume = [obs.bound[n] - t0 for n in names if n in obs.bound]
         out["from_resume_p50_s"] = round(pct(from_resume, 50), 3)
         out["from_resume_p99_s"] = round(pct(from_resume, 99), 3)
     out["scheduler"] = {
