@@ -6,7 +6,10 @@ as the API server would list them. Measured: the initial lists (nodes, then ever
 the extender's start reads them), the memory they take (this process's RSS before and after), a pod-status update (a
 MODIFIED event changing nothing gpupack counts), a node whose GPU inventory changes (a device
 plugin restarting), a node deleted and added back (the autoscaler), and a filter (keep_best 1);
-times are this process's CPU time (on a shared machine wall time measures the neighbours).
+then per pod shape (bench_scheduler.py's burst draws, 40 shapes): the first filter of each (every
+node fitted), the memory a kept shape's answers take, each shape's next filter after the policy
+learned (every node scored again), and one /metrics scrape (the per-GPU gauges). Times are this
+process's CPU time (on a shared machine wall time measures the neighbours).
 
     python benchmarks/bench_view.py [--nodes 5000 --pods 100000] [--json]
 """
@@ -31,13 +34,16 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
 from bench_scale import running_pods, with_uid  # noqa: E402
+from bench_scheduler import gpu_pod  # noqa: E402
 from ext_helpers import container, node_obj, pod_obj  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
 
 from extender.config import ExtenderConfig  # noqa: E402
 from extender.framework import Extender  # noqa: E402
 from extender.view import ClusterView  # noqa: E402
 from extender.wire import ExtenderArgs  # noqa: E402
 from gpupack.contract import ANN_INVENTORY  # noqa: E402
+from gpupack.core.learning import OBSERVE_FLUSH_S  # noqa: E402
 from gpupack.core.policies import get_policy  # noqa: E402
 
 NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
@@ -131,8 +137,48 @@ def main(argv: list[str] | None = None) -> int:
     share = lambda i: pod_obj(f"asked-{i}", [container("main", 1, 20000, 30)], uid=f"uid-a{i}")  # noqa: E731
     ext.filter(ExtenderArgs(share(-1), names_all, None))
     res["filter"] = timed(lambda i: ext.filter(ExtenderArgs(share(i), names_all, None)), 200)
+    res.update(shape_costs(ext, view, names_all, args.seed))
     print(json.dumps(res) if args.json else "\n".join(f"{k}: {v}" for k, v in res.items()))
     return 0
+
+
+def shape_costs(ext: Extender, view: ClusterView, names: list[str], seed: int) -> dict[str, Any]:
+    """What pod shapes cost: see the module's doc."""
+    draws = random.Random(seed)
+    shapes: dict[str, dict[str, Any]] = {}
+    for i in range(4000):
+        p = gpu_pod(draws, i, "gpu")
+        spec = json.dumps(
+            [p["metadata"].get("labels"), p["spec"]["containers"][0]["resources"]], sort_keys=True
+        )
+        shapes.setdefault(spec, p)
+    pods = list(shapes.values())
+    for i, p in enumerate(pods):
+        p["metadata"]["uid"] = f"uid-s{i}"
+    gc.collect()
+    rss0 = rss_bytes()
+    first = timed(lambda i: ext.filter(ExtenderArgs(pods[i], names, None)), len(pods))
+    gc.collect()
+    kept_mib = (rss_bytes() - rss0) / 2**20 / len(pods)
+    # the policy learns (its batch is due once OBSERVE_FLUSH_S have passed): every shape's scores go
+    later = ext.learner.batcher.clock() + OBSERVE_FLUSH_S + 1
+    ext.learner.batcher.clock = lambda: later
+    learnt = ext.learner.epoch
+    again = [
+        {**p, "metadata": {**p["metadata"], "uid": p["metadata"]["uid"] + "-again"}} for p in pods
+    ]  # new pods
+    after = timed(lambda i: ext.filter(ExtenderArgs(again[i], names, None)), len(pods))
+    assert ext.learner.epoch > learnt, "the policy did not learn"
+    ext.metrics.attach_view(view)
+    t0 = time.process_time()
+    text = generate_latest(ext.metrics.registry)
+    return {
+        "shapes": len(pods),
+        "shape_first_filter": first,
+        "shape_kept_mib": round(kept_mib, 2),
+        "shape_filter_after_learning": after,
+        "metrics_scrape": {"bytes": len(text), "cpu_s": round(time.process_time() - t0, 2)},
+    }
 
 
 if __name__ == "__main__":
