@@ -26,10 +26,11 @@ V = TypeVar("V")
 # a cache key: a pod shape (shape_of), or a shape and the learning epoch
 Key = tuple[Any, ...]
 # Pod shapes whose answers are kept. A shape not kept costs a fit of every node at its next filter
-# (~250 ms of CPU at 5,000 nodes with 100,000 running pods, which make most nodes' states distinct)
-# against ~1 ms kept; a kept shape costs ~1.5 MiB at that size. A burst of 40 shapes (two classes,
-# six share sizes, three host sizes) through 32 kept missed often enough for filter p99 466 ms.
-CACHE_SHAPES = 128
+# (~300 ms of CPU at 5,000 nodes with 100,000 running pods, which make most nodes' states distinct)
+# against ~1 ms kept; a kept shape costs ~5 MiB at that size (benchmarks/bench_view.py), so 64 of
+# them up to ~330 MiB. A burst of 40 shapes (two classes, six share sizes, three host sizes)
+# through 32 kept missed often enough for filter p99 466 ms.
+CACHE_SHAPES = 64
 
 
 def shape_of(pod: PodRequest) -> Key:
