@@ -8,7 +8,9 @@ MODIFIED event changing nothing gpupack counts), a node whose GPU inventory chan
 plugin restarting), a node deleted and added back (the autoscaler), and a filter (keep_best 1);
 then per pod shape (bench_scheduler.py's burst draws, 40 shapes): the first filter of each (every
 node fitted), the memory a kept shape's answers take, each shape's next filter after the policy
-learned (every node scored again), and one /metrics scrape (the per-GPU gauges). Times are this
+learned (every node scored again); the same with the shape warmer (extender/warming.py): its CPU
+per shape, the filter after it, the filter after the policy learned (the old order serving) and
+the warmer's rescoring per shape; and one /metrics scrape (the per-GPU gauges). Times are this
 process's CPU time (on a shared machine wall time measures the neighbours).
 
     python benchmarks/bench_view.py [--nodes 5000 --pods 100000] [--json]
@@ -169,6 +171,7 @@ def shape_costs(ext: Extender, view: ClusterView, names: list[str], seed: int) -
     ]  # new pods
     after = timed(lambda i: ext.filter(ExtenderArgs(again[i], names, None)), len(pods))
     assert ext.learner.epoch > learnt, "the policy did not learn"
+    warmed = warmer_costs(view, names, pods)
     ext.metrics.attach_view(view)
     t0 = time.process_time()
     text = generate_latest(ext.metrics.registry)
@@ -177,7 +180,36 @@ def shape_costs(ext: Extender, view: ClusterView, names: list[str], seed: int) -
         "shape_first_filter": first,
         "shape_kept_mib": round(kept_mib, 2),
         "shape_filter_after_learning": after,
+        **warmed,
         "metrics_scrape": {"bytes": len(text), "cpu_s": round(time.process_time() - t0, 2)},
+    }
+
+
+def warmer_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """The same shapes through the shape warmer (extender/warming.py) of another extender on the
+    same view (its caches empty): the warmer's CPU per shape, the filter after it, and after the
+    policy learnt: the filter while the old order serves, then the warmer's rescoring per shape."""
+    ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
+    ext.warmer.attach()
+    reqs = [ext.pod_request(p) for p in pods]
+    warm = timed(lambda i: ext.warmer.warm(reqs[i]), len(pods))
+    warmed = [{**p, "metadata": {**p["metadata"], "uid": p["metadata"]["uid"] + "-w"}} for p in pods]
+    filter_warmed = timed(lambda i: ext.filter(ExtenderArgs(warmed[i], names, None)), len(pods))
+    later = ext.learner.batcher.clock() + OBSERVE_FLUSH_S + 1
+    ext.learner.batcher.clock = lambda: later
+    learnt = ext.learner.epoch
+    again = [{**p, "metadata": {**p["metadata"], "uid": p["metadata"]["uid"] + "-wa"}} for p in pods]
+    stale = timed(lambda i: ext.filter(ExtenderArgs(again[i], names, None)), len(pods))
+    assert ext.learner.epoch > learnt, "the policy did not learn"
+    queued = []
+    while (item := ext.warmer._next(0)) is not None:
+        queued.append(item)
+    rescore = timed(lambda i: ext.warmer.warm(*queued[i]), len(queued))
+    return {
+        "warmer_per_shape": warm,
+        "shape_filter_warmed": filter_warmed,
+        "shape_filter_after_learning_warmer": stale,
+        "warmer_rescore_per_shape": rescore,
     }
 
 

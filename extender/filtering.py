@@ -68,6 +68,8 @@ class Filter:
         self.on_pod = on_pod  # told of each pod filtered that parsed (the binder's pod memory)
         self.answers: AnswerCache[FilterAnswer] = AnswerCache(FilterAnswer, scorer.names)
         self.activity = activity or VerbActivity()
+        # told of each pod asked about, view lock held (the shape warmer's shapes to score again)
+        self.on_asked: Callable[[PodRequest], None] = lambda pod: None
 
     def filter(self, args: ExtenderArgs, waited: bool = False) -> dict[str, Any]:
         try:
@@ -84,7 +86,8 @@ class Filter:
         names = args.node_names
         with self.view.lock:
             self.learner.observe(pod)
-            st = self._current(pod, names, now)
+            self.on_asked(pod)
+            st = self.answer(pod, names, now)
             cand: set[str] | None = None
             passed: list[str] = []
             steered: list[str] | None = None
@@ -192,7 +195,7 @@ class Filter:
                     return
                 self.view.changed.wait(min(left, 0.05))
 
-    def _current(self, pod: PodRequest, names: list[str], now: datetime) -> FilterAnswer:
+    def answer(self, pod: PodRequest, names: list[str], now: datetime) -> FilterAnswer:
         """The pod shape's answer, updated for the nodes changed since it was last given (all of
         them for a new shape). View lock held."""
         shape = shape_of(pod)

@@ -9,6 +9,8 @@ shape, wired from one part per responsibility:
   carries the assignment (`settling` for Bindings that got no answer, `stale` for assignments
   left on unbound pods);
 - learning (`learning.Learner`): shows a learning policy the pods it is asked about, in batches;
+- warming (`warming.ShapeWarmer`): pod shapes' answers computed off kube-scheduler's cycle, for
+  pods waiting to be scheduled and after the policy learnt;
 - upkeep (`upkeep.Upkeep`): the janitor's and the requeuer's passes.
 
 Filter and prioritize answers are cached per pod shape and node version (`answers`): only nodes
@@ -41,6 +43,7 @@ from .settling import Settler
 from .stale import StaleCleaner
 from .upkeep import Upkeep
 from .view import ClusterView
+from .warming import ShapeWarmer
 from .wire import BindArgs, ExtenderArgs, PodRequestError
 
 
@@ -92,6 +95,8 @@ class Extender:
             self.activity,
         )
         self.upkeep = Upkeep(view, kube, config, metrics, clock, fence, events, settler)
+        # idle until started (main.py): tests drive it with drain()
+        self.warmer = ShapeWarmer(view, self.filtering, self.scorer, self.activity, metrics, clock)
 
     def _filtered(self, pod: dict[str, Any]) -> None:
         # a stale assignment of its own must not count against the pod; the bind that follows

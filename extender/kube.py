@@ -41,6 +41,10 @@ class NamespaceUnreadable(Exception):
 _Bounded = kubeclient.bounded
 
 
+def _unbound(scheduler_name: str) -> str:
+    return f"spec.schedulerName={scheduler_name},spec.nodeName="
+
+
 def _collect(pages: Iterator[tuple[list[dict[str, Any]], str]]) -> dict[str, Any]:
     items: list[dict[str, Any]] = []
     last = ""
@@ -104,7 +108,7 @@ class Kube:
         """Pods of `scheduler_name` not bound to a node yet (all namespaces). `cached`: from the API
         server's watch cache (resourceVersion 0: maybe a moment old, but no etcd read of every pod),
         for lists repeated as often as every few seconds."""
-        sel = f"spec.schedulerName={scheduler_name},spec.nodeName="
+        sel = _unbound(scheduler_name)
         kw: dict[str, Any] = {"resource_version": "0"} if cached else {}
         out: list[dict[str, Any]] = []
         for items, _rv in self.pages(
@@ -125,6 +129,18 @@ class Kube:
             token = meta.get("continue")
             if not token:
                 return
+
+    def pending_pod_pages(self, scheduler_name: str) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        """The pods of `scheduler_name` not bound to a node yet, in pages (see `pages`)."""
+        return self.pages(self.core.list_pod_for_all_namespaces, field_selector=_unbound(scheduler_name))
+
+    def watch_pending_pods(self, scheduler_name: str, resource_version: str, timeout_s: int) -> Any:
+        return self._watch(
+            self.core.list_pod_for_all_namespaces,
+            resource_version,
+            timeout_s,
+            field_selector=_unbound(scheduler_name),
+        )
 
     def assigned_pod_pages(self) -> Iterator[tuple[list[dict[str, Any]], str]]:
         return self.pages(self.core.list_pod_for_all_namespaces, field_selector=ASSIGNED_PODS)

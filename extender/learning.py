@@ -17,6 +17,8 @@ class Learner:
         self.policy = policy
         # the batches' clock is the batcher's (`batcher.clock`; tests set it)
         self.batcher: LearningBatcher[PodRequest] = LearningBatcher(policy.observe, monotonic)
+        # told after each flush, view lock held (the shape warmer queues the shapes to score again)
+        self.on_flush: Callable[[], None] = lambda: None
 
     @property
     def epoch(self) -> int:
@@ -28,5 +30,9 @@ class Learner:
         read under it). A policy given its workload (--workload-file), or one that learns nothing
         (bestfit, random), is shown nothing: a flush would only make every shape score every node
         again for nothing."""
-        if self.policy.learn:
-            self.batcher.offer(pod.uid or pod.key, pod)
+        if self.policy.learn and self.batcher.offer(pod.uid or pod.key, pod):
+            self.on_flush()
+
+    def since_flush(self) -> float:
+        """Seconds since the policy was last shown pods (on the batches' clock)."""
+        return self.batcher.clock() - self.batcher.last_flush

@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-interval-s", type=float, default=5.0, help="how often stale handoffs are looked for"
     )
     p.add_argument(
+        "--warm-shapes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute pod shapes' answers before kube-scheduler asks (the shapes of pods waiting to be "
+        "scheduled, and every shape again after the policy learnt), off its serial cycle (default on; "
+        "extender/warming.py)",
+    )
+    p.add_argument(
         "--preemption-interval-s",
         type=float,
         default=2.0,
@@ -241,7 +249,16 @@ def _extender_factory(
         )
         ext = Extender(view, policy, kube, config, metrics=metrics, fence=fence, events=events)
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
-        Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet).start()
+        sync = Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet)
+        sync.start()
+        if args.warm_shapes:
+            from .warming import pending_watcher
+
+            ext.warmer.start(sync.stop)
+            pending = pending_watcher(
+                kube, args.scheduler_name, ext.warmer, sync.stop, ext.activity.wait_quiet
+            )
+            threading.Thread(target=pending.run, name="watch-pending-pods", daemon=True).start()
         Janitor(ext, args.sweep_interval_s, listening=listening).start()
         if args.preemption_interval_s > 0:
             from .preemption import Preempter

@@ -95,6 +95,15 @@ class Metrics:
             buckets=BUCKETS,
             registry=r,
         )
+        self.warmed = Histogram(
+            "gpupack_extender_shape_warm_seconds",
+            "A pod shape's answers computed off kube-scheduler's cycle (extender/warming.py), by why: "
+            "pending (a pod of that shape waits to be scheduled) or learnt (the policy learnt, every "
+            "node is scored again)",
+            ["why"],
+            buckets=BUCKETS,
+            registry=r,
+        )
         self.admission = Counter(
             "gpupack_webhook_admission_total",
             "Admission reviews, by kind and result",

@@ -1,0 +1,273 @@
+"""Pod shapes' answers computed before kube-scheduler asks for them, off its serial cycle.
+
+Two kinds of filter cost every node of the cluster (~300 ms and ~110 ms of CPU at 5,000 nodes
+with 100,000 running pods, where nearly every node is in a state of its own), and kube-scheduler
+waits for each:
+- the first filter of a pod shape: every node fitted and scored;
+- a shape's first filter after the policy learnt (a new epoch): every node scored again.
+
+`ShapeWarmer` does that work in a thread of its own, a chunk of nodes at a time: each chunk under
+the view's lock, and only while no verb is being answered (VerbActivity.wait_quiet), so a filter
+waits at most for one chunk. It fills the same per-node-version caches the filter reads
+(fitting.Fitter.fits, scoring.Scorer.scores), then builds the shape's answers from them, so a
+node that changed meanwhile is simply fitted again by the next filter, as any changed node is;
+and a filter that comes first finds whatever chunks are done already.
+
+What it is asked to warm:
+- the shapes of pods waiting for kube-scheduler (`pending_watcher`: a watch of the profile's
+  unbound pods), in the order they were first seen, so the queue's head first;
+- after a learning flush, each shape whose node order was built before (`Scorer.order_key` serves
+  that order meanwhile, for at most scoring.STALE_ORDER_MAX_S): a shape kube-scheduler asks
+  about first, then the others, most recently asked first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from gpupack.core.model import PodRequest
+
+from .answers import CACHE_SHAPES, Key, shape_of
+from .collector import VerbActivity
+from .filtering import Filter
+from .kube import Kube, NamespaceUnreadable
+from .metrics import Metrics
+from .pod_requests import pod_request
+from .scoring import Scorer
+from .sync import Watcher
+from .view import ClusterView
+from .wire import PodRequestError
+
+log = logging.getLogger("gpupack.extender.warming")
+
+# Nodes fitted or scored per hold of the view's lock: ~60 us a node to fit and ~25 us to score at
+# 5,000 nodes, so a filter or a watch event waits at most ~10 ms for the warmer.
+CHUNK_NODES = 128
+# A pause after each chunk: a thread waiting for the view's lock (a bind, a watch event, a verb
+# not marked yet) takes it then, rather than the warmer taking it straight back.
+CHUNK_GAP_S = 0.001
+# Shapes waiting to be warmed, at most: more pending shapes than the caches keep (CACHE_SHAPES)
+# would only push each other out.
+QUEUE_MAX = CACHE_SHAPES
+# Pending pods whose shape was handed on, remembered by uid (their later events are skipped).
+TOLD_MAX = 10_000
+
+
+class ShapeWarmer:
+    """Warms pod shapes' filter answers and keep_best orders (see the module's doc)."""
+
+    def __init__(
+        self,
+        view: ClusterView,
+        filtering: Filter,
+        scorer: Scorer,
+        activity: VerbActivity,
+        metrics: Metrics,
+        clock: Callable[[], datetime],
+        chunk: int = CHUNK_NODES,
+    ) -> None:
+        self.view, self.filtering, self.scorer = view, filtering, scorer
+        self.activity, self.metrics, self.clock = activity, metrics, clock
+        self.chunk = chunk
+        self._cond = threading.Condition(threading.Lock())
+        # shape -> (a pod of that shape, why): asked now (a stale order serving) before the others
+        self._urgent: OrderedDict[Key, tuple[PodRequest, str]] = OrderedDict()
+        self._queue: OrderedDict[Key, tuple[PodRequest, str]] = OrderedDict()
+        # the shapes whose order was built, with a pod of each, most recently asked last
+        self._seen: OrderedDict[Key, PodRequest] = OrderedDict()
+        self._thread: threading.Thread | None = None
+        self.warmed = 0  # shapes warmed (tests, benchmarks)
+
+    # --- what to warm ------------------------------------------------------------------------------
+    def want(self, pod: PodRequest) -> None:
+        """A pod waits for kube-scheduler: its shape is warmed unless its answers are current."""
+        shape = shape_of(pod)
+        with self.view.lock:
+            if self._current(shape):
+                return
+        self._put(shape, pod, "pending", urgent=False)
+
+    def rescore(self, pod: PodRequest) -> None:
+        """kube-scheduler asks about `pod` while its shape's order is from before the policy learnt
+        (Scorer.order_key): that shape next."""
+        self._put(shape_of(pod), pod, "learnt", urgent=True)
+
+    def flushed(self) -> None:
+        """The policy learnt (a new epoch): every shape with an order is scored again, the most
+        recently asked first. View lock held (Learner.on_flush)."""
+        for shape, pod in reversed(self._seen.items()):
+            self._put(shape, pod, "learnt", urgent=False)
+
+    def _put(self, shape: Key, pod: PodRequest, why: str, urgent: bool) -> None:
+        with self._cond:
+            if shape in self._urgent:
+                return
+            if urgent:
+                self._queue.pop(shape, None)
+                self._urgent[shape] = (pod, why)
+            elif shape not in self._queue:
+                if len(self._queue) >= QUEUE_MAX:
+                    return  # the oldest are the queue's head: they go first
+                self._queue[shape] = (pod, why)
+            self._cond.notify()
+
+    def _current(self, shape: Key) -> bool:
+        """Whether `shape` has a filter answer and an order for the current epoch (view lock held)."""
+        if shape not in self.filtering.answers.data:
+            return False
+        if self.filtering.keep_best <= 0:
+            return True
+        return self.scorer.served.get(shape) == self.scorer.learner.epoch
+
+    def _pause(self) -> None:
+        time.sleep(CHUNK_GAP_S)
+        self.activity.wait_quiet()
+
+    def _next(self, timeout: float | None) -> tuple[PodRequest, str] | None:
+        with self._cond:
+            if not self._urgent and not self._queue:
+                self._cond.wait(timeout)
+            for q in (self._urgent, self._queue):
+                if q:
+                    return q.popitem(last=False)[1]
+        return None
+
+    # --- the work ----------------------------------------------------------------------------------
+    def warm(self, pod: PodRequest, why: str = "pending") -> bool:
+        """Fit and score every node of the view for `pod`'s shape, a chunk at a time, then build its
+        filter answer and (keep_best) its order for the current epoch. False when they were
+        current already."""
+        shape = shape_of(pod)
+        with self.view.lock:
+            if self._current(shape):
+                return False
+            names = list(self.view.nodes)
+        t0 = time.perf_counter()
+        now = self.clock()
+        fitter = self.filtering.fitter
+        for i in range(0, len(names), self.chunk):
+            self._pause()
+            with self.view.lock:
+                table = fitter.fits.table(shape)
+                nodes = self.view.nodes
+                memo: dict[Any, Any] = {}
+                for n in names[i : i + self.chunk]:
+                    info = nodes.get(n)
+                    if info is not None and not info.reservations and table.fresh(n, info.version) is None:
+                        fitter.node_fit(n, pod, now, table, memo)
+        # prioritize's scores (keep_best 0) come from the same tables as keep_best's order
+        for i in range(0, len(names), self.chunk):
+            self._pause()
+            with self.view.lock:
+                self.scorer.raw_scores(pod, names[i : i + self.chunk], now)
+        self._pause()
+        with self.view.lock:
+            # from the caches just filled: a node changed since is fitted or scored again here
+            names = list(self.view.nodes)
+            self.filtering.answer(pod, names, now)
+            if self.filtering.keep_best > 0:
+                self.scorer.best(pod, names, (), now, self.filtering.keep_best, fresh=True)
+                self._seen[shape] = pod
+                self._seen.move_to_end(shape)
+                while len(self._seen) > CACHE_SHAPES:
+                    self._seen.popitem(last=False)
+        self.metrics.warmed.labels(why).observe(time.perf_counter() - t0)
+        self.warmed += 1
+        return True
+
+    def asked(self, pod: PodRequest) -> None:
+        """kube-scheduler asked about `pod` (filter): its shape is among those scored again after
+        the policy learns. View lock held."""
+        shape = shape_of(pod)
+        if shape in self._seen:
+            self._seen.move_to_end(shape)
+        else:
+            self._seen[shape] = pod
+            while len(self._seen) > CACHE_SHAPES:
+                self._seen.popitem(last=False)
+
+    def drain(self) -> int:
+        """Warm everything queued, in this thread (tests); how many shapes were warmed."""
+        n = 0
+        while (item := self._next(0)) is not None:
+            n += self.warm(*item)
+        return n
+
+    def attach(self) -> None:
+        """Be told of the shapes asked about and of the policy's flushes, and let a shape's old order
+        serve until this warmer has scored it again (Scorer.order_key). Only with something to warm
+        what is queued: the thread (`start`) or a test's `drain`."""
+        self.scorer.rescore = self.rescore
+        self.scorer.learner.on_flush = self.flushed
+        self.filtering.on_asked = self.asked
+
+    # --- the thread --------------------------------------------------------------------------------
+    def start(self, stop: threading.Event) -> None:
+        """Warm from a daemon thread until `stop`; from now on a shape's old order serves while its
+        nodes are scored again after the policy learnt (Scorer.rescore)."""
+        self.attach()
+        self._thread = threading.Thread(target=self._run, args=(stop,), name="shape-warmer", daemon=True)
+        self._thread.start()
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            if not self.view.synced.wait(0.5):
+                continue
+            item = self._next(0.5)
+            if item is None:
+                continue
+            try:
+                self.warm(*item)
+            except Exception:  # a warmer that died would leave stale orders serving: never
+                log.exception("warming a pod shape failed; the filter computes it when asked")
+
+
+def pending_watcher(
+    kube: Kube,
+    scheduler_name: str,
+    warmer: ShapeWarmer,
+    stop: threading.Event,
+    pause: Callable[[], None] | None = None,
+) -> Watcher:
+    """A watch of the pods waiting for `scheduler_name` (not bound to a node): each one's shape is
+    handed to `warmer`. A pod gpupack cannot parse is left to the filter, which says why."""
+
+    told: OrderedDict[str, None] = OrderedDict()  # uids handed on: a pod's later events are not parsed
+
+    def seen(obj: dict[str, Any]) -> None:
+        if (obj.get("spec") or {}).get("nodeName"):
+            return
+        uid = str((obj.get("metadata") or {}).get("uid") or "")
+        if uid in told:
+            return
+        try:
+            req = pod_request(obj, kube)
+        except (PodRequestError, NamespaceUnreadable):
+            return
+        warmer.want(req)
+        if uid:
+            told[uid] = None
+            if len(told) > TOLD_MAX:
+                told.popitem(last=False)
+
+    def listed(pages: Any) -> None:
+        for items in pages:
+            for obj in items:
+                seen(obj)
+
+    return Watcher(
+        "pending-pods",
+        lambda: kube.pending_pod_pages(scheduler_name),
+        lambda rv, timeout_s: kube.watch_pending_pods(scheduler_name, rv, timeout_s),
+        listed,
+        seen,
+        lambda obj: None,
+        stop,
+        pause=pause,
+    )
