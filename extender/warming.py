@@ -23,6 +23,7 @@ What it is asked to warm:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -52,6 +53,15 @@ CHUNK_NODES = 128
 # A pause after each chunk: a thread waiting for the view's lock (a bind, a watch event, a verb
 # not marked yet) takes it then, rather than the warmer taking it straight back.
 CHUNK_GAP_S = 0.001
+# The key and uid the warmer fits and scores under. Not a real pod's: a pod counts as the holder of
+# its own share (the policy's trial placements charge by key), so fitting as a pod already placed
+# would see its node without that share. A namespace is a DNS label: no pod key has a dot before
+# the slash.
+STAND_IN_KEY = "gpupack.io/shape-warmer"
+
+# Rounds of scoring a shape's nodes when the policy learns while they are being scored (the last
+# round's leftovers are scored under the lock).
+SCORE_ATTEMPTS = 3
 # Shapes waiting to be warmed, at most: more pending shapes than the caches keep (CACHE_SHAPES)
 # would only push each other out.
 QUEUE_MAX = CACHE_SHAPES
@@ -84,6 +94,11 @@ class ShapeWarmer:
         self._thread: threading.Thread | None = None
         self.warmed = 0  # shapes warmed (tests, benchmarks)
 
+    @staticmethod
+    def stand_in(pod: PodRequest) -> PodRequest:
+        """`pod`'s shape as no pod: what the warmer fits and scores (see STAND_IN_KEY)."""
+        return dataclasses.replace(pod, key=STAND_IN_KEY, uid="")
+
     # --- what to warm ------------------------------------------------------------------------------
     def want(self, pod: PodRequest) -> None:
         """A pod waits for kube-scheduler: its shape is warmed unless its answers are current."""
@@ -91,12 +106,12 @@ class ShapeWarmer:
         with self.view.lock:
             if self._current(shape):
                 return
-        self._put(shape, pod, "pending", urgent=False)
+        self._put(shape, self.stand_in(pod), "pending", urgent=False)
 
     def rescore(self, pod: PodRequest) -> None:
         """kube-scheduler asks about `pod` while its shape's order is from before the policy learnt
         (Scorer.order_key): that shape next."""
-        self._put(shape_of(pod), pod, "learnt", urgent=True)
+        self._put(shape_of(pod), self.stand_in(pod), "learnt", urgent=True)
 
     def flushed(self) -> None:
         """The policy learnt (a new epoch): every shape with an order is scored again, the most
@@ -129,7 +144,19 @@ class ShapeWarmer:
         time.sleep(CHUNK_GAP_S)
         self.activity.wait_quiet()
 
+    def ready(self) -> bool:
+        """Whether there is anything to warm for: not while a learning policy has learnt nothing.
+        A fit's GPUs are chosen by what the policy knows, and fits are kept across its flushes (per
+        node version): the first filter learns its pod before it fits, so it fits better than
+        this could."""
+        learner = self.scorer.learner
+        return not (learner.policy.learn and learner.epoch == 0)
+
     def _next(self, timeout: float | None) -> tuple[PodRequest, str] | None:
+        if not self.ready():
+            if timeout:
+                time.sleep(timeout)
+            return None
         with self._cond:
             if not self._urgent and not self._queue:
                 self._cond.wait(timeout)
@@ -143,6 +170,7 @@ class ShapeWarmer:
         """Fit and score every node of the view for `pod`'s shape, a chunk at a time, then build its
         filter answer and (keep_best) its order for the current epoch. False when they were
         current already."""
+        pod = self.stand_in(pod)
         shape = shape_of(pod)
         with self.view.lock:
             if self._current(shape):
@@ -161,22 +189,28 @@ class ShapeWarmer:
                     info = nodes.get(n)
                     if info is not None and not info.reservations and table.fresh(n, info.version) is None:
                         fitter.node_fit(n, pod, now, table, memo)
-        # prioritize's scores (keep_best 0) come from the same tables as keep_best's order
-        for i in range(0, len(names), self.chunk):
+        learner = self.scorer.learner
+        for attempt in range(SCORE_ATTEMPTS):
+            # prioritize's scores (keep_best 0) come from the same tables as keep_best's order
+            epoch = learner.epoch
+            for i in range(0, len(names), self.chunk):
+                self._pause()
+                with self.view.lock:
+                    self.scorer.raw_scores(pod, names[i : i + self.chunk], now)
             self._pause()
             with self.view.lock:
-                self.scorer.raw_scores(pod, names[i : i + self.chunk], now)
-        self._pause()
-        with self.view.lock:
-            # from the caches just filled: a node changed since is fitted or scored again here
-            names = list(self.view.nodes)
-            self.filtering.answer(pod, names, now)
-            if self.filtering.keep_best > 0:
-                self.scorer.best(pod, names, (), now, self.filtering.keep_best, fresh=True)
-                self._seen[shape] = pod
-                self._seen.move_to_end(shape)
-                while len(self._seen) > CACHE_SHAPES:
-                    self._seen.popitem(last=False)
+                if learner.epoch != epoch and attempt + 1 < SCORE_ATTEMPTS:
+                    continue  # the policy learnt meanwhile: score again in chunks, not under the lock
+                # from the caches just filled: a node changed since is fitted or scored again here
+                names = list(self.view.nodes)
+                self.filtering.answer(pod, names, now)
+                if self.filtering.keep_best > 0:
+                    self.scorer.best(pod, names, (), now, self.filtering.keep_best, fresh=True)
+                    self._seen[shape] = pod
+                    self._seen.move_to_end(shape)
+                    while len(self._seen) > CACHE_SHAPES:
+                        self._seen.popitem(last=False)
+                break
         self.metrics.warmed.labels(why).observe(time.perf_counter() - t0)
         self.warmed += 1
         return True
@@ -188,7 +222,7 @@ class ShapeWarmer:
         if shape in self._seen:
             self._seen.move_to_end(shape)
         else:
-            self._seen[shape] = pod
+            self._seen[shape] = self.stand_in(pod)
             while len(self._seen) > CACHE_SHAPES:
                 self._seen.popitem(last=False)
 

@@ -310,7 +310,10 @@ def test_malformed_and_hostile_bodies_get_4xx_and_lose_nothing(cluster, ns, sfx,
 def test_watch_resumes_and_relists_after_410(cluster, ns, sfx, start_extender, proxy, tmp_path):
     n1 = f"n1-{sfx}"
     gpu_node(cluster, n1, 1)
-    ext = start_extender(kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url))
+    # the watch of pending pods (shape warming) would take the 410 meant for the pod watch here
+    ext = start_extender(
+        "--no-warm-shapes", kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc-proxy", server=proxy.url)
+    )
     p = create_pod(cluster.core, pod_obj("p", [container("c", 1, 30000, 30)]), ns)
     assert ext.post("bind", bind_body(p, n1)).json() == {"Error": ""}
     probe = create_pod(cluster.core, pod_obj("probe", [container("c", 1, 10)]), ns)

@@ -234,6 +234,17 @@ def test_without_a_warmer_every_order_is_the_current_epochs() -> None:
     assert ext.scorer.served[shape] == ext.learner.epoch
 
 
+def test_a_learning_policy_that_has_learnt_nothing_is_not_warmed_for() -> None:
+    """A fit's GPUs follow what the policy knows and are kept across its flushes: warmed before the
+    first pod is learnt, a fit would be an untaught policy's."""
+    clock = [100.0]
+    ext, _policy, names = _learning_extender(6, clock)
+    ext.warmer.want(ext.pod_request(_pod(1, SHAPES[0])))
+    assert not ext.warmer.ready() and ext.warmer.drain() == 0
+    _filter(ext, _pod(2, SHAPES[1]), names)  # the first pod asked about is learnt
+    assert ext.warmer.ready() and ext.warmer.drain() == 1
+
+
 def test_a_flush_queues_the_shapes_asked_most_recent_first() -> None:
     clock = [100.0]
     ext, _policy, names = _learning_extender(6, clock)
@@ -287,3 +298,47 @@ def _strip(pod: dict) -> dict:
     """The pod as a client creates it: no uid, no namespace in the body."""
     p = {**pod, "metadata": {k: v for k, v in pod["metadata"].items() if k not in ("uid", "namespace")}}
     return p
+
+
+def test_a_flush_while_scoring_scores_again_in_chunks_for_the_new_epoch() -> None:
+    clock = [100.0]
+    ext, _policy, names = _learning_extender(10, clock)
+    ext.warmer.chunk = 3
+    _filter(ext, _pod(1, SHAPES[1]), names)  # the policy has learnt one pod
+    pod = ext.pod_request(_pod(2, SHAPES[0]))
+    pauses = 0
+    chunks = -(-len(names) // 3)
+
+    def pause() -> None:
+        nonlocal pauses
+        pauses += 1
+        if pauses == chunks + 1:  # the first chunk of scores: the policy learns meanwhile
+            _flush(ext, clock, 2000)
+
+    ext.warmer._pause = pause  # type: ignore[method-assign]
+    assert ext.warmer.warm(pod)
+    # fits once, scores twice (each in chunks, then the answer): the second round for the new epoch
+    assert pauses == chunks + 2 * (chunks + 1)
+    assert ext.scorer.served[shape_of(pod)] == ext.learner.epoch
+
+
+@pytest.mark.parametrize("keep_best", [1, 0])
+def test_warming_from_a_pod_already_placed_answers_as_for_any_pod_of_its_shape(keep_best: int) -> None:
+    """A pending pod seen by the watch may be bound before its shape is warmed: warmed as that pod,
+    its node would look as if it did not hold the pod's own share (it is that share's holder)."""
+    view, names = _view(4)
+    policy = _workload_policy(view)
+    cfg = ExtenderConfig(keep_best=keep_best)
+    ext = Extender(view, policy, None, cfg, clock=lambda: NOW)
+    first = _pod(1, SHAPES[1])
+    ext.warmer.want(ext.pod_request(first))
+    assert _place(ext, first, names[2])
+    assert ext.warmer.drain() == 1
+    other = _pod(2, SHAPES[1])
+    cold = Extender(view, policy, None, cfg, clock=lambda: NOW)
+    req = ext.pod_request(other)
+    with view.lock:
+        want = cold.scorer.raw_scores(req, names, NOW)
+        got = ext.scorer.raw_scores(req, names, NOW)
+    assert len(set(want.values())) > 1, "the partly used node scores apart from the empty ones"
+    assert got == want
