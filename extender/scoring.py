@@ -132,9 +132,16 @@ class Scorer:
         self.view.locks.expect(pod.uid, pod.key, tuple(best), time.monotonic() + EXPECT_S)
 
     # --- raw scores ------------------------------------------------------------------------------
-    def raw_scores(self, pod: PodRequest, names: list[str], now: datetime) -> dict[str, float]:
+    def raw_scores(
+        self,
+        pod: PodRequest,
+        names: list[str],
+        now: datetime,
+        memos: tuple[dict[Key, float], FitMemo, dict[int, float | None]] | None = None,
+    ) -> dict[str, float]:
         """The policy's raw score of each node in `names` the pod fits (view lock held); cached per
-        (shape, epoch) and node version like prioritize's."""
+        (shape, epoch) and node version like prioritize's. `memos`: the per-state memos below,
+        shared by calls over parts of one node list (the shape warmer's chunks) within one epoch."""
         shape = shape_of(pod)
         fits = self.fitter.fits.table(shape)
         table = self.scores.table((shape, self.learner.epoch))
@@ -146,9 +153,7 @@ class Scorer:
         # only the score is wanted, so a node in a state already scored in this call costs two
         # lookups: after a learning flush every node of every shape is scored again, ~1,000 nodes
         # on kube-scheduler's serial cycle, mostly in a few dozen states.
-        memo: dict[Key, float] = {}
-        fit_memo: FitMemo = {}
-        by_state: dict[int, float | None] = {}
+        memo, fit_memo, by_state = memos if memos is not None else ({}, {}, {})
         for n in names:
             info = nodes.get(n)
             if info is None:

@@ -37,6 +37,7 @@ from gpupack.core.model import PodRequest
 from .answers import CACHE_SHAPES, Key, shape_of
 from .collector import VerbActivity
 from .filtering import Filter
+from .fitting import FitMemo
 from .kube import Kube, NamespaceUnreadable
 from .metrics import Metrics
 from .pod_requests import pod_request
@@ -179,12 +180,13 @@ class ShapeWarmer:
         t0 = time.perf_counter()
         now = self.clock()
         fitter = self.filtering.fitter
+        # nodes in the same state fit alike: one memo for every chunk (state numbers never repeat)
+        memo: FitMemo = {}
         for i in range(0, len(names), self.chunk):
             self._pause()
             with self.view.lock:
                 table = fitter.fits.table(shape)
                 nodes = self.view.nodes
-                memo: dict[Any, Any] = {}
                 for n in names[i : i + self.chunk]:
                     info = nodes.get(n)
                     if info is not None and not info.reservations and table.fresh(n, info.version) is None:
@@ -193,10 +195,14 @@ class ShapeWarmer:
         for attempt in range(SCORE_ATTEMPTS):
             # prioritize's scores (keep_best 0) come from the same tables as keep_best's order
             epoch = learner.epoch
+            # scores of a state hold within the epoch: the memos serve every chunk of this round
+            memos: tuple[dict[Key, float], FitMemo, dict[int, float | None]] = ({}, {}, {})
             for i in range(0, len(names), self.chunk):
                 self._pause()
                 with self.view.lock:
-                    self.scorer.raw_scores(pod, names[i : i + self.chunk], now)
+                    if learner.epoch != epoch:
+                        break
+                    self.scorer.raw_scores(pod, names[i : i + self.chunk], now, memos)
             self._pause()
             with self.view.lock:
                 if learner.epoch != epoch and attempt + 1 < SCORE_ATTEMPTS:

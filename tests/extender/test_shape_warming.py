@@ -317,8 +317,9 @@ def test_a_flush_while_scoring_scores_again_in_chunks_for_the_new_epoch() -> Non
 
     ext.warmer._pause = pause  # type: ignore[method-assign]
     assert ext.warmer.warm(pod)
-    # fits once, scores twice (each in chunks, then the answer): the second round for the new epoch
-    assert pauses == chunks + 2 * (chunks + 1)
+    # fits in chunks; scores: the first round stops at the chunk that finds the new epoch (and
+    # does not build the answer), the second scores every chunk for it, then the answer
+    assert pauses == chunks + (1 + 1) + (chunks + 1)
     assert ext.scorer.served[shape_of(pod)] == ext.learner.epoch
 
 
