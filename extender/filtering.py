@@ -3,9 +3,10 @@ each that does not, and (with keep_best N) only the policy's N best of those tha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -33,6 +34,23 @@ WHOLE_WAIT_S = 1.0
 # arrive: kube-scheduler starts it as it starts this filter, so it comes within milliseconds, or
 # the pod is not being bound (held at Permit, another node chosen) and the node passes.
 COMING_WAIT_S = 0.5
+
+
+# A filter slower than this is logged (info) with where its time went: kube-scheduler's cycle waits
+# for every filter, and the verb's latency histogram alone does not say why one was slow.
+SLOW_FILTER_S = 0.05
+
+
+class FilterCost:
+    """What one filter spent its time on (for the slow-filter log line)."""
+
+    __slots__ = ("lock_wait_s", "fitted", "scored", "stale_order")
+
+    def __init__(self) -> None:
+        self.lock_wait_s = 0.0
+        self.fitted = 0
+        self.scored = 0
+        self.stale_order = False
 
 
 def busy_reason(node: str, key: str) -> str:
@@ -70,8 +88,34 @@ class Filter:
         self.activity = activity or VerbActivity()
         # told of each pod asked about, view lock held (the shape warmer's shapes to score again)
         self.on_asked: Callable[[PodRequest], None] = lambda pod: None
+        self.cost = FilterCost()  # the last filter's (filters come one at a time: kube-scheduler's cycle)
 
-    def filter(self, args: ExtenderArgs, waited: bool = False) -> dict[str, Any]:
+    def filter(self, args: ExtenderArgs) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.cost = cost = FilterCost()
+        try:
+            return self._filter(args)
+        finally:
+            dt = time.perf_counter() - t0
+            if dt > SLOW_FILTER_S:
+                meta = args.pod.get("metadata") or {}
+                log.info(
+                    "slow filter: %.0f ms for pod %s/%s: %.0f ms waiting for the cluster view, %d node(s) "
+                    "fitted, %d scored%s",
+                    dt * 1000, meta.get("namespace", ""), meta.get("name", ""), cost.lock_wait_s * 1000,
+                    cost.fitted, cost.scored, " (the shape's order from before the policy learnt)"
+                    if cost.stale_order else "",
+                )  # fmt: skip
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The view's lock, its wait counted in this filter's cost."""
+        t = time.perf_counter()
+        with self.view.lock:
+            self.cost.lock_wait_s += time.perf_counter() - t
+            yield
+
+    def _filter(self, args: ExtenderArgs, waited: bool = False) -> dict[str, Any]:
         try:
             pod = pod_request(args.pod, self.kube)
         except PodRequestError as e:
@@ -84,7 +128,7 @@ class Filter:
         self.on_pod(args.pod)
         now = self.clock()
         names = args.node_names
-        with self.view.lock:
+        with self._locked():
             self.learner.observe(pod)
             self.on_asked(pod)
             st = self.answer(pod, names, now)
@@ -149,7 +193,7 @@ class Filter:
             coming = self.view.locks.coming(pod.uid, time.monotonic())
             if coming and all(n in coming or n in unsettled for n in passed):
                 self._await_room(passed, pod.uid)
-                return self.filter(args, waited=True)
+                return self._filter(args, waited=True)
         if any(n in unsettled for n in passed):
             # A node that is about to take a pod whose room the view does not charge yet is not
             # whole: a fit there may be refused by the bind that follows. Another node that passes
@@ -158,7 +202,7 @@ class Filter:
             whole = [n for n in passed if n not in unsettled]
             if not whole and not waited:
                 self._await_room([n for n in passed if n in unsettled], pod.uid)
-                return self.filter(args, waited=True)
+                return self._filter(args, waited=True)
             for n in passed:
                 if n in unsettled:
                     failed[n] = busy_reason(n, unsettled[n])
@@ -203,6 +247,7 @@ class Filter:
         st, todo = self.answers.current(shape, names, self.view.journal, self.view.reserved)
         pos = self.view.journal.seq
         nodes = self.view.nodes
+        self.cost.fitted += len(todo)
         if todo is names and pod.needs_gpu:
             self.fitter.fit_every_node(st, names, pod, now, table)
         else:
@@ -238,11 +283,13 @@ class Filter:
         by another pod's bind or handoff are left out (with the reason) while another passes. Only
         the nodes the answer looks at are asked whether they are locked (BindLocks.lock_check), so
         handoffs pending elsewhere in the cluster cost nothing here."""
-        with self.view.lock:
+        with self._locked():
             busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
             if len(cand) > self.keep_best:
                 skipped: dict[str, str] = {}
                 kept = self.scorer.best(pod, names, cand, now, self.keep_best, busy_on, skipped)
+                self.cost.scored += self.scorer.last_scored
+                self.cost.stale_order = self.scorer.last_stale
                 for n, k in skipped.items():
                     failed[n] = busy_reason(n, k)
                 if skipped:

@@ -131,8 +131,14 @@ class Kube:
                 return
 
     def pending_pod_pages(self, scheduler_name: str) -> Iterator[tuple[list[dict[str, Any]], str]]:
-        """The pods of `scheduler_name` not bound to a node yet, in pages (see `pages`)."""
-        return self.pages(self.core.list_pod_for_all_namespaces, field_selector=_unbound(scheduler_name))
+        """The pods of `scheduler_name` not bound to a node yet, in pages (see `pages`). From the API
+        server's watch cache (resourceVersion 0): from etcd, the selection would read every pod of
+        the cluster to find the few waiting."""
+        return self.pages(
+            self.core.list_pod_for_all_namespaces,
+            field_selector=_unbound(scheduler_name),
+            resource_version="0",
+        )
 
     def watch_pending_pods(self, scheduler_name: str, resource_version: str, timeout_s: int) -> Any:
         return self._watch(

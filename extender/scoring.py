@@ -70,6 +70,9 @@ class Scorer:
         # set by a running shape warmer (warming.ShapeWarmer.start): asked to score a shape's nodes
         # for the new epoch while its old order serves; None: every order is the current epoch's
         self.rescore: Callable[[PodRequest], None] | None = None
+        # the last best()'s nodes scored and whether a stale order served (the slow-filter log)
+        self.last_scored = 0
+        self.last_stale = False
 
     # --- prioritize ------------------------------------------------------------------------------
     def prioritize(self, pod: PodRequest, names: list[str], now: datetime) -> list[int]:
@@ -241,6 +244,7 @@ class Scorer:
             idx, changed = self.best_index.current(key, names, self.view.journal, self.view.reserved)
             pos = self.view.journal.seq
             todo = list(changed)
+            self.last_scored, self.last_stale = len(todo), key[1] != epoch
             scored = self.raw_scores(pod, todo, now)
             get = scored.get
             # a node whose fit changed since (no score) stays a candidate only after every scored one

@@ -89,7 +89,10 @@ class ShapeWarmer:
         self._cond = threading.Condition(threading.Lock())
         # shape -> (a pod of that shape, why): asked now (a stale order serving) before the others
         self._urgent: OrderedDict[Key, tuple[PodRequest, str]] = OrderedDict()
-        self._queue: OrderedDict[Key, tuple[PodRequest, str]] = OrderedDict()
+        self._queue: OrderedDict[Key, tuple[PodRequest, str]] = OrderedDict()  # after a flush
+        # new shapes of pending pods, taken newest first: kube-scheduler takes its queue oldest
+        # first, so the oldest are the ones it would reach while they are being warmed
+        self._pending: OrderedDict[Key, tuple[PodRequest, str]] = OrderedDict()
         # the shapes whose order was built, with a pod of each, most recently asked last
         self._seen: OrderedDict[Key, PodRequest] = OrderedDict()
         self._thread: threading.Thread | None = None
@@ -126,10 +129,18 @@ class ShapeWarmer:
                 return
             if urgent:
                 self._queue.pop(shape, None)
+                self._pending.pop(shape, None)
                 self._urgent[shape] = (pod, why)
+            elif why == "pending":
+                if shape in self._queue or shape in self._pending:
+                    return
+                if len(self._pending) >= QUEUE_MAX:
+                    self._pending.popitem(last=False)  # the oldest: kube-scheduler reaches it first
+                self._pending[shape] = (pod, why)
             elif shape not in self._queue:
                 if len(self._queue) >= QUEUE_MAX:
-                    return  # the oldest are the queue's head: they go first
+                    return
+                self._pending.pop(shape, None)
                 self._queue[shape] = (pod, why)
             self._cond.notify()
 
@@ -159,11 +170,14 @@ class ShapeWarmer:
                 time.sleep(timeout)
             return None
         with self._cond:
-            if not self._urgent and not self._queue:
+            if not self._urgent and not self._pending and not self._queue:
                 self._cond.wait(timeout)
-            for q in (self._urgent, self._queue):
-                if q:
-                    return q.popitem(last=False)[1]
+            if self._urgent:
+                return self._urgent.popitem(last=False)[1]
+            if self._pending:  # a new shape costs a filter every node; an old order serves meanwhile
+                return self._pending.popitem(last=True)[1]
+            if self._queue:
+                return self._queue.popitem(last=False)[1]
         return None
 
     # --- the work ----------------------------------------------------------------------------------
@@ -185,6 +199,8 @@ class ShapeWarmer:
         for i in range(0, len(names), self.chunk):
             self._pause()
             with self.view.lock:
+                if self._current(shape):
+                    return False  # a filter got there first
                 table = fitter.fits.table(shape)
                 nodes = self.view.nodes
                 for n in names[i : i + self.chunk]:
@@ -200,6 +216,8 @@ class ShapeWarmer:
             for i in range(0, len(names), self.chunk):
                 self._pause()
                 with self.view.lock:
+                    if self._current(shape):
+                        return False
                     if learner.epoch != epoch:
                         break
                     self.scorer.raw_scores(pod, names[i : i + self.chunk], now, memos)

@@ -343,3 +343,50 @@ def test_warming_from_a_pod_already_placed_answers_as_for_any_pod_of_its_shape(k
         got = ext.scorer.raw_scores(req, names, NOW)
     assert len(set(want.values())) > 1, "the partly used node scores apart from the empty ones"
     assert got == want
+
+
+def test_a_slow_filter_is_logged_with_where_its_time_went(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import extender.filtering as filtering
+
+    view, names = _view(6)
+    ext = Extender(view, _workload_policy(view), None, ExtenderConfig(keep_best=1), clock=lambda: NOW)
+    monkeypatch.setattr(filtering, "SLOW_FILTER_S", 0.0)
+    with caplog.at_level("INFO", logger="gpupack.extender"):
+        _filter(ext, _pod(1, SHAPES[0]), names)  # a new shape: every node fitted and scored
+        _filter(ext, _pod(2, SHAPES[0]), names)  # kept: none
+    lines = [r.getMessage() for r in caplog.records if "slow filter" in r.getMessage()]
+    assert len(lines) == 2
+    assert "pod prod/p1" in lines[0] and "6 node(s) fitted, 6 scored" in lines[0]
+    assert "0 node(s) fitted, 0 scored" in lines[1]
+    monkeypatch.setattr(filtering, "SLOW_FILTER_S", 10.0)
+    caplog.clear()
+    _filter(ext, _pod(3, SHAPES[0]), names)
+    assert not [r for r in caplog.records if "slow filter" in r.getMessage()]
+
+
+def test_new_pending_shapes_are_warmed_newest_first_and_one_a_filter_answered_is_dropped() -> None:
+    view, names = _view(8)
+    ext = Extender(view, _workload_policy(view), None, ExtenderConfig(keep_best=1), clock=lambda: NOW)
+    reqs = [ext.pod_request(_pod(i, s)) for i, s in enumerate(SHAPES[:3])]
+    for r in reqs:
+        ext.warmer.want(r)
+    order = []
+    while (item := ext.warmer._next(0)) is not None:
+        order.append(shape_of(item[0]))
+    # kube-scheduler takes the oldest first: those are the ones it would reach while being warmed
+    assert order == [shape_of(r) for r in reversed(reqs)]
+
+    ext.warmer.chunk = 2
+    pauses = 0
+
+    def pause() -> None:
+        nonlocal pauses
+        pauses += 1
+        if pauses == 2:  # kube-scheduler asks about that shape while it is being warmed
+            _filter(ext, _pod(100, SHAPES[0]), names)
+
+    ext.warmer._pause = pause  # type: ignore[method-assign]
+    assert not ext.warmer.warm(reqs[0]), "the filter's answer stands; the rest is not redone"
+    assert pauses == 2
