@@ -60,6 +60,10 @@ CHUNK_GAP_S = 0.001
 # the slash.
 STAND_IN_KEY = "gpupack.io/shape-warmer"
 
+# After the policy learnt, the shapes asked about this recently are scored again at once; the others
+# only once asked again (scoring every kept shape after every flush spent CPU on shapes whose
+# pods had all been placed).
+RESCORE_RECENT_S = 60.0
 # Rounds of scoring a shape's nodes when the policy learns while they are being scored (the last
 # round's leftovers are scored under the lock).
 SCORE_ATTEMPTS = 3
@@ -94,7 +98,8 @@ class ShapeWarmer:
         # first, so the oldest are the ones it would reach while they are being warmed
         self._pending: OrderedDict[Key, tuple[PodRequest, str]] = OrderedDict()
         # the shapes whose order was built, with a pod of each, most recently asked last
-        self._seen: OrderedDict[Key, PodRequest] = OrderedDict()
+        self._seen: OrderedDict[Key, tuple[PodRequest, float]] = OrderedDict()  # (pod, when asked)
+        self.monotonic = time.monotonic
         self._thread: threading.Thread | None = None
         self.warmed = 0  # shapes warmed (tests, benchmarks)
 
@@ -118,9 +123,13 @@ class ShapeWarmer:
         self._put(shape_of(pod), self.stand_in(pod), "learnt", urgent=True)
 
     def flushed(self) -> None:
-        """The policy learnt (a new epoch): every shape with an order is scored again, the most
-        recently asked first. View lock held (Learner.on_flush)."""
-        for shape, pod in reversed(self._seen.items()):
+        """The policy learnt (a new epoch): every shape asked about in the last RESCORE_RECENT_S is
+        scored again, the most recently asked first. One asked longer ago is scored again when it
+        is next asked (Scorer.order_key). View lock held (Learner.on_flush)."""
+        now = self.monotonic()
+        for shape, (pod, at) in reversed(self._seen.items()):
+            if now - at > RESCORE_RECENT_S:
+                break  # the rest were asked even longer ago
             self._put(shape, pod, "learnt", urgent=False)
 
     def _put(self, shape: Key, pod: PodRequest, why: str, urgent: bool) -> None:
@@ -230,10 +239,7 @@ class ShapeWarmer:
                 self.filtering.answer(pod, names, now)
                 if self.filtering.keep_best > 0:
                     self.scorer.best(pod, names, (), now, self.filtering.keep_best, fresh=True)
-                    self._seen[shape] = pod
-                    self._seen.move_to_end(shape)
-                    while len(self._seen) > CACHE_SHAPES:
-                        self._seen.popitem(last=False)
+                    self._note(shape, pod)
                 break
         self.metrics.warmed.labels(why).observe(time.perf_counter() - t0)
         self.warmed += 1
@@ -242,13 +248,13 @@ class ShapeWarmer:
     def asked(self, pod: PodRequest) -> None:
         """kube-scheduler asked about `pod` (filter): its shape is among those scored again after
         the policy learns. View lock held."""
-        shape = shape_of(pod)
-        if shape in self._seen:
-            self._seen.move_to_end(shape)
-        else:
-            self._seen[shape] = self.stand_in(pod)
-            while len(self._seen) > CACHE_SHAPES:
-                self._seen.popitem(last=False)
+        self._note(shape_of(pod), self.stand_in(pod))
+
+    def _note(self, shape: Key, pod: PodRequest) -> None:
+        self._seen[shape] = (pod, self.monotonic())
+        self._seen.move_to_end(shape)
+        while len(self._seen) > CACHE_SHAPES:
+            self._seen.popitem(last=False)
 
     def drain(self) -> int:
         """Warm everything queued, in this thread (tests); how many shapes were warmed."""

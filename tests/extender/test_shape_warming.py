@@ -390,3 +390,18 @@ def test_new_pending_shapes_are_warmed_newest_first_and_one_a_filter_answered_is
     ext.warmer._pause = pause  # type: ignore[method-assign]
     assert not ext.warmer.warm(reqs[0]), "the filter's answer stands; the rest is not redone"
     assert pauses == 2
+
+
+def test_a_flush_rescores_only_the_shapes_asked_recently() -> None:
+    clock = [100.0]
+    ext, _policy, names = _learning_extender(6, clock)
+    ext.warmer.monotonic = lambda: clock[0]
+    _filter(ext, _pod(0, SHAPES[0]), names)
+    clock[0] += 120.0  # SHAPES[0] was asked two minutes ago
+    _filter(ext, _pod(1, SHAPES[1]), names)
+    ext.warmer.drain()
+    _flush(ext, clock, 1000)
+    assert [shape for shape in ext.warmer._queue] == [shape_of(ext.pod_request(_pod(1, SHAPES[1])))]
+    # the old one is scored again when it is asked next, its old order serving meanwhile
+    _filter(ext, _pod(2, SHAPES[0]), names)
+    assert shape_of(ext.pod_request(_pod(2, SHAPES[0]))) in ext.warmer._urgent
