@@ -321,3 +321,21 @@ def kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+
+
+def assume_on(ext: Any, pod: dict[str, Any], node: str, now: Any) -> bool:
+    """Place `pod` on `node` in `ext`'s view as its bind would (fit, then assume), without the API
+    server; False when it does not fit there."""
+    from extender.binding import assignment_from_fit
+
+    view = ext.view
+    req = ext.pod_request(pod)
+    with view.lock:
+        f, res = ext.fitter.node_fit(node, req, now, None)
+        if not f:
+            return False
+        a = assignment_from_fit(
+            view.state.nodes[node], req, f, now, res.id if res else "", view.nodes[node].gpu_indexes
+        )
+        view.assume(req.key, req.uid, a, frozenset())
+    return True

@@ -8,9 +8,8 @@ import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from ext_helpers import container, node_obj, pod_obj
+from ext_helpers import assume_on, container, node_obj, pod_obj
 
-from extender.binding import assignment_from_fit
 from extender.config import ExtenderConfig
 from extender.framework import Extender
 from extender.view import ClusterView
@@ -64,16 +63,7 @@ def _fresh(view: ClusterView, policy: GpupackPolicy) -> Extender:
 
 
 def _place(ext: Extender, view: ClusterView, pod: dict, node: str) -> bool:
-    req = ext.pod_request(pod)
-    with view.lock:
-        f, res = ext.fitter.node_fit(node, req, NOW, None)
-        if not f:
-            return False
-        a = assignment_from_fit(
-            view.state.nodes[node], req, f, NOW, res.id if res else "", view.nodes[node].gpu_indexes
-        )
-        view.assume(req.key, req.uid, a, frozenset())
-    return True
+    return assume_on(ext, pod, node, NOW)
 
 
 @pytest.mark.slow

@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 import realk8s
-from ext_helpers import container, node_obj, pod_obj
+from ext_helpers import assume_on, container, node_obj, pod_obj
 from realk8s import until
 
 from extender.answers import shape_of
-from extender.binding import assignment_from_fit
 from extender.config import ExtenderConfig
 from extender.framework import Extender
 from extender.kube import Kube, api_client
@@ -59,18 +58,11 @@ def _workload_policy(view: ClusterView) -> GpupackPolicy:
 
 
 def _place(ext: Extender, pod: dict, node: str) -> bool:
-    view = ext.view
-    req = ext.pod_request(pod)
-    with view.lock:
-        f, res = ext.fitter.node_fit(node, req, NOW, None)
-        if not f:
-            return False
-        a = assignment_from_fit(
-            view.state.nodes[node], req, f, NOW, res.id if res else "", view.nodes[node].gpu_indexes
-        )
-        view.assume(req.key, req.uid, a, frozenset())
-    view.locks.expect(req.uid, req.key, (), 0.0)
-    return True
+    ok = assume_on(ext, pod, node, NOW)
+    if ok:  # its bind has come (BindLocks.claim drops the expectation so)
+        m = pod["metadata"]
+        ext.view.locks.expect(m["uid"], f"{m['namespace']}/{m['name']}", (), 0.0)
+    return ok
 
 
 def _filter(ext: Extender, pod: dict, names: list[str]) -> dict[str, Any]:
