@@ -131,7 +131,7 @@ class Filter:
         with self._locked():
             self.learner.observe(pod)
             self.on_asked(pod)
-            st = self.answer(pod, names, now)
+            st = self.answer(pod, names, now, self.cost)
             cand: set[str] | None = None
             passed: list[str] = []
             steered: list[str] | None = None
@@ -239,15 +239,18 @@ class Filter:
                     return
                 self.view.changed.wait(min(left, 0.05))
 
-    def answer(self, pod: PodRequest, names: list[str], now: datetime) -> FilterAnswer:
+    def answer(
+        self, pod: PodRequest, names: list[str], now: datetime, cost: FilterCost | None = None
+    ) -> FilterAnswer:
         """The pod shape's answer, updated for the nodes changed since it was last given (all of
-        them for a new shape). View lock held."""
+        them for a new shape), those nodes counted in `cost`. View lock held."""
         shape = shape_of(pod)
         table = self.fitter.fits.table(shape)
         st, todo = self.answers.current(shape, names, self.view.journal, self.view.reserved)
         pos = self.view.journal.seq
         nodes = self.view.nodes
-        self.cost.fitted += len(todo)
+        if cost is not None:
+            cost.fitted += len(todo)
         if todo is names and pod.needs_gpu:
             self.fitter.fit_every_node(st, names, pod, now, table)
         else:

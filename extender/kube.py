@@ -108,12 +108,8 @@ class Kube:
         """Pods of `scheduler_name` not bound to a node yet (all namespaces). `cached`: from the API
         server's watch cache (resourceVersion 0: maybe a moment old, but no etcd read of every pod),
         for lists repeated as often as every few seconds."""
-        sel = _unbound(scheduler_name)
-        kw: dict[str, Any] = {"resource_version": "0"} if cached else {}
         out: list[dict[str, Any]] = []
-        for items, _rv in self.pages(
-            self.core.list_pod_for_all_namespaces, field_selector=sel, _request_timeout=(10, 60), **kw
-        ):
+        for items, _rv in self.pending_pod_pages(scheduler_name, cached, _request_timeout=(10, 60)):
             out.extend(items)
         return out
 
@@ -130,14 +126,16 @@ class Kube:
             if not token:
                 return
 
-    def pending_pod_pages(self, scheduler_name: str) -> Iterator[tuple[list[dict[str, Any]], str]]:
-        """The pods of `scheduler_name` not bound to a node yet, in pages (see `pages`). From the API
-        server's watch cache (resourceVersion 0): from etcd, the selection would read every pod of
-        the cluster to find the few waiting."""
+    def pending_pod_pages(
+        self, scheduler_name: str, cached: bool = True, **kw: Any
+    ) -> Iterator[tuple[list[dict[str, Any]], str]]:
+        """The pods of `scheduler_name` not bound to a node yet, in pages (see `pages`). `cached`
+        (the default): from the API server's watch cache (resourceVersion 0); from etcd, the
+        selection reads every pod of the cluster to find the few waiting."""
+        if cached:
+            kw["resource_version"] = "0"
         return self.pages(
-            self.core.list_pod_for_all_namespaces,
-            field_selector=_unbound(scheduler_name),
-            resource_version="0",
+            self.core.list_pod_for_all_namespaces, field_selector=_unbound(scheduler_name), **kw
         )
 
     def watch_pending_pods(self, scheduler_name: str, resource_version: str, timeout_s: int) -> Any:

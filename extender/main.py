@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="compute pod shapes' answers before kube-scheduler asks (the shapes of pods waiting to be "
-        "scheduled, and every shape again after the policy learnt), off its serial cycle (default on; "
-        "extender/warming.py)",
+        "scheduled, and after the policy learnt the shapes asked about in the last minute), off its "
+        "serial cycle (default on; extender/warming.py)",
     )
     p.add_argument(
         "--preemption-interval-s",

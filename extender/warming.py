@@ -15,10 +15,11 @@ and a filter that comes first finds whatever chunks are done already.
 
 What it is asked to warm:
 - the shapes of pods waiting for kube-scheduler (`pending_watcher`: a watch of the profile's
-  unbound pods), in the order they were first seen, so the queue's head first;
-- after a learning flush, each shape whose node order was built before (`Scorer.order_key` serves
-  that order meanwhile, for at most scoring.STALE_ORDER_MAX_S): a shape kube-scheduler asks
-  about first, then the others, most recently asked first.
+  unbound pods), newest first: kube-scheduler takes its queue oldest first, so it would reach the
+  oldest while they are being warmed;
+- after a learning flush, the shapes asked about in the last RESCORE_RECENT_S (`Scorer.order_key`
+  serves their order from before meanwhile, for at most scoring.STALE_ORDER_MAX_S): a shape
+  kube-scheduler asks about first, then the others, most recently asked first.
 """
 
 from __future__ import annotations
@@ -100,7 +101,6 @@ class ShapeWarmer:
         # the shapes whose order was built, with a pod of each, most recently asked last
         self._seen: OrderedDict[Key, tuple[PodRequest, float]] = OrderedDict()  # (pod, when asked)
         self.monotonic = time.monotonic
-        self._thread: threading.Thread | None = None
         self.warmed = 0  # shapes warmed (tests, benchmarks)
 
     @staticmethod
@@ -276,8 +276,7 @@ class ShapeWarmer:
         """Warm from a daemon thread until `stop`; from now on a shape's old order serves while its
         nodes are scored again after the policy learnt (Scorer.rescore)."""
         self.attach()
-        self._thread = threading.Thread(target=self._run, args=(stop,), name="shape-warmer", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, args=(stop,), name="shape-warmer", daemon=True).start()
 
     def _run(self, stop: threading.Event) -> None:
         while not stop.is_set():

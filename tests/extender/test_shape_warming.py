@@ -352,6 +352,10 @@ def test_a_slow_filter_is_logged_with_where_its_time_went(
     assert len(lines) == 2
     assert "pod prod/p1" in lines[0] and "6 node(s) fitted, 6 scored" in lines[0]
     assert "0 node(s) fitted, 0 scored" in lines[1]
+    # the warmer's work is not counted in the last filter's cost
+    cost = (ext.filtering.cost.fitted, ext.filtering.cost.scored)
+    assert ext.warmer.warm(ext.pod_request(_pod(5, SHAPES[2])))
+    assert (ext.filtering.cost.fitted, ext.filtering.cost.scored) == cost
     monkeypatch.setattr(filtering, "SLOW_FILTER_S", 10.0)
     caplog.clear()
     _filter(ext, _pod(3, SHAPES[0]), names)
