@@ -401,3 +401,19 @@ def test_a_flush_rescores_only_the_shapes_asked_recently() -> None:
     # the old one is scored again when it is asked next, its old order serving meanwhile
     _filter(ext, _pod(2, SHAPES[0]), names)
     assert shape_of(ext.pod_request(_pod(2, SHAPES[0]))) in ext.warmer._urgent
+
+
+def test_a_pending_pod_gpupack_cannot_parse_is_left_to_the_filter() -> None:
+    """The watch hands on the shapes of pods it can read; one with a malformed request is skipped
+    (the filter answers it with the reason), and the watch goes on."""
+    view, _names = _view(2)
+    ext = Extender(view, _workload_policy(view), None, ExtenderConfig(keep_best=1))
+    wanted: list[Any] = []
+    ext.warmer.want = wanted.append  # type: ignore[method-assign]
+    watcher = pending_watcher(None, "gpupack-scheduler", ext.warmer, threading.Event())  # type: ignore[arg-type]
+    bad = _pod(1, SHAPES[0])
+    bad["spec"]["containers"][0]["resources"]["limits"]["gpupack.io/gpu-mem"] = "lots"
+    watcher.apply(bad)
+    watcher.apply(_pod(2, SHAPES[1]))
+    watcher.apply(_pod(2, SHAPES[1]))  # a later event of the same pod: handed on once
+    assert [w.key for w in wanted] == ["prod/p2"]
