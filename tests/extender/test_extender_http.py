@@ -367,7 +367,9 @@ def test_watch_resumes_and_relists_after_410(cluster, ns, sfx, start_extender, p
 def test_readyz_waits_for_first_sync(cluster, ns, sfx, start_extender, proxy, tmp_path):
     n1 = f"n1-{sfx}"
     gpu_node(cluster, n1, 1)
-    proxy.delay(r"^/api/v1/pods$", 1.5, method="GET", times=1)
+    # the shape warmer lists pending pods on the same path, and may be first: delay every early
+    # GET there (the two lists and the watches that follow them), so the full pod list is among them
+    proxy.delay(r"^/api/v1/pods$", 1.5, method="GET", times=4)
     ext = start_extender(
         ready=False, kubeconfig_path=cluster.write_kubeconfig(tmp_path / "kc", server=proxy.url)
     )
