@@ -10,7 +10,9 @@ then per pod shape (bench_scheduler.py's burst draws, 40 shapes): the first filt
 node fitted), the memory a kept shape's answers take, each shape's next filter after the policy
 learned (every node scored again); the same with the shape warmer (extender/warming.py): its CPU
 per shape, the filter after it, the filter after the policy learned (the old order serving) and
-the warmer's rescoring per shape; and one /metrics scrape (the per-GPU gauges). Times are this
+the warmer's rescoring per shape; each shape's first filter with the shipped --new-shape-budget-ms
+(extender/sampling.py), the nodes it looked at, and how the node it answered scores against the
+whole answer's; and one /metrics scrape (the per-GPU gauges). Times are this
 process's CPU time (on a shared machine wall time measures the neighbours).
 
     python benchmarks/bench_view.py [--nodes 5000 --pods 100000] [--json]
@@ -36,10 +38,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
 from bench_scale import running_pods, with_uid  # noqa: E402
-from bench_scheduler import gpu_pod  # noqa: E402
+from bench_scheduler import gpu_pod, shipped_extender_args  # noqa: E402
 from ext_helpers import container, node_obj, pod_obj  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
+from extender.answers import shape_of  # noqa: E402
 from extender.config import ExtenderConfig  # noqa: E402
 from extender.framework import Extender  # noqa: E402
 from extender.view import ClusterView  # noqa: E402
@@ -172,6 +175,7 @@ def shape_costs(ext: Extender, view: ClusterView, names: list[str], seed: int) -
     after = timed(lambda i: ext.filter(ExtenderArgs(again[i], names, None)), len(pods))
     assert ext.learner.epoch > learnt, "the policy did not learn"
     warmed = warmer_costs(view, names, pods)
+    sampled = sampled_costs(view, names, pods)
     ext.metrics.attach_view(view)
     t0 = time.process_time()
     text = generate_latest(ext.metrics.registry)
@@ -181,6 +185,7 @@ def shape_costs(ext: Extender, view: ClusterView, names: list[str], seed: int) -
         "shape_kept_mib": round(kept_mib, 2),
         "shape_filter_after_learning": after,
         **warmed,
+        **sampled,
         "metrics_scrape": {"bytes": len(text), "cpu_s": round(time.process_time() - t0, 2)},
     }
 
@@ -211,6 +216,52 @@ def warmer_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]]
         "shape_filter_after_learning_warmer": stale,
         "warmer_rescore_per_shape": rescore,
     }
+
+
+def sampled_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each shape's first filter with the shipped --new-shape-budget-ms (extender/sampling.py) in
+    an extender of its own (caches empty), and what the sample cost the pod: the node it answered
+    against the whole answer's (another extender, no budget, same pods in the same order), and the
+    policy's raw score of each (0..99; how much lower the sampled node scores)."""
+    budget = shipped_budget_s()
+    sampler = Extender(
+        view, get_policy("gpupack"), None, clock=lambda: NOW,
+        config=ExtenderConfig(keep_best=1, new_shape_budget_s=budget),
+    )  # fmt: skip
+    whole = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
+    asked = [{**p, "metadata": {**p["metadata"], "uid": p["metadata"]["uid"] + "-s"}} for p in pods]
+    picks: list[str] = []
+    looked: list[int] = []
+
+    def sampled(i: int) -> None:
+        picks.append(sampler.filter(ExtenderArgs(asked[i], names, None))["NodeNames"][0])
+        got = sampler.filtering.cost.sampled
+        looked.append(got[0] if got is not None else len(names))
+
+    first = timed(sampled, len(pods))
+    same, gaps = 0, []
+    for i, p in enumerate(asked):
+        best = whole.filter(ExtenderArgs(p, names, None))["NodeNames"][0]
+        req = whole.pod_request(p)
+        table = whole.scorer.scores.table((shape_of(req), whole.learner.epoch))
+        gap = (table[best][1] or 0.0) - (table[picks[i]][1] or 0.0)
+        same += gap == 0
+        gaps.append(gap)
+    return {
+        "new_shape_budget_ms": budget * 1000,
+        "shape_first_filter_sampled": first,
+        "sampled_nodes_looked_at": {"p50": statistics.median(looked), "min": min(looked), "max": max(looked)},
+        "sampled_best_scored": f"{same} of {len(pods)}",
+        "sampled_score_gap": {"mean": round(statistics.fmean(gaps), 2), "max": max(gaps)},
+    }
+
+
+def shipped_budget_s() -> float:
+    """deploy/scheduler/deployment.yaml's --new-shape-budget-ms, in seconds."""
+    for a in shipped_extender_args():
+        if a.startswith("--new-shape-budget-ms="):
+            return float(a.split("=", 1)[1]) / 1000
+    raise SystemExit("deploy/scheduler/deployment.yaml sets no --new-shape-budget-ms")
 
 
 if __name__ == "__main__":

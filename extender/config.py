@@ -17,3 +17,5 @@ class ExtenderConfig:
     bind_concurrency: int = 0
     # filter passes only the policy's N best nodes of those that fit (0: all of them)
     keep_best: int = 0
+    # a new pod shape's filter answers from the nodes fitted within this many seconds (0: every node)
+    new_shape_budget_s: float = 0.0

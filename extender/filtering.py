@@ -19,6 +19,7 @@ from .kube import Kube, NamespaceUnreadable
 from .learning import Learner
 from .metrics import Metrics
 from .pod_requests import pod_request
+from .sampling import NewShapeSampler, Sample
 from .scoring import EXPECT_MAX_NODES, EXPECT_S, Scorer
 from .view import ClusterView
 from .wire import ExtenderArgs, PodRequestError, WireError, filter_result, unresolvable_result
@@ -44,13 +45,14 @@ SLOW_FILTER_S = 0.05
 class FilterCost:
     """What one filter spent its time on (for the slow-filter log line)."""
 
-    __slots__ = ("lock_wait_s", "fitted", "scored", "stale_order")
+    __slots__ = ("lock_wait_s", "fitted", "scored", "stale_order", "sampled")
 
     def __init__(self) -> None:
         self.lock_wait_s = 0.0
         self.fitted = 0
         self.scored = 0
         self.stale_order = False
+        self.sampled: tuple[int, int] | None = None  # a new shape's sample: (nodes looked at, asked)
 
 
 def busy_reason(node: str, key: str) -> str:
@@ -89,6 +91,10 @@ class Filter:
         # told of each pod asked about, view lock held (the shape warmer's shapes to score again)
         self.on_asked: Callable[[PodRequest], None] = lambda pod: None
         self.cost = FilterCost()  # the last filter's (filters come one at a time: kube-scheduler's cycle)
+        # a new shape's first filters answered from the nodes fitted within a budget (None: every node)
+        self.sampler: NewShapeSampler | None = None
+        # told of each pod answered from a sample, view lock not held (the shape warmer finishes it)
+        self.on_sampled: Callable[[PodRequest], None] = lambda pod: None
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -99,12 +105,16 @@ class Filter:
             dt = time.perf_counter() - t0
             if dt > SLOW_FILTER_S:
                 meta = args.pod.get("metadata") or {}
+                how = ""
+                if cost.stale_order:
+                    how = " (the shape's order from before the policy learnt)"
+                elif cost.sampled is not None:
+                    how = f" (a new shape: {cost.sampled[0]} of {cost.sampled[1]} nodes looked at)"
                 log.info(
                     "slow filter: %.0f ms for pod %s/%s: %.0f ms waiting for the cluster view, %d node(s) "
                     "fitted, %d scored%s",
                     dt * 1000, meta.get("namespace", ""), meta.get("name", ""), cost.lock_wait_s * 1000,
-                    cost.fitted, cost.scored, " (the shape's order from before the policy learnt)"
-                    if cost.stale_order else "",
+                    cost.fitted, cost.scored, how,
                 )  # fmt: skip
 
     @contextlib.contextmanager
@@ -131,27 +141,34 @@ class Filter:
         with self._locked():
             self.learner.observe(pod)
             self.on_asked(pod)
-            st = self.answer(pod, names, now, self.cost)
-            cand: set[str] | None = None
-            passed: list[str] = []
-            steered: list[str] | None = None
-            if self.keep_best > 0 and not st.steered:
-                # only the policy's best few of the nodes that pass are answered: which pass is
-                # wanted as a set, not as a list in the request's order (~1,000 nodes a pod)
-                cand = set(st.ok)
+            sample = self._sample(pod, names, now)
+            if sample is not None:
+                sampled = self._sampled(pod, names, sample)
             else:
-                if st.passed is None:
-                    ok = st.ok
-                    st.passed = [n for n in names if n in ok]
-                passed = list(st.passed)
-                steered = [n for n in passed if n in st.steered] if st.steered else None
-            failed = dict(st.failed)
-            unresolvable = dict(st.unresolvable)
-            codes = {c: k for c, k in st.codes.items() if k}
-            if steered:
-                target = steered[0]
-                steer = st.steered[target]
-                wanted = {n: st.steered[n] for n in steered}
+                st = self.answer(pod, names, now, self.cost)
+                cand: set[str] | None = None
+                passed: list[str] = []
+                steered: list[str] | None = None
+                if self.keep_best > 0 and not st.steered:
+                    # only the policy's best few of the nodes that pass are answered: which pass is
+                    # wanted as a set, not as a list in the request's order (~1,000 nodes a pod)
+                    cand = set(st.ok)
+                else:
+                    if st.passed is None:
+                        ok = st.ok
+                        st.passed = [n for n in names if n in ok]
+                    passed = list(st.passed)
+                    steered = [n for n in passed if n in st.steered] if st.steered else None
+                failed = dict(st.failed)
+                unresolvable = dict(st.unresolvable)
+                codes = {c: k for c, k in st.codes.items() if k}
+                if steered:
+                    target = steered[0]
+                    steer = st.steered[target]
+                    wanted = {n: st.steered[n] for n in steered}
+        if sample is not None:
+            self.on_sampled(pod)
+            return self._settle(args, pod, *sampled, waited)
         if names and codes.get("unknown-node") == len(st.name_set):
             shown = ", ".join(names[:5])
             raise WireError(f"none of the {len(names)} node(s) is known to gpupack: {shown}")
@@ -184,6 +201,20 @@ class Filter:
             kept = self.scorer.best(pod, names, passed, now, self.keep_best)
             codes["not-best"] = codes.get("not-best", 0) + len(passed) - len(kept)
             passed = kept
+        return self._settle(args, pod, passed, failed, unresolvable, codes, waited)
+
+    def _settle(
+        self,
+        args: ExtenderArgs,
+        pod: PodRequest,
+        passed: list[str],
+        failed: dict[str, str],
+        unresolvable: dict[str, str],
+        codes: dict[str, int],
+        waited: bool,
+    ) -> dict[str, Any]:
+        """The answer from the nodes that pass, once none of them is about to take a pod whose
+        room the view does not charge yet (waiting for it, or leaving such a node out)."""
         unsettled = self.view.locks.unsettled(pod.uid) if passed else {}
         if passed and not waited:
             # Every node answered is expected to take another pod any moment (kube-scheduler
@@ -224,6 +255,49 @@ class Filter:
         for code, k in codes.items():
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
+
+    def _sample(self, pod: PodRequest, names: list[str], now: datetime) -> Sample | None:
+        """A new shape's answer from the nodes looked at within the budget (sampling.py), or None
+        for the whole answer. View lock held."""
+        if self.sampler is None or shape_of(pod) in self.answers.data:
+            return None
+        sample = self.sampler.sample(pod, names, now)
+        if sample is not None:
+            self.cost.fitted += sample.fitted
+            self.cost.scored += sample.scored
+            self.cost.sampled = (sample.looked, len(names))
+        return sample
+
+    def _sampled(
+        self, pod: PodRequest, names: list[str], sample: Sample
+    ) -> tuple[list[str], dict[str, str], dict[str, str], dict[str, int]]:
+        """filter's nodes from a sample: with keep_best its best not held by another pod's bind or
+        handoff, else every passing node in the request's order (prioritize scores them). View lock
+        held."""
+        failed = dict(sample.failed)
+        codes = {c: k for c, k in sample.codes.items() if k}
+        codes["not-sampled"] = len(names) - sample.looked
+        if self.keep_best > 0:
+            skipped: dict[str, str] = {}
+            busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+            passed = sample.best(self.scorer.ranked_ties(), self.keep_best, busy_on, skipped)
+            for n, k in skipped.items():
+                failed[n] = busy_reason(n, k)
+            if skipped:
+                codes["handoff-pending"] = len(skipped)
+            codes["not-best"] = len(sample.ok) - len(passed) - len(skipped)
+            return passed, failed, dict(sample.unresolvable), codes
+        ok = sample.ok
+        passed = [n for n in names if n in ok]
+        locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        free = [n for n in passed if n not in locked]
+        if free and len(free) < len(passed):
+            for n in passed:
+                if n in locked:
+                    failed[n] = busy_reason(n, locked[n])
+            codes["handoff-pending"] = len(passed) - len(free)
+            passed = free
+        return passed, failed, dict(sample.unresolvable), codes
 
     def _await_room(self, nodes: list[str], uid: str) -> None:
         """Wait (at most WHOLE_WAIT_S, standing aside for the binds) until one of `nodes` has the

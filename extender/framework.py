@@ -3,7 +3,8 @@ shape, wired from one part per responsibility:
 
 - filter (`filtering.Filter`): fit per node with reasons (`fitting.Fitter`), and with keep_best N
   only the policy's N best (`scoring.Scorer.best`), so kube-scheduler's own scores cannot
-  override the policy;
+  override the policy; a new pod shape's from the nodes fitted within a time budget
+  (`sampling.NewShapeSampler`);
 - prioritize (`scoring.Scorer`): the policy's scores, 0..10;
 - bind (`binding.Binder`): fit again under the view's lock, assume, and post one Binding that
   carries the assignment (`settling` for Bindings that got no answer, `stale` for assignments
@@ -38,6 +39,7 @@ from .lease import LeaseFence
 from .metrics import Metrics
 from .node_resources import HostedPodRequest
 from .pod_requests import pod_request
+from .sampling import NewShapeSampler
 from .scoring import Scorer
 from .settling import Settler
 from .stale import StaleCleaner
@@ -94,6 +96,10 @@ class Extender:
             self._filtered,
             self.activity,
         )
+        if config.new_shape_budget_s > 0:
+            self.filtering.sampler = NewShapeSampler(
+                view, self.fitter, self.scorer, config.new_shape_budget_s, scored=config.keep_best > 0
+            )
         self.upkeep = Upkeep(view, kube, config, metrics, clock, fence, events, settler)
         # idle until started (main.py): tests drive it with drain()
         self.warmer = ShapeWarmer(view, self.filtering, self.scorer, self.activity, metrics, clock)

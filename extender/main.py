@@ -76,6 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         "node (default). Use with percentageOfNodesToScore: 100 (docs/operator-guide.md)",
     )
     p.add_argument(
+        "--new-shape-budget-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="a pod shape's filter, until its answer is whole, fits nodes for this long and answers the "
+        "best of those (at least 100 looked at and one passing; the shape warmer fits the others off "
+        "kube-scheduler's cycle), as kube-scheduler's percentageOfNodesToScore samples; 0: every node "
+        "(default; extender/sampling.py)",
+    )
+    p.add_argument(
         "--workload-file",
         metavar="PATH",
         help="JSON pod shapes and counts the policy packs for (`gpupack simulate workload` writes one); "
@@ -188,6 +198,8 @@ def make_policy(args: argparse.Namespace) -> Policy:
     name = args.policy or DEFAULT_POLICY
     if args.filter_keep_best < 0:
         raise ConfigError(f"--filter-keep-best must be 0 (off) or more, got {args.filter_keep_best}")
+    if args.new_shape_budget_ms < 0:
+        raise ConfigError(f"--new-shape-budget-ms must be 0 (off) or more, got {args.new_shape_budget_ms}")
     if not args.workload_file:
         return get_policy(name, seed=args.policy_seed)
     spec = policy_spec(name)
@@ -246,6 +258,7 @@ def _extender_factory(
             scheduler_name=args.scheduler_name,
             bind_concurrency=args.bind_concurrency,
             keep_best=args.filter_keep_best,
+            new_shape_budget_s=args.new_shape_budget_ms / 1000,
         )
         ext = Extender(view, policy, kube, config, metrics=metrics, fence=fence, events=events)
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed

@@ -4,7 +4,7 @@ few nodes that filter keeps (keep_best), cached per (pod shape, learning epoch) 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from datetime import datetime
 
 from gpupack.contract import Reservation
@@ -236,9 +236,7 @@ class Scorer:
         the last request are scored again. With a shape warmer running, right after the policy
         learnt the shape's order from before serves (`order_key`) unless `fresh`."""
         with self.view.lock:
-            tie = self.policy.tie_key
-            if not self.view.state.nodes.keys() <= tie.keys():
-                self.policy.rank_nodes(self.view.state.nodes)
+            tie = self.ranked_ties()
             shape, epoch = shape_of(pod), self.learner.epoch
             key = (shape, epoch) if fresh else self.order_key(pod, shape, epoch)
             idx, changed = self.best_index.current(key, names, self.view.journal, self.view.reserved)
@@ -258,24 +256,7 @@ class Scorer:
             if key[1] == epoch and self.served.get(shape) != epoch:
                 self._now_served(shape, epoch)
             want = passed if isinstance(passed, set) else set(passed)
-            kept: list[str] = []
-            held: list[str] = []  # passing nodes `busy` holds, better than the last one kept
-            for _key, n in idx.order:
-                if n in want:
-                    if busy is not None and (k := busy(n)) is not None:
-                        held.append(n)
-                        if skipped is not None:
-                            skipped[n] = k
-                        continue
-                    kept.append(n)
-                    if len(kept) == keep:
-                        break
-            if not kept and held:
-                # every passing node is held: the best of them, as without `busy`, none left out for it
-                kept = held[:keep]
-                if skipped is not None:
-                    skipped.clear()
-        return kept
+            return take_best((n for _key, n in idx.order if n in want), keep, busy, skipped)
 
     def order_key(self, pod: PodRequest, shape: Key, epoch: int) -> Key:
         """The key of the node order keep_best takes for `shape`: the current epoch's, or while a
@@ -307,6 +288,19 @@ class Scorer:
             kept = {k[0] for k in self.best_index.data}
             self.served = {k: v for k, v in self.served.items() if k in kept}
 
+    def ranked_ties(self) -> dict[str, float]:
+        """The policy's tie key of every node of the view (ranking the ones it has not seen yet).
+        View lock held."""
+        tie = self.policy.tie_key
+        if not self.view.state.nodes.keys() <= tie.keys():
+            self.policy.rank_nodes(self.view.state.nodes)
+        return tie
+
+    def tie_order(self) -> list[str]:
+        """Every node of the view in the policy's tie order (view lock held; do not change it)."""
+        self.ranked_ties()
+        return self._tie_ranked()
+
     def _tie_ranked(self) -> list[str]:
         """Every node the policy has ranked, in its tie order (ties of that order by name). The
         ranking only ever grows, so its size says whether this list is still current."""
@@ -314,3 +308,30 @@ class Scorer:
         if self._ranked[0] != len(tie):
             self._ranked = (len(tie), sorted(tie, key=lambda n: (tie[n], n)))
         return self._ranked[1]
+
+
+def take_best(
+    ordered: Iterable[str],
+    keep: int,
+    busy: Callable[[str], str | None] | None = None,
+    skipped: dict[str, str] | None = None,
+) -> list[str]:
+    """The first `keep` of `ordered` (passing nodes, the policy's best first) that `busy` does not
+    hold, those it holds before the last one kept noted in `skipped` (node -> the pod holding it);
+    when it holds every one, the best of them, as without `busy`, none noted."""
+    kept: list[str] = []
+    held: list[str] = []
+    for n in ordered:
+        if busy is not None and (k := busy(n)) is not None:
+            held.append(n)
+            if skipped is not None:
+                skipped[n] = k
+            continue
+        kept.append(n)
+        if len(kept) == keep:
+            break
+    if not kept and held:
+        kept = held[:keep]
+        if skipped is not None:
+            skipped.clear()
+    return kept

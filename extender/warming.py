@@ -122,6 +122,11 @@ class ShapeWarmer:
         (Scorer.order_key): that shape next."""
         self._put(shape_of(pod), self.stand_in(pod), "learnt", urgent=True)
 
+    def sampled(self, pod: PodRequest) -> None:
+        """kube-scheduler asked about `pod`, a shape with no answer yet, and was answered from a
+        sample of the nodes (sampling.py): that shape next, so its next filters find it whole."""
+        self._put(shape_of(pod), self.stand_in(pod), "pending", urgent=True)
+
     def flushed(self) -> None:
         """The policy learnt (a new epoch): every shape asked about in the last RESCORE_RECENT_S is
         scored again, the most recently asked first. One asked longer ago is scored again when it
@@ -268,6 +273,7 @@ class ShapeWarmer:
         serve until this warmer has scored it again (Scorer.order_key). Only with something to warm
         what is queued: the thread (`start`) or a test's `drain`."""
         self.scorer.rescore = self.rescore
+        self.filtering.on_sampled = self.sampled
         self.scorer.learner.on_flush = self.flushed
         self.filtering.on_asked = self.asked
 
