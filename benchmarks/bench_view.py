@@ -175,7 +175,7 @@ def shape_costs(ext: Extender, view: ClusterView, names: list[str], seed: int) -
     after = timed(lambda i: ext.filter(ExtenderArgs(again[i], names, None)), len(pods))
     assert ext.learner.epoch > learnt, "the policy did not learn"
     warmed = warmer_costs(view, names, pods)
-    sampled = sampled_costs(view, names, pods)
+    sampled = sampled_costs(view, names, pods, ext.policy)
     ext.metrics.attach_view(view)
     t0 = time.process_time()
     text = generate_latest(ext.metrics.registry)
@@ -218,23 +218,36 @@ def warmer_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]]
     }
 
 
-def sampled_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]]) -> dict[str, Any]:
+def sampled_costs(
+    view: ClusterView, names: list[str], pods: list[dict[str, Any]], learnt: Any
+) -> dict[str, Any]:
     """Each shape's first filter with the shipped --new-shape-budget-ms (extender/sampling.py) in
     an extender of its own (caches empty), and what the sample cost the pod: the node it answered
     against the whole answer's (another extender, no budget, same pods in the same order), and the
-    policy's raw score of each (0..99; how much lower the sampled node scores)."""
+    policy's raw score of each (0..99; how much lower the sampled node scores). Both policies are
+    given the workload `learnt` (a policy) has learnt, and learn nothing more: a learning policy
+    flushes by the clock too, so the two would score by different workloads."""
     budget = shipped_budget_s()
+
+    def policy() -> Any:
+        return get_policy("gpupack", workload=copy.deepcopy(learnt.workload))
+
     sampler = Extender(
-        view, get_policy("gpupack"), None, clock=lambda: NOW,
-        config=ExtenderConfig(keep_best=1, new_shape_budget_s=budget),
-    )  # fmt: skip
-    whole = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
+        view, policy(), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1, new_shape_budget_s=budget)
+    )
+    whole = Extender(view, policy(), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
     asked = [{**p, "metadata": {**p["metadata"], "uid": p["metadata"]["uid"] + "-s"}} for p in pods]
     picks: list[str] = []
     looked: list[int] = []
 
+    def unexpect(p: dict[str, Any]) -> None:
+        # no bind follows: the node answered is not kept from the next filters (BindLocks.expected)
+        m = p["metadata"]
+        view.locks.expect(m["uid"], f"{m.get('namespace', 'default')}/{m['name']}", (), 0.0)
+
     def sampled(i: int) -> None:
         picks.append(sampler.filter(ExtenderArgs(asked[i], names, None))["NodeNames"][0])
+        unexpect(asked[i])
         got = sampler.filtering.cost.sampled
         looked.append(got[0] if got is not None else len(names))
 
@@ -242,6 +255,7 @@ def sampled_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]
     same, gaps = 0, []
     for i, p in enumerate(asked):
         best = whole.filter(ExtenderArgs(p, names, None))["NodeNames"][0]
+        unexpect(p)
         req = whole.pod_request(p)
         table = whole.scorer.scores.table((shape_of(req), whole.learner.epoch))
         gap = (table[best][1] or 0.0) - (table[picks[i]][1] or 0.0)
