@@ -339,3 +339,18 @@ def assume_on(ext: Any, pod: dict[str, Any], node: str, now: Any) -> bool:
         )
         view.assume(req.key, req.uid, a, frozenset())
     return True
+
+
+def workload_policy(view: Any, pods: list[dict[str, Any]]) -> Any:
+    """A gpupack policy given the workload of `pods` (one pod of each shape): it learns nothing,
+    so two extenders on `view` score alike."""
+    from extender.framework import Extender
+    from gpupack.core.fgd import Workload
+    from gpupack.core.fgd import shape_of as fgd_shape
+    from gpupack.core.gpupack_policy import GpupackPolicy
+
+    probe = Extender(view, GpupackPolicy(), None)
+    workload = Workload()
+    for p in pods:
+        workload.add(fgd_shape(probe.pod_request(p)))
+    return GpupackPolicy(workload=workload)

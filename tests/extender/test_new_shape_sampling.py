@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from ext_helpers import assume_on, container, node_obj, pod_obj
+from ext_helpers import assume_on, container, node_obj, pod_obj, workload_policy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +25,6 @@ from extender.sampling import CHUNK, Sample
 from extender.view import ClusterView
 from extender.wire import parse_extender_args
 from gpupack.contract import GPUShare, Reservation
-from gpupack.core.fgd import Workload
-from gpupack.core.fgd import shape_of as fgd_shape
 from gpupack.core.gpupack_policy import GpupackPolicy
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
@@ -43,11 +41,7 @@ def _pod(i: int, shape: tuple, cls: str = "online", **kw: Any) -> dict:
 
 def _policy(view: ClusterView) -> GpupackPolicy:
     """A policy given its workload: it learns nothing, so two extenders score alike."""
-    probe = Extender(view, GpupackPolicy(), None)
-    workload = Workload()
-    for j, s in enumerate(SHAPES):
-        workload.add(fgd_shape(probe.pod_request(_pod(10_000 + j, s))))
-    return GpupackPolicy(workload=workload)
+    return workload_policy(view, [_pod(10_000 + j, s) for j, s in enumerate(SHAPES)])  # type: ignore[no-any-return]
 
 
 def _place(ext: Extender, pod: dict, node: str) -> bool:
@@ -96,7 +90,7 @@ class Sampled:
 
 
 def _cluster(seed: int, n_nodes: int = 60, n_pods: int = 90) -> tuple[ClusterView, list[str], GpupackPolicy]:
-    """Nodes of 4 GPUs in many states: pods of every shape bound at random."""
+    """Nodes of 4 GPUs in many states: `n_pods` pods of every shape bound at random."""
     rng = random.Random(seed)
     view = ClusterView()
     names = [f"n{i:03d}" for i in range(n_nodes)]
@@ -134,11 +128,7 @@ def test_a_sampled_answer_is_a_filter_of_the_nodes_looked_at(keep_best: int, see
 
 
 def test_the_sample_looks_at_nodes_in_the_policys_tie_order_so_equal_nodes_answer_as_the_whole() -> None:
-    view = ClusterView()
-    names = [f"n{i:03d}" for i in range(80)]
-    view.replace_nodes([node_obj(n, n=4) for n in names])
-    view.synced.set()
-    policy = _policy(view)
+    view, names, policy = _cluster(0, n_nodes=80, n_pods=0)
     s = Sampled(view, policy, keep_best=1)
     cold = Extender(view, policy, None, ExtenderConfig(keep_best=1), clock=lambda: NOW)
     for i, shape in enumerate(SHAPES):
@@ -198,11 +188,7 @@ def test_the_shape_warmer_finishes_a_sampled_shape_and_the_whole_answer_serves(k
 
 
 def test_a_shape_that_fits_only_the_last_node_in_tie_order_is_looked_for_until_it_is_found() -> None:
-    view = ClusterView()
-    names = [f"n{i:03d}" for i in range(60)]
-    view.replace_nodes([node_obj(n, n=4) for n in names])
-    view.synced.set()
-    policy = _policy(view)
+    view, names, policy = _cluster(0, n_pods=0)
     s = Sampled(view, policy, keep_best=1)
     s.ext.scorer.ranked_ties()
     last = max(names, key=lambda n: policy.tie_key[n])

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import realk8s
-from ext_helpers import assume_on, container, node_obj, pod_obj
+from ext_helpers import assume_on, container, node_obj, pod_obj, workload_policy
 from realk8s import until
 
 from extender.answers import shape_of
@@ -25,8 +25,6 @@ from extender.scoring import STALE_ORDER_MAX_S
 from extender.view import ClusterView
 from extender.warming import ShapeWarmer, pending_watcher
 from extender.wire import parse_extender_args
-from gpupack.core.fgd import Workload
-from gpupack.core.fgd import shape_of as fgd_shape
 from gpupack.core.gpupack_policy import GpupackPolicy
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
@@ -50,11 +48,7 @@ def _view(n_nodes: int) -> tuple[ClusterView, list[str]]:
 
 def _workload_policy(view: ClusterView) -> GpupackPolicy:
     """A policy given its workload: it learns nothing, so two extenders score alike."""
-    probe = Extender(view, GpupackPolicy(), None)
-    workload = Workload()
-    for j, s in enumerate(SHAPES):
-        workload.add(fgd_shape(probe.pod_request(_pod(10_000 + j, s))))
-    return GpupackPolicy(workload=workload)
+    return workload_policy(view, [_pod(10_000 + j, s) for j, s in enumerate(SHAPES)])  # type: ignore[no-any-return]
 
 
 def _place(ext: Extender, pod: dict, node: str) -> bool:
