@@ -95,6 +95,7 @@ class Filter:
         self.sampler: NewShapeSampler | None = None
         # told of each pod answered from a sample, view lock not held (the shape warmer finishes it)
         self.on_sampled: Callable[[PodRequest], None] = lambda pod: None
+        self._busy_on: Callable[[str], str | None] = lambda n: None  # the last sample's lock check
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -261,11 +262,13 @@ class Filter:
         for the whole answer. View lock held."""
         if self.sampler is None or shape_of(pod) in self.answers.data:
             return None
-        sample = self.sampler.sample(pod, names, now)
+        busy = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        sample = self.sampler.sample(pod, names, now, busy)
+        self.cost.fitted += self.sampler.fitted
+        self.cost.scored += self.sampler.scored
         if sample is not None:
-            self.cost.fitted += sample.fitted
-            self.cost.scored += sample.scored
             self.cost.sampled = (sample.looked, len(names))
+            self._busy_on = busy
         return sample
 
     def _sampled(
@@ -277,9 +280,9 @@ class Filter:
         failed = dict(sample.failed)
         codes = {c: k for c, k in sample.codes.items() if k}
         codes["not-sampled"] = len(names) - sample.looked
+        busy_on = self._busy_on
         if self.keep_best > 0:
             skipped: dict[str, str] = {}
-            busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
             passed = sample.best(self.scorer.ranked_ties(), self.keep_best, busy_on, skipped)
             for n, k in skipped.items():
                 failed[n] = busy_reason(n, k)
@@ -289,14 +292,12 @@ class Filter:
             return passed, failed, dict(sample.unresolvable), codes
         ok = sample.ok
         passed = [n for n in names if n in ok]
-        locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
-        free = [n for n in passed if n not in locked]
-        if free and len(free) < len(passed):
-            for n in passed:
-                if n in locked:
-                    failed[n] = busy_reason(n, locked[n])
-            codes["handoff-pending"] = len(passed) - len(free)
-            passed = free
+        locked = {n: by for n in passed if (by := busy_on(n)) is not None}
+        if locked and len(locked) < len(passed):
+            for n, by in locked.items():
+                failed[n] = busy_reason(n, by)
+            codes["handoff-pending"] = len(locked)
+            passed = [n for n in passed if n not in locked]
         return passed, failed, dict(sample.unresolvable), codes
 
     def _await_room(self, nodes: list[str], uid: str) -> None:

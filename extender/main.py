@@ -81,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="MS",
         help="a pod shape's filter, until its answer is whole, fits nodes for this long and answers the "
-        "best of those (at least 100 looked at and one passing; the shape warmer fits the others off "
-        "kube-scheduler's cycle), as kube-scheduler's percentageOfNodesToScore samples; 0: every node "
-        "(default; extender/sampling.py)",
+        "best of those (at least 100 looked at and one passing that no other pod's bind holds; the shape "
+        "warmer fits the others off kube-scheduler's cycle), as kube-scheduler's percentageOfNodesToScore "
+        "samples; 0: every node (default; extender/sampling.py)",
     )
     p.add_argument(
         "--workload-file",

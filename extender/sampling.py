@@ -7,8 +7,9 @@ kube-scheduler's serial cycle waits for it. The shape warmer (warming.py) does t
 kube-scheduler only when it has a CPU to spare; in a burst of new shapes it has none. With a
 budget (`--new-shape-budget-ms`), a filter for a shape that has no answer yet fits nodes in an
 order likely to hold the best ones, and stops once the budget is spent, at least `min_nodes` were
-looked at and one passes (and it fitted one chunk of CHUNK nodes at least), as kube-scheduler's
-own percentageOfNodesToScore stops looking for feasible nodes (100 at least). Its answer is the best of the nodes looked at; the nodes it did not
+looked at and one passes that no other pod's bind or handoff holds (and it fitted one chunk of
+CHUNK nodes at least, and every node holding defrag reservations), as kube-scheduler's own
+percentageOfNodesToScore stops looking for feasible nodes (100 at least). Its answer is the best of the nodes looked at; the nodes it did not
 reach are left out of it, without a reason (one passes, so kube-scheduler reads none).
 
 Every fit and score is kept in the same per-node-version caches the full answer is built from, so
@@ -100,22 +101,32 @@ class NewShapeSampler:
     ) -> None:
         self.view, self.fitter, self.scorer = view, fitter, scorer
         self.budget_s = budget_s
-        self.scored = scored  # keep_best: the sample's passing nodes are scored
+        self.with_scores = scored  # keep_best: the sample's passing nodes are scored
         self.min_nodes = min_nodes
         self.clock = time.perf_counter
+        self.fitted = self.scored = 0  # by the last sample(), whole answer or not (the slow-filter log)
 
-    def sample(self, pod: PodRequest, names: list[str], now: datetime) -> Sample | None:
+    def sample(
+        self,
+        pod: PodRequest,
+        names: list[str],
+        now: datetime,
+        busy: Callable[[str], str | None] = lambda n: None,
+    ) -> Sample | None:
         """The filter of a shape that has no answer yet, from the nodes looked at within the budget;
         None when the whole answer is to be built: the budget is off, the request is no larger than
-        `min_nodes`, every node got looked at, or the pod is steered by a defrag reservation. View
-        lock held."""
+        `min_nodes`, every node got looked at, or the pod is steered by a defrag reservation. A
+        passing node that `busy` holds (another pod's bind or handoff there) does not end the
+        sample: the answer would be that node, which the full answer avoids while another passes.
+        View lock held."""
+        self.fitted = self.scored = 0
         if self.budget_s <= 0 or len(names) <= self.min_nodes or not pod.needs_gpu:
             return None
         deadline = self.clock() + self.budget_s
         shape = shape_of(pod)
         fits = self.fitter.fits.table(shape)
         epoch = self.scorer.learner.epoch
-        scores = self.scorer.scores.table((shape, epoch)) if self.scored else None
+        scores = self.scorer.scores.table((shape, epoch)) if self.with_scores else None
         nodes = self.view.nodes
         out = Sample()
         # every node fitted (and scored) already is in the sample at no cost; the others wait
@@ -137,12 +148,19 @@ class NewShapeSampler:
                     todo.append(n)
                 else:
                     out.passes(n, known[1])
+        # every node holding defrag reservations is fitted (never cached: their answer depends on
+        # the time), so a pod steered by its own is never answered from a sample; they lead `todo`
+        reserved = self.view.reserved
+        must = 0
+        while must < len(todo) and todo[must] in reserved:
+            must += 1
+        free = any(busy(n) is None for n in out.ok)
         memo: FitMemo = {}
         memos: tuple[dict[Key, float], FitMemo, dict[int, float | None]] = ({}, {}, {})
         i = 0
         while i < len(todo):
             # one chunk at least: every sampled filter brings the shape's whole answer nearer
-            if i and out.ok and out.looked >= self.min_nodes and self.clock() >= deadline:
+            if i >= must and i and free and out.looked >= self.min_nodes and self.clock() >= deadline:
                 return out
             chunk = todo[i : i + CHUNK]
             i += CHUNK
@@ -152,15 +170,19 @@ class NewShapeSampler:
                 if res is not None:
                     return None  # steered by a defrag reservation: the full answer says where
                 out.fitted += 1
+                self.fitted += 1
                 if not isinstance(r, Fit):
                     out.fails(n, r)
-                elif scores is None:
+                    continue
+                free = free or busy(n) is None
+                if scores is None:
                     out.passes(n, 0.0)
                 else:
                     passing.append(n)
             if passing:
                 got = self.scorer.raw_scores(pod, passing, now, memos)
                 out.scored += len(passing)
+                self.scored += len(passing)
                 for n in passing:
                     score = got.get(n)
                     if score is None:  # fitted just now, so scored: never, but not a node to answer

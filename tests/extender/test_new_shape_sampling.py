@@ -213,16 +213,20 @@ def test_a_shape_that_fits_nowhere_gets_every_nodes_reason() -> None:
     assert set(got["FailedNodes"]) | set(got.get("FailedAndUnresolvableNodes") or {}) == set(names)
 
 
+def _resv(node: str, rid: str = "r1", minutes: int = 5) -> Reservation:
+    """A defrag reservation of 60,000 MiB on `node`'s GPU 0 for ReplicaSet prod/web's pods."""
+    return Reservation(
+        id=rid, namespace="prod", owner_kind="ReplicaSet", owner_name="web", pod_class="online",
+        containers={"main": (GPUShare(f"GPU-{node}-0", 0, 60000, 50),)},
+        expires=(NOW + timedelta(minutes=minutes)).isoformat().replace("+00:00", "Z"),
+    )  # fmt: skip
+
+
 def test_a_pod_steered_by_its_defrag_reservation_gets_the_whole_answer() -> None:
     names = [f"n{i:03d}" for i in range(40)]
     target = names[-1]
-    resv = Reservation(
-        id="r1", namespace="prod", owner_kind="ReplicaSet", owner_name="web", pod_class="online",
-        containers={"main": (GPUShare(f"GPU-{target}-0", 0, 60000, 50),)},
-        expires=(NOW + timedelta(minutes=5)).isoformat().replace("+00:00", "Z"),
-    )  # fmt: skip
     view = ClusterView()
-    view.replace_nodes([node_obj(n, n=4, reservations=[resv] if n == target else None) for n in names])
+    view.replace_nodes([node_obj(n, n=4, reservations=[_resv(n)] if n == target else None) for n in names])
     view.synced.set()
     s = Sampled(view, _policy(view), keep_best=1)
     owner = _pod(4000, (1, 60000, 50), owner=("ReplicaSet", "web"))
@@ -235,6 +239,43 @@ def test_a_pod_steered_by_its_defrag_reservation_gets_the_whole_answer() -> None
     got = _filter(s.ext, other, names)
     sample = s.samples[-1]
     assert sample is not None and target in sample.failed and target not in got["NodeNames"]
+
+
+def test_every_node_holding_reservations_is_looked_at_before_a_sample_may_stop() -> None:
+    # 40 nodes hold an expired reservation (it steers nobody, but its node is fitted every time)
+    view, names, policy = _cluster(9, n_nodes=120, n_pods=0)
+    for n in names[:40]:
+        view.apply_node(node_obj(n, n=4, reservations=[_resv(n, minutes=-1)]))
+    s = Sampled(view, policy, keep_best=1)
+    owner_shape = (1, 60000, 50)
+    _filter(s.ext, _pod(8000, owner_shape), names)  # a sibling's sample: the caches hold enough to stop
+    assert s.samples[-1] is not None
+    sampler = s.ext.filtering.sampler
+    assert sampler is not None
+    with view.lock:
+        last = sampler.order(names)[39]  # the reserved node the owner's sample reaches last
+    assert last in view.reserved
+    view.apply_node(node_obj(last, n=4, reservations=[_resv(last, minutes=-1), _resv(last, "r2")]))
+    with view.lock:
+        assert sampler.order(names).index(last) >= CHUNK, "the steering node is beyond the first chunk"
+    owner = _pod(8001, owner_shape, owner=("ReplicaSet", "web"))
+    got = _filter(s.ext, owner, names)
+    assert got["NodeNames"] == [last]
+    assert s.samples[-1] is None  # steered: the whole answer
+
+
+def test_a_sample_whose_passing_nodes_are_all_taking_other_pods_looks_further() -> None:
+    view, names, policy = _cluster(0, n_pods=0)
+    s = Sampled(view, policy, keep_best=1)
+    with view.lock:
+        order = s.ext.scorer.tie_order()
+    first, last = order[0], order[-1]
+    for i, n in enumerate(order[1:-1]):
+        assert _place(s.ext, _pod(i, (1, None, None)), n)
+    s.ext.view.locks.expect("uid-x", "prod/x", (first,), 1e12)  # a bind is on its way to `first`
+    got = _filter(s.ext, _pod(9000, (4, None, None)), names)  # only an idle node fits it
+    assert got["NodeNames"] == [last]
+    assert "being bound there" in got["FailedNodes"][first]
 
 
 def test_a_node_taking_another_pod_is_left_out_of_a_sampled_answer_with_the_reason() -> None:
