@@ -30,6 +30,7 @@ from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_pol
 
 from . import autoscale
 from .app import DEFAULT_MAX_BODY
+from .config import ExtenderConfig
 
 log = logging.getLogger("gpupack.extender")
 SWITCH_INTERVAL_S = 0.0005
@@ -198,14 +199,26 @@ def make_policy(args: argparse.Namespace) -> Policy:
     name = args.policy or DEFAULT_POLICY
     if args.filter_keep_best < 0:
         raise ConfigError(f"--filter-keep-best must be 0 (off) or more, got {args.filter_keep_best}")
-    if args.new_shape_budget_ms < 0:
-        raise ConfigError(f"--new-shape-budget-ms must be 0 (off) or more, got {args.new_shape_budget_ms}")
     if not args.workload_file:
         return get_policy(name, seed=args.policy_seed)
     spec = policy_spec(name)
     if not spec.learns:
         raise ConfigError(f"--workload-file: policy {name} does not use a workload")
     return spec.make(seed=args.policy_seed, workload=read_workload(args.workload_file))
+
+
+def extender_config(args: argparse.Namespace) -> ExtenderConfig:
+    """The scheduling settings the flags ask for; ConfigError for one out of range."""
+    if args.new_shape_budget_ms < 0:
+        raise ConfigError(f"--new-shape-budget-ms must be 0 (off) or more, got {args.new_shape_budget_ms}")
+    return ExtenderConfig(
+        bind_wait_s=args.bind_wait_s,
+        stale_handoff_s=args.stale_handoff_s,
+        scheduler_name=args.scheduler_name,
+        bind_concurrency=args.bind_concurrency,
+        keep_best=args.filter_keep_best,
+        new_shape_budget_s=args.new_shape_budget_ms / 1000,
+    )
 
 
 def _extender_factory(
@@ -217,7 +230,6 @@ def _extender_factory(
 
         from .app import create_extender_app, only_probes
         from .collector import IdleCollector
-        from .config import ExtenderConfig
         from .framework import Extender
         from .kube import Kube, api_client
         from .lease import LeaseFence
@@ -252,14 +264,7 @@ def _extender_factory(
             metrics.attach_view(view, active=lambda: not leading(fresh=False))
         else:
             metrics.attach_view(view)
-        config = ExtenderConfig(
-            bind_wait_s=args.bind_wait_s,
-            stale_handoff_s=args.stale_handoff_s,
-            scheduler_name=args.scheduler_name,
-            bind_concurrency=args.bind_concurrency,
-            keep_best=args.filter_keep_best,
-            new_shape_budget_s=args.new_shape_budget_ms / 1000,
-        )
+        config = extender_config(args)
         ext = Extender(view, policy, kube, config, metrics=metrics, fence=fence, events=events)
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         sync = Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet)
@@ -328,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         make_policy(args)  # in the arbiter: a bad flag or file is one line and status 2, not a dead worker
+        extender_config(args)
     except (UnknownPolicy, ConfigError) as e:
         print(f"gpupack extender: {e}", file=sys.stderr)
         return 2

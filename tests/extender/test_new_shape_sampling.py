@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from extender.config import ExtenderConfig
 from extender.framework import Extender
-from extender.main import ConfigError, build_parser, make_policy
+from extender.main import ConfigError, build_parser, extender_config, main
 from extender.sampling import CHUNK, Sample
 from extender.view import ClusterView
 from extender.wire import parse_extender_args
@@ -299,11 +299,17 @@ def test_a_budget_of_zero_or_a_small_request_answers_whole() -> None:
     assert s.samples[-1] is None
 
 
-def test_the_flag_sets_the_budget_and_refuses_a_negative_one() -> None:
-    args = build_parser().parse_args(["--new-shape-budget-ms", "-1"])
+def test_the_flag_sets_the_budget_and_refuses_a_negative_one(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="new-shape-budget-ms"):
-        make_policy(args)
-    assert build_parser().parse_args([]).new_shape_budget_ms == 0
+        extender_config(build_parser().parse_args(["--new-shape-budget-ms", "-1"]))
+    assert extender_config(build_parser().parse_args([])).new_shape_budget_s == 0
+    cfg = extender_config(
+        build_parser().parse_args(["--new-shape-budget-ms", "20", "--filter-keep-best", "1"])
+    )
+    assert cfg.new_shape_budget_s == 0.02 and cfg.keep_best == 1
+    # refused at start, before any worker runs: one line and status 2
+    assert main(["--new-shape-budget-ms", "-5", "--webhook-port", "0"]) == 2
+    assert "--new-shape-budget-ms must be 0 (off) or more, got -5" in capsys.readouterr().err
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
