@@ -19,7 +19,7 @@ from .kube import Kube, NamespaceUnreadable
 from .learning import Learner
 from .metrics import Metrics
 from .pod_requests import pod_request
-from .sampling import NewShapeSampler, Sample
+from .sampling import NewShapeSampler
 from .scoring import EXPECT_MAX_NODES, EXPECT_S, Scorer
 from .view import ClusterView
 from .wire import ExtenderArgs, PodRequestError, WireError, filter_result, unresolvable_result
@@ -59,6 +59,28 @@ def busy_reason(node: str, key: str) -> str:
     return f"node {node}: pod {key} is being bound there or waits for its kubelet (GPU handoff)"
 
 
+def note_busy(busy: dict[str, str], failed: dict[str, str], codes: dict[str, int]) -> None:
+    """Nodes left out of an answer because another pod's bind or handoff holds them (node -> that
+    pod's key): each with the reason, counted as handoff-pending."""
+    for n, by in busy.items():
+        failed[n] = busy_reason(n, by)
+    if busy:
+        codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(busy)
+
+
+def without_busy(
+    passed: list[str], busy: dict[str, str], failed: dict[str, str], codes: dict[str, int]
+) -> list[str]:
+    """`passed` without the nodes `busy` holds (note_busy), unless none would be left. A bind there
+    would wait for the kubelet to admit the other pod first; another node that fits is better than
+    a bind that waits and maybe fails into back-off."""
+    held = {n: busy[n] for n in passed if n in busy}
+    if not held or len(held) == len(passed):
+        return passed
+    note_busy(held, failed, codes)
+    return [n for n in passed if n not in held]
+
+
 class Filter:
     """Answers filter requests from the view, a pod shape's answer kept up to date node by node."""
 
@@ -95,7 +117,6 @@ class Filter:
         self.sampler: NewShapeSampler | None = None
         # told of each pod answered from a sample, view lock not held (the shape warmer finishes it)
         self.on_sampled: Callable[[PodRequest], None] = lambda pod: None
-        self._busy_on: Callable[[str], str | None] = lambda n: None  # the last sample's lock check
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -142,10 +163,8 @@ class Filter:
         with self._locked():
             self.learner.observe(pod)
             self.on_asked(pod)
-            sample = self._sample(pod, names, now)
-            if sample is not None:
-                sampled = self._sampled(pod, names, sample)
-            else:
+            sampled = self._sampled(pod, names, now)
+            if sampled is None:
                 st = self.answer(pod, names, now, self.cost)
                 cand: set[str] | None = None
                 passed: list[str] = []
@@ -167,7 +186,7 @@ class Filter:
                     target = steered[0]
                     steer = st.steered[target]
                     wanted = {n: st.steered[n] for n in steered}
-        if sample is not None:
+        if sampled is not None:
             self.on_sampled(pod)
             return self._settle(args, pod, *sampled, waited)
         if names and codes.get("unknown-node") == len(st.name_set):
@@ -184,16 +203,8 @@ class Filter:
             passed = self._best_of(pod, names, cand, failed, codes, now)
         else:
             locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
-        if cand is None and locked and any(n in locked for n in passed):
-            free = [n for n in passed if n not in locked]
-            if free:
-                # A bind there would wait for the kubelet to admit the other pod first; another
-                # node that fits is better than a bind that waits and maybe fails into back-off.
-                for n in passed:
-                    if n in locked:
-                        failed[n] = busy_reason(n, locked[n])
-                        codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
-                passed = free
+        if cand is None and locked:
+            passed = without_busy(passed, locked, failed, codes)
         if cand is None and self.keep_best > 0 and len(passed) > self.keep_best:
             # The others are left out of the answer without a reason: kube-scheduler reads reasons
             # only when no node passes (and one always does here), and this one would only say that
@@ -257,47 +268,33 @@ class Filter:
             self.metrics.rejections.labels(code).inc(k)
         return filter_result(args, passed, failed, unresolvable)
 
-    def _sample(self, pod: PodRequest, names: list[str], now: datetime) -> Sample | None:
-        """A new shape's answer from the nodes looked at within the budget (sampling.py), or None
-        for the whole answer. View lock held."""
+    def _sampled(
+        self, pod: PodRequest, names: list[str], now: datetime
+    ) -> tuple[list[str], dict[str, str], dict[str, str], dict[str, int]] | None:
+        """A new shape's answer from the nodes looked at within the budget (sampling.py): with
+        keep_best its best not held by another pod's bind or handoff, else every passing node in
+        the request's order (prioritize scores them); None for the whole answer. View lock held."""
         if self.sampler is None or shape_of(pod) in self.answers.data:
             return None
-        busy = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
-        sample = self.sampler.sample(pod, names, now, busy)
+        busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        sample = self.sampler.sample(pod, names, now, busy_on)
         self.cost.fitted += self.sampler.fitted
         self.cost.scored += self.sampler.scored
-        if sample is not None:
-            self.cost.sampled = (sample.looked, len(names))
-            self._busy_on = busy
-        return sample
-
-    def _sampled(
-        self, pod: PodRequest, names: list[str], sample: Sample
-    ) -> tuple[list[str], dict[str, str], dict[str, str], dict[str, int]]:
-        """filter's nodes from a sample: with keep_best its best not held by another pod's bind or
-        handoff, else every passing node in the request's order (prioritize scores them). View lock
-        held."""
+        if sample is None:
+            return None
+        self.cost.sampled = (sample.looked, len(names))
         failed = dict(sample.failed)
         codes = {c: k for c, k in sample.codes.items() if k}
         codes["not-sampled"] = len(names) - sample.looked
-        busy_on = self._busy_on
         if self.keep_best > 0:
             skipped: dict[str, str] = {}
             passed = sample.best(self.scorer.ranked_ties(), self.keep_best, busy_on, skipped)
-            for n, k in skipped.items():
-                failed[n] = busy_reason(n, k)
-            if skipped:
-                codes["handoff-pending"] = len(skipped)
+            note_busy(skipped, failed, codes)
             codes["not-best"] = len(sample.ok) - len(passed) - len(skipped)
-            return passed, failed, dict(sample.unresolvable), codes
-        ok = sample.ok
-        passed = [n for n in names if n in ok]
-        locked = {n: by for n in passed if (by := busy_on(n)) is not None}
-        if locked and len(locked) < len(passed):
-            for n, by in locked.items():
-                failed[n] = busy_reason(n, by)
-            codes["handoff-pending"] = len(locked)
-            passed = [n for n in passed if n not in locked]
+        else:
+            passed = [n for n in names if n in sample.ok]
+            locked = {n: by for n in passed if (by := busy_on(n)) is not None}
+            passed = without_busy(passed, locked, failed, codes)
         return passed, failed, dict(sample.unresolvable), codes
 
     def _await_room(self, nodes: list[str], uid: str) -> None:
@@ -368,17 +365,12 @@ class Filter:
                 kept = self.scorer.best(pod, names, cand, now, self.keep_best, busy_on, skipped)
                 self.cost.scored += self.scorer.last_scored
                 self.cost.stale_order = self.scorer.last_stale
-                for n, k in skipped.items():
-                    failed[n] = busy_reason(n, k)
-                if skipped:
-                    codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(skipped)
+                note_busy(skipped, failed, codes)
                 # the others pass too but are left out (see filter)
                 codes["not-best"] = codes.get("not-best", 0) + len(cand) - len(kept) - len(skipped)
                 return kept
             busy = {n: by for n in cand if (by := busy_on(n)) is not None}
         if busy and len(busy) < len(cand):
-            for n, by in busy.items():
-                failed[n] = busy_reason(n, by)
-            codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(busy)
+            note_busy(busy, failed, codes)
             cand.difference_update(busy)
         return [n for n in names if n in cand]

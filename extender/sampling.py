@@ -9,8 +9,9 @@ budget (`--new-shape-budget-ms`), a filter for a shape that has no answer yet fi
 order likely to hold the best ones, and stops once the budget is spent, at least `min_nodes` were
 looked at and one passes that no other pod's bind or handoff holds (and it fitted one chunk of
 CHUNK nodes at least, and every node holding defrag reservations), as kube-scheduler's own
-percentageOfNodesToScore stops looking for feasible nodes (100 at least). Its answer is the best of the nodes looked at; the nodes it did not
-reach are left out of it, without a reason (one passes, so kube-scheduler reads none).
+percentageOfNodesToScore stops looking for feasible nodes (100 at least). Its answer is the best
+of the nodes looked at; the nodes it did not reach are left out of it, without a reason (one
+passes, so kube-scheduler reads none).
 
 Every fit and score is kept in the same per-node-version caches the full answer is built from, so
 nothing is computed twice: the next filter of the shape takes the nodes already fitted at no cost
@@ -20,9 +21,9 @@ node is fitted the filter builds the shape's full answer from the caches.
 The order: the nodes holding defrag reservations first (the pod may be steered there: then the
 whole answer is built), then every node in the policy's tie order, the order that decides among
 equal scores. The policy's scores are coarse (0..99), so many nodes share the top score, and a
-sample in that order often holds the very node the full answer takes: in bench_view.py's 5,000-node cluster
-(100,000 pods bound at random) the sampled answer scored as high as the full answer's for 39 of
-40 new shapes, 1 point lower for the 40th. In a cluster gpupack packed, the nodes it filled first
+sample in that order often holds the very node the full answer takes: in bench_view.py's
+5,000-node cluster (100,000 pods bound at random) the sampled answer scored as high as the full
+answer's for 39 of 40 new shapes, 1 point lower for the 40th. In a cluster gpupack packed, the nodes it filled first
 are the first in that order, as its ties sent pods there.
 """
 
@@ -52,7 +53,7 @@ class Sample:
     """What a sampled filter found: the passing nodes looked at (with the policy's raw score when
     kept best are wanted), the failing ones with their reasons, and how many were looked at."""
 
-    __slots__ = ("ok", "failed", "unresolvable", "codes", "looked", "fitted", "scored")
+    __slots__ = ("ok", "failed", "unresolvable", "codes", "looked")
 
     def __init__(self) -> None:
         self.ok: dict[str, float] = {}
@@ -60,8 +61,6 @@ class Sample:
         self.unresolvable: dict[str, str] = {}
         self.codes: Counter[str] = Counter()
         self.looked = 0  # nodes whose answer is in the sample
-        self.fitted = 0  # of them, fitted by this filter (the others were in the caches)
-        self.scored = 0
 
     def passes(self, n: str, score: float) -> None:
         """Node `n` fits the pod; `score`: the policy's raw score there (0.0 when not scored)."""
@@ -169,7 +168,6 @@ class NewShapeSampler:
                 r, res = self.fitter.node_fit(n, pod, now, fits, memo)
                 if res is not None:
                     return None  # steered by a defrag reservation: the full answer says where
-                out.fitted += 1
                 self.fitted += 1
                 if not isinstance(r, Fit):
                     out.fails(n, r)
@@ -181,7 +179,6 @@ class NewShapeSampler:
                     passing.append(n)
             if passing:
                 got = self.scorer.raw_scores(pod, passing, now, memos)
-                out.scored += len(passing)
                 self.scored += len(passing)
                 for n in passing:
                     score = got.get(n)
