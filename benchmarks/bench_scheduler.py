@@ -338,11 +338,16 @@ def run_phase(
         t_created = time.monotonic() - t0
     finally:
         if queued:
+            c_resume = cpu_seconds()
             t0 = time.monotonic()
             os.kill(sched.proc.proc.pid, signal.SIGCONT)
     names = [p["metadata"]["name"] for p in pods]
     deadline = time.monotonic() + timeout
+    c_bound: dict[str, float] | None = None  # CPU once every pod was seen bound (queued runs)
+    t_all_bound = 0.0
     while time.monotonic() < deadline and len([n for n in names if n in obs.running]) < len(names):
+        if queued and c_bound is None and all(n in obs.bound for n in names):
+            c_bound, t_all_bound = cpu_seconds(), time.monotonic()
         time.sleep(0.1)
     obs.stop.set()
     cpu = cpu_used(c0, cpu_seconds())
@@ -392,6 +397,18 @@ def run_phase(
         from_resume = [obs.bound[n] - t0 for n in names if n in obs.bound]
         out["from_resume_p50_s"] = round(pct(from_resume, 50), 3)
         out["from_resume_p99_s"] = round(pct(from_resume, 99), 3)
+        if c_bound is not None:
+            # the CPU from the resumption until every pod was seen bound (within the 0.1 s poll):
+            # what binding the queue cost each part, per pod, and how many of the machine's CPUs
+            # were busy meanwhile (at os.cpu_count(), the rate is bounded by the sum)
+            window = cpu_used(c_resume, c_bound)
+            wall = max(t_all_bound - t0, 1e-9)
+            out["bind_window"] = {
+                "wall_s": round(wall, 2),
+                "cpus_busy": round(sum(window.values()) / wall, 2),
+                "cpu_ms_per_pod": {k: round(1000 * v / len(names), 2) for k, v in window.items() if v},
+                "cpu_ms_per_pod_total": round(1000 * sum(window.values()) / len(names), 2),
+            }
     out["scheduler"] = {
         "algorithm_mean_ms": ms(mean("scheduler_scheduling_algorithm_duration_seconds")),
         # its own filter plugins over every node; the rest of the algorithm is mostly the extender calls
