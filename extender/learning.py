@@ -1,6 +1,7 @@
-"""The extender's side of the policy's learning: each pod kube-scheduler asks about is offered to
-the learning batcher (gpupack.core.learning, whose rule the simulator's pipeline model runs too),
-and the batches are numbered (the epoch scores are cached under)."""
+"""The extender's side of the policy's learning: each pod waiting for kube-scheduler (as the
+pending-pod watch sees it) or asked about is offered to the learning batcher
+(gpupack.core.learning, whose rule the simulator's pipeline model runs too), and the batches are
+numbered (the epoch scores are cached under)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class Learner:
         return self.batcher.flushes
 
     def observe(self, pod: PodRequest) -> None:
-        """Offer a pod kube-scheduler asked about. Call with the view's lock held (the policy is
+        """Offer a pod kube-scheduler asked about, or one the pending-pod watch saw waiting for it
+        (whichever comes first: it is learnt once). Call with the view's lock held (the policy is
         read under it). A policy given its workload (--workload-file), or one that learns nothing
         (bestfit, random), is shown nothing: a flush would only make every shape score every node
         again for nothing."""

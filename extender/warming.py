@@ -16,7 +16,7 @@ and a filter that comes first finds whatever chunks are done already.
 What it is asked to warm:
 - the shapes of pods waiting for kube-scheduler (`pending_watcher`: a watch of the profile's
   unbound pods), newest first: kube-scheduler takes its queue oldest first, so it would reach the
-  oldest while they are being warmed;
+  oldest while they are being warmed. A learning policy learns each such pod as it is seen;
 - after a learning flush, the shapes asked about in the last RESCORE_RECENT_S (`Scorer.order_key`
   serves their order from before meanwhile, for at most scoring.STALE_ORDER_MAX_S): a shape
   kube-scheduler asks about first, then the others, most recently asked first.
@@ -110,9 +110,15 @@ class ShapeWarmer:
 
     # --- what to warm ------------------------------------------------------------------------------
     def want(self, pod: PodRequest) -> None:
-        """A pod waits for kube-scheduler: its shape is warmed unless its answers are current."""
+        """A pod waits for kube-scheduler: a learning policy learns it now (its filter will not
+        again: a pod is learnt once), and its shape is warmed unless its answers are current."""
         shape = shape_of(pod)
         with self.view.lock:
+            # Learnt when it starts waiting rather than at its first filter: an extender that starts
+            # (or takes over as leader) with pods queued knows their mix, and warms their shapes,
+            # before kube-scheduler reaches them, instead of learning in flushes during the burst
+            # and answering each new shape from a sample on the serial cycle.
+            self.scorer.learner.observe(pod)
             if self._current(shape):
                 return
         self._put(shape, self.stand_in(pod), "pending", urgent=False)
@@ -173,8 +179,8 @@ class ShapeWarmer:
     def ready(self) -> bool:
         """Whether there is anything to warm for: not while a learning policy has learnt nothing.
         A fit's GPUs are chosen by what the policy knows, and fits are kept across its flushes (per
-        node version): the first filter learns its pod before it fits, so it fits better than
-        this could."""
+        node version): a warmer fitting for a policy that knows nothing would keep an untaught
+        choice. The first pending pod seen (`want`) or asked about is learnt at once."""
         learner = self.scorer.learner
         return not (learner.policy.learn and learner.epoch == 0)
 

@@ -12,8 +12,8 @@ once OBSERVE_GROWTH times the pods learnt so far are waiting (1, 3, 12, 48) and 
 has passed since the last flush, so a burst of pods at ~30 pods/s costs 3 flushes instead of one per
 doubling (7); later a workload's mix changes slowly, so a flush per OBSERVE_BATCH_MAX waiting pods
 (and OBSERVE_MIN_GAP_S) keeps up. Whatever the counts, a pod arriving more than OBSERVE_FLUSH_S
-after the last flush flushes. A pod is offered by an identity (its uid or key): the extender is
-asked about a pod several times, and it is learnt once.
+after the last flush flushes. A pod is offered by an identity (its uid or key): the extender sees it
+waiting and is asked about it, often several times, and it is learnt once.
 
 Pure: the clock is the caller's (the extender's monotonic clock; the simulator's simulated one).
 """

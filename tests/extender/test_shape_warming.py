@@ -225,10 +225,33 @@ def test_a_learning_policy_that_has_learnt_nothing_is_not_warmed_for() -> None:
     first pod is learnt, a fit would be an untaught policy's."""
     clock = [100.0]
     ext, _policy, names = _learning_extender(6, clock)
-    ext.warmer.want(ext.pod_request(_pod(1, SHAPES[0])))
+    ext.warmer.rescore(ext.pod_request(_pod(1, SHAPES[0])))  # queued without a pod learnt
     assert not ext.warmer.ready() and ext.warmer.drain() == 0
     _filter(ext, _pod(2, SHAPES[1]), names)  # the first pod asked about is learnt
     assert ext.warmer.ready() and ext.warmer.drain() == 1
+
+
+def test_a_pending_pod_is_learnt_when_seen_and_its_shape_warmed_before_it_is_asked_about() -> None:
+    """An extender that starts (or takes over) with pods queued learns them as its pending-pod watch
+    sees them, each once: its warmer may warm their shapes at once, and the first filter of one
+    fits and scores no node, nor learns its pod again."""
+    clock = [100.0]
+    ext, policy, names = _learning_extender(12, clock)
+    for i in range(4):
+        _place(ext, _pod(i, SHAPES[i % len(SHAPES)]), names[i])  # placed, not asked about: not learnt
+    assert ext.learner.epoch == 0 and not ext.warmer.ready()
+    first, second = _pod(100, SHAPES[1]), _pod(101, SHAPES[3])
+    ext.warmer.want(ext.pod_request(first))
+    assert ext.learner.epoch == 1 and ext.learner.batcher.learnt == 1  # the first pod: at once
+    ext.warmer.want(ext.pod_request(second))
+    assert ext.learner.batcher.waiting == [ext.pod_request(second)]  # batched, as a filter's would be
+    assert ext.warmer.ready() and ext.warmer.drain() == 2
+    count = Counting(policy)
+    out = _filter(ext, first, names)
+    assert len(out["NodeNames"]) == 1
+    assert (count.fits, count.scores) == (0, 0)
+    _filter(ext, second, names)
+    assert (ext.learner.epoch, ext.learner.batcher.learnt, len(ext.learner.batcher.waiting)) == (1, 1, 1)
 
 
 def test_a_flush_queues_the_shapes_asked_most_recent_first() -> None:
