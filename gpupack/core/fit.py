@@ -13,7 +13,7 @@ How a pod's containers combine (documented in the README):
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gpupack.core.model import FULL, GPU, Charged, ContainerRequest, Node, Placement, PodRequest, Share
@@ -82,6 +82,9 @@ class FitFailure:
 class Fit:
     placement: Placement
     charged: Charged  # gpu index -> (mem, milli, exclusive)
+    # What the policy that made this fit worked out of its score while choosing the GPUs, and
+    # under which of its tables (GpupackPolicy.node_score reads it); not part of the fit's identity.
+    score_memo: tuple[object, ...] | None = field(default=None, compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return True

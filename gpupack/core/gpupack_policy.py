@@ -341,6 +341,9 @@ class GpupackPolicy(WorkloadPolicy):
         reward = False
         waste: tuple[float, ...] = ()
         prices: dict[int, SharePrices] = {}  # by GPU memory size: the workload holds during a fit
+        # A rank depends on the GPU only through its view: equal GPUs (the idle ones of a node, say)
+        # are ranked once a fit. (view, share) -> rank
+        ranked: dict[tuple[GpuView, int, int], float] = {}
 
         def rank(n: Node, g: GPU, mem: int, milli: int) -> float:
             nonlocal views, nf, before, cpu_after, reward, waste
@@ -355,6 +358,9 @@ class GpupackPolicy(WorkloadPolicy):
                 reward = self._rewards(prep, node, cpu)
                 waste = self.waste
             v = views[g.index]
+            hit = ranked.get((v, mem, milli))
+            if hit is not None:
+                return hit
             t = _take(v, mem, milli, cls)
             after = prep.trial(nf, ((v, t),), cpu_after)
             total = prep.total
@@ -367,15 +373,39 @@ class GpupackPolicy(WorkloadPolicy):
                 + int(waste_gain(waste, total, a0, a1))
                 - price_loss(total, p.cost(a0, a1))
             )
-            return -sigmoid_score(dec, total)
+            key = ranked[(v, mem, milli)] = -sigmoid_score(dec, total)
+            return key
 
-        return fit(node, pod, rank)
+        r = fit(node, pod, rank)
+        if r.__class__ is Fit and len(r.charged) == 1 and nf is not None:
+            # One shared GPU: the rank that chose it is its node score (node_score's formula for
+            # that one change), kept with the node state and tables it was worked out under.
+            ((idx, (mem, milli, ex)),) = r.charged.items()
+            key = None if ex else ranked.get((views[idx], mem, milli))
+            if key is not None:
+                inputs = (node.free_cpu if node.cpu_milli else None, node.cpu_milli, pod.cpu_milli, cls)
+                memo = (prep, nf, inputs, waste, prices[views[idx][2]], -key)
+                return Fit(r.placement, r.charged, memo)
+        return r
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
         prep = self._prepared()
         views = gpu_views(node)
         cpu = node.free_cpu if node.cpu_milli else None
         nf = prep.frags.node(views, node.model)
+        memo = f.score_memo
+        if (
+            memo is not None
+            and memo[0] is prep
+            and memo[1] is nf
+            and memo[2] == (cpu, node.cpu_milli, pod.cpu_milli, pod.pod_class)
+        ):
+            # `fit` worked this score out on this node state for this pod: it stands if the tables
+            # it read are still those read below (reading the waste table or the prices may rebuild
+            # them, so they are read as the full computation would)
+            ((idx, _),) = f.charged.items()
+            if self.waste is memo[3] and self.prices(pod.pod_class, views[idx][2]) is memo[4]:
+                return memo[5]  # type: ignore[return-value]
         changes = []
         shares = []
         cls = pod.pod_class

@@ -542,3 +542,41 @@ def test_incremental_fragmentation_equals_the_sum_over_gpus(
     assert fc.trial(fnf, tuple((frees[i], v[0]) for i, v in changes), cpu)[0] == ref_frag(
         after_frees, cpu, model, shapes_, weights
     )
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 3), st.integers(0, 40))
+def test_a_fits_own_score_is_the_full_computation_whatever_changed_since(
+    scenario: Scenario, change: int, learnt: int
+) -> None:
+    """GpupackPolicy's fit keeps the score it worked out choosing a shared GPU (Fit.score_memo);
+    node_score must answer exactly as without it, when asked right away and when the node, the
+    pod's CPU or the policy's workload changed between the fit and the score (the extender scores a
+    reservation's fit on the node itself; a learning flush rebuilds the tables)."""
+    cluster, arriving, _repeats, spec, learning, limit = scenario
+    policy: Any = get_policy("gpupack", seed=1, workload=None if learning else make_workload(spec))
+    if learning:
+        policy.workload = make_workload(spec)
+    default_limit = FragCache.LIMIT
+    FragCache.LIMIT = limit
+    try:
+        for pod in arriving:
+            for node in cluster:
+                f = policy.fit(node, pod)
+                if not isinstance(f, Fit):
+                    continue
+                bare = Fit(f.placement, f.charged)
+                if change == 1:  # the node took another pod meanwhile
+                    place(node, arriving[0], bare)
+                elif change == 2 and node.cpu_milli:  # its free CPU changed
+                    node.cpu_used = 0 if node.cpu_used > node.cpu_milli // 2 else node.cpu_milli
+                elif change == 3:  # the policy learnt meanwhile
+                    for _ in range(learnt):
+                        policy.observe(arriving[-1])
+                got = policy.node_score(node, pod, f)
+                assert got == policy.node_score(node, pod, bare)
+                if f.score_memo is not None and change == 0:
+                    event("a kept score served")
+    finally:
+        FragCache.LIMIT = default_limit
