@@ -23,8 +23,8 @@ whole answer is built), then every node in the policy's tie order, the order tha
 equal scores. The policy's scores are coarse (0..99), so many nodes share the top score, and a
 sample in that order often holds the very node the full answer takes: in bench_view.py's
 5,000-node cluster (100,000 pods bound at random) the sampled answer scored as high as the full
-answer's for 39 of 40 new shapes, 1 point lower for the 40th. In a cluster gpupack packed, the nodes it filled first
-are the first in that order, as its ties sent pods there.
+answer's for 39 of 40 new shapes, 1 point lower for the 40th. In a cluster gpupack packed, the
+nodes it filled first are the first in that order, as its ties sent pods there.
 """
 
 from __future__ import annotations

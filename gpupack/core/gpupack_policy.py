@@ -383,8 +383,7 @@ class GpupackPolicy(WorkloadPolicy):
             ((idx, (mem, milli, ex)),) = r.charged.items()
             key = None if ex else ranked.get((views[idx], mem, milli))
             if key is not None:
-                inputs = (node.free_cpu if node.cpu_milli else None, node.cpu_milli, pod.cpu_milli, cls)
-                memo = (prep, nf, inputs, waste, prices[views[idx][2]], -key)
+                memo = (prep, nf, _score_inputs(node, pod), waste, prices[views[idx][2]], -key)
                 return Fit(r.placement, r.charged, memo)
         return r
 
@@ -394,12 +393,7 @@ class GpupackPolicy(WorkloadPolicy):
         cpu = node.free_cpu if node.cpu_milli else None
         nf = prep.frags.node(views, node.model)
         memo = f.score_memo
-        if (
-            memo is not None
-            and memo[0] is prep
-            and memo[1] is nf
-            and memo[2] == (cpu, node.cpu_milli, pod.cpu_milli, pod.pod_class)
-        ):
+        if memo is not None and memo[0] is prep and memo[1] is nf and memo[2] == _score_inputs(node, pod):
             # `fit` worked this score out on this node state for this pod: it stands if the tables
             # it read are still those read below (reading the waste table or the prices may rebuild
             # them, so they are read as the full computation would)
@@ -438,6 +432,13 @@ def gain(before: tuple[int, int], after: tuple[int, int], weight: int, reward: b
     """
     removed = before[1] - after[1]
     return (before[0] - after[0]) + weight * (removed if reward else min(0, removed))
+
+
+def _score_inputs(node: Node, pod: PodRequest) -> tuple[int | None, int, int, str]:
+    """What a share's score depends on besides the node's GPU views (its NodeFrag) and the
+    policy's tables: the node's free and allocatable CPU, the pod's CPU and class. A kept score
+    (Fit.score_memo) serves only where these are the ones it was worked out with."""
+    return (node.free_cpu if node.cpu_milli else None, node.cpu_milli, pod.cpu_milli, pod.pod_class)
 
 
 def _take(v: GpuView, mem: int, milli: int, cls: str) -> GpuView:
