@@ -77,7 +77,7 @@ class ShapeTable(Generic[V]):
     each GPU serves. A shape the model may not use is left out: it counts all the node's free
     capacity as fragment whatever the node's state."""
 
-    __slots__ = ("shapes", "weight", "gpus", "cpu", "_serves", "_served")
+    __slots__ = ("shapes", "weight", "gpus", "cpu", "_serves", "_served", "_moved")
 
     def __init__(
         self, model: str, shapes: Sequence[Shape], weights: Sequence[int], serves: Callable[[V, Shape], bool]
@@ -93,6 +93,7 @@ class ShapeTable(Generic[V]):
         self.cpu = tuple(s.cpu_milli for s, _ in kept)
         self._serves = serves
         self._served: dict[V, tuple[int, ...]] = {}
+        self._moved: dict[tuple[V, V], tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
 
     def served(self, v: V) -> tuple[int, ...]:
         """Positions (in `shapes`) of the shapes GPU `v` serves."""
@@ -102,6 +103,23 @@ class ShapeTable(Generic[V]):
                 self._served.clear()
             serves = self._serves
             hit = self._served[v] = tuple(k for k, s in enumerate(self.shapes) if serves(v, s))
+        return hit
+
+    def moved(self, v0: V, v1: V) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """A GPU turned from `v0` into `v1`: the positions of the shapes it serves both before and
+        after, only before, and only after."""
+        key = (v0, v1)
+        hit = self._moved.get(key)
+        if hit is None:
+            if len(self._moved) > 100_000:
+                self._moved.clear()
+            before, after = self.served(v0), self.served(v1)
+            b, a = set(before), set(after)
+            hit = self._moved[key] = (
+                tuple(k for k in before if k in a),
+                tuple(k for k in before if k not in a),
+                tuple(k for k in after if k not in b),
+            )
         return hit
 
 
@@ -195,10 +213,14 @@ class FragCache(Generic[V]):
 
     def frag(self, nf: NodeFrag[V], cpu_left: int | None) -> int:
         """The fragmentation of state `nf` with `cpu_left` free CPU (None: CPU not tracked)."""
+        return self.wsum * nf.total - self._hosted(nf, cpu_left)
+
+    @staticmethod
+    def _hosted(nf: NodeFrag[V], cpu_left: int | None) -> int:
         hosted = nf.by_cpu.get(cpu_left)
         if hosted is None:
             hosted = nf.by_cpu[cpu_left] = nf.hosted(nf.fits, nf.served, cpu_left)
-        return self.wsum * nf.total - hosted
+        return hosted
 
     def trial(
         self, nf: NodeFrag[V], changes: tuple[tuple[V, V], ...], cpu_left: int | None
@@ -208,6 +230,9 @@ class FragCache(Generic[V]):
         of equal GPUs changes does not matter."""
         key = (changes, cpu_left)
         hit = nf.trials.get(key)
+        if hit is None and len(changes) == 1:
+            hit = nf.trials[key] = self._trial_one(nf, changes[0][0], changes[0][1], cpu_left)
+            self._count()
         if hit is None:
             t = nf.table
             amount = self.amount
@@ -227,6 +252,37 @@ class FragCache(Generic[V]):
             self._count()
             hit = nf.trials[key] = (self.wsum * total - nf.hosted(fits, served, cpu_left), total)
         return hit
+
+    def _trial_one(self, nf: NodeFrag[V], v0: V, v1: V, cpu_left: int | None) -> tuple[int, int]:
+        """`trial` of one GPU changed, from the state's hosted sum at `cpu_left` (kept per state,
+        shared by every trial on it with that free CPU) and the shapes whose counts the change
+        moves: the common trial (one shared GPU a pod) no longer copies and sums every shape's
+        counts. The same integers as the general path's."""
+        t = nf.table
+        a0, a1 = self.amount(v0), self.amount(v1)
+        hosted = self._hosted(nf, cpu_left)
+        fits, served, weight, gpus, cpu = nf.fits, nf.served, t.weight, t.gpus, t.cpu
+        both, lost, gained = t.moved(v0, v1)
+        d = a1 - a0
+        for k in both:  # still served by the GPU: as many GPUs serve the shape, with d more room
+            if fits[k] >= gpus[k] and (cpu_left is None or cpu_left >= cpu[k]):
+                hosted += weight[k] * d
+        for k in lost:  # one GPU fewer serves the shape, a0 less room
+            if cpu_left is None or cpu_left >= cpu[k]:
+                f, s, g = fits[k], served[k], gpus[k]
+                if f >= g:
+                    hosted -= weight[k] * s
+                if f > g:
+                    hosted += weight[k] * (s - a0)
+        for k in gained:  # one GPU more serves the shape, a1 more room
+            if cpu_left is None or cpu_left >= cpu[k]:
+                f, s, g = fits[k], served[k], gpus[k]
+                if f >= g:
+                    hosted -= weight[k] * s
+                if f + 1 >= g:
+                    hosted += weight[k] * (s + a1)
+        total = nf.total + d
+        return self.wsum * total - hosted, total
 
 
 # --- the score of a placement ----------------------------------------------------------------
