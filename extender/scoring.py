@@ -210,7 +210,11 @@ class Scorer:
             sig = (self.fitter.state(n, info), tuple(sorted(r.charged.items())))
             score = memo.get(sig)
             if score is None:
-                score = memo[sig] = self.policy.node_score(node, pod, r)
+                # r was fitted on the node at its version now (node_fit answers from the fit table
+                # only at the node's version), so a score its fit kept stands unless the policy's
+                # tables changed; a reservation's fit was made on a node holding it: scored anew.
+                kept = None if info.reservations else self.policy.kept_score(pod, r)
+                score = memo[sig] = kept if kept is not None else self.policy.node_score(node, pod, r)
         if not info.reservations:
             table.put(n, info.version, score)
         return score, res

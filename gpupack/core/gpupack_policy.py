@@ -383,9 +383,26 @@ class GpupackPolicy(WorkloadPolicy):
             ((idx, (mem, milli, ex)),) = r.charged.items()
             key = None if ex else ranked.get((views[idx], mem, milli))
             if key is not None:
-                memo = (prep, nf, _score_inputs(node, pod), waste, prices[views[idx][2]], -key)
+                size = views[idx][2]
+                memo = (prep, nf, _score_inputs(node, pod), waste, prices[size], -key, size)
                 return Fit(r.placement, r.charged, memo)
         return r
+
+    def kept_score(self, pod: PodRequest, f: Fit) -> float | None:
+        memo = f.score_memo
+        # The node's side (its NodeFrag, free and allocatable CPU) is the caller's to vouch for;
+        # the pod's CPU and class, and the tables the score read, are checked as node_score does.
+        if memo is None:
+            return None
+        inputs: tuple[int | None, int, int, str] = memo[2]  # type: ignore[assignment]
+        if (
+            memo[0] is not self._prepared()
+            or inputs[2:] != (pod.cpu_milli, pod.pod_class)
+            or self.waste is not memo[3]
+            or self.prices(pod.pod_class, memo[6]) is not memo[4]  # type: ignore[arg-type]
+        ):
+            return None
+        return memo[5]  # type: ignore[return-value]
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
         prep = self._prepared()

@@ -43,6 +43,13 @@ class Policy:
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
         raise NotImplementedError
 
+    def kept_score(self, pod: PodRequest, f: Fit) -> float | None:
+        """node_score(node, pod, f) without the node, from what `f`'s fit kept (Fit.score_memo),
+        for a caller that knows the node is in the state `f` was fitted on (the extender's fit
+        table, per node version); None when nothing was kept or the policy's tables changed
+        since: ask node_score."""
+        return None
+
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
         return fit(node, pod, self.gpu_rank)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -578,5 +579,48 @@ def test_a_fits_own_score_is_the_full_computation_whatever_changed_since(
                 assert got == policy.node_score(node, pod, bare)
                 if f.score_memo is not None and change == 0:
                     event("a kept score served")
+    finally:
+        FragCache.LIMIT = default_limit
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 2), st.integers(1, 40))
+def test_a_kept_score_is_the_full_computation_or_none(scenario: Scenario, change: int, learnt: int) -> None:
+    """kept_score (the extender's, for a fit made on the node as it is now): the score node_score
+    gives, or None. None when the pod asked about is not the one fitted (another CPU request or
+    class); after the policy learnt meanwhile, the score only while its tables are the same."""
+    cluster, arriving, _repeats, spec, learning, limit = scenario
+    policy: Any = get_policy("gpupack", seed=1, workload=None if learning else make_workload(spec))
+    if learning:
+        policy.workload = make_workload(spec)
+    default_limit = FragCache.LIMIT
+    FragCache.LIMIT = limit
+    try:
+        for pod in arriving:
+            for node in cluster:
+                f = policy.fit(node, pod)
+                if not isinstance(f, Fit):
+                    continue
+                bare = Fit(f.placement, f.charged)
+                asked = pod
+                if change == 1:  # another pod of the same GPU request
+                    other = "offline" if pod.pod_class == "online" else "online"
+                    asked = (
+                        replace(pod, cpu_milli=pod.cpu_milli + 500)
+                        if learnt % 2
+                        else replace(pod, pod_class=other)
+                    )
+                elif change == 2:  # the policy learnt meanwhile
+                    for _ in range(learnt):
+                        policy.observe(arriving[-1])
+                kept = policy.kept_score(asked, f)
+                if change == 1:
+                    assert kept is None
+                elif kept is not None:
+                    assert kept == policy.node_score(node, asked, bare)
+                    event(f"kept score served (change {change})")
+                else:
+                    assert f.score_memo is None or change == 2
     finally:
         FragCache.LIMIT = default_limit
