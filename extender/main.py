@@ -269,12 +269,15 @@ def _extender_factory(
         Requeuer(ext).start()  # before the watches: no room they report goes unnoticed
         sync = Sync(view, kube, freeze_heap=True, pause=ext.activity.wait_quiet)
         sync.start()
+        marks = None
         if args.warm_shapes:
+            from .preempt_inputs import Unschedulable
             from .warming import pending_watcher
 
             ext.warmer.start(sync.stop)
+            marks = Unschedulable() if args.preemption_interval_s > 0 else None
             pending = pending_watcher(
-                kube, args.scheduler_name, ext.warmer, sync.stop, ext.activity.wait_quiet
+                kube, args.scheduler_name, ext.warmer, sync.stop, ext.activity.wait_quiet, marks
             )
             threading.Thread(target=pending.run, name="watch-pending-pods", daemon=True).start()
         Janitor(ext, args.sweep_interval_s, listening=listening).start()
@@ -282,7 +285,7 @@ def _extender_factory(
             from .preemption import Preempter
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
-                      args.preemption_interval_s).start()  # fmt: skip
+                      args.preemption_interval_s, marks=marks).start()  # fmt: skip
         autoscale.start_from_args(args, api, None if fence is None else fence.problem)
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,

@@ -5,6 +5,8 @@ and the record a preemptor carries of its preemption (the state a restarted lead
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +87,45 @@ def unschedulable(pod: dict[str, Any]) -> bool:
         and c.get("reason") == "Unschedulable"
         for c in st.get("conditions") or []
     )
+
+
+class Unschedulable:
+    """Which waiting pods kube-scheduler marked Unschedulable, as the pending-pod watch shows them
+    (its events, its lists): the preemption pass reads every waiting pod only when one may want to
+    preempt. In a burst of a few thousand queued pods nothing is marked yet, and a list of them all
+    every pass (2 s) was CPU spent in the extender and the API server on the burst's own cores.
+    Thread-safe: the watch writes, the preemption pass reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: set[str] = set()
+        self.listed = threading.Event()  # set once a list has been read: until then nothing is known
+
+    def apply(self, pod: dict[str, Any]) -> None:
+        """An ADDED or MODIFIED event of a waiting pod (or one bound since: no longer waiting)."""
+        key, marked = key_of(pod), unschedulable(pod)
+        with self._lock:
+            if marked:
+                self._keys.add(key)
+            else:
+                self._keys.discard(key)
+
+    def delete(self, pod: dict[str, Any]) -> None:
+        """A DELETED event: the pod was deleted, or bound (it left the watch's selection)."""
+        with self._lock:
+            self._keys.discard(key_of(pod))
+
+    def replace(self, pods: Iterable[dict[str, Any]]) -> None:
+        """A fresh list of the waiting pods."""
+        keys = {key_of(p) for p in pods if unschedulable(p)}
+        with self._lock:
+            self._keys = keys
+        self.listed.set()
+
+    def none(self) -> bool:
+        """True only when a list has been read and no waiting pod is marked now."""
+        with self._lock:
+            return self.listed.is_set() and not self._keys
 
 
 def node_selected(pod: dict[str, Any], labels: dict[str, str]) -> bool:

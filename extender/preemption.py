@@ -57,6 +57,7 @@ class Preempter:
         fence: LeaseFence | None,
         interval_s: float = 2.0,
         hold_s: float = 120.0,
+        marks: pin.Unschedulable | None = None,
     ) -> None:
         assert ext.kube is not None
         self.ext, self.view, self.kube, self.kc = ext, ext.view, ext.kube, kc
@@ -66,6 +67,10 @@ class Preempter:
         self.metrics = self.act.metrics
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        # the pending-pod watch's: while it shows no waiting pod marked Unschedulable and this
+        # controller holds no room, a pass reads nothing (None: every pass lists the waiting pods)
+        self.marks = marks
+        self.skipped = 0  # passes that found nothing to read
 
     # --- the thread ---------------------------------------------------------------------------
     def start(self) -> Preempter:
@@ -95,9 +100,12 @@ class Preempter:
         if not self.view.synced.is_set() or (self.fence is not None and self.fence.problem()):
             return done
         now, started = self.ext.clock(), time.monotonic()
+        own = self._own_reservations(now)
+        if not own and self.marks is not None and self.marks.none():
+            self.skipped += 1
+            return done
         unbound = self.kube.unscheduled_pods(self.ext.config.scheduler_name, cached=True)
         pending = [p for p in unbound if pin.unschedulable(p)]
-        own = self._own_reservations(now)
         wanting = [(p, req) for p in pending if (req := self._request(p)) is not None]
         if not wanting and not own:
             return done

@@ -42,6 +42,7 @@ from .fitting import FitMemo
 from .kube import Kube, NamespaceUnreadable
 from .metrics import Metrics
 from .pod_requests import pod_request
+from .preempt_inputs import Unschedulable, unschedulable
 from .scoring import Scorer
 from .sync import Watcher
 from .view import ClusterView
@@ -309,13 +310,17 @@ def pending_watcher(
     warmer: ShapeWarmer,
     stop: threading.Event,
     pause: Callable[[], None] | None = None,
+    marks: Unschedulable | None = None,
 ) -> Watcher:
     """A watch of the pods waiting for `scheduler_name` (not bound to a node): each one's shape is
-    handed to `warmer`. A pod gpupack cannot parse is left to the filter, which says why."""
+    handed to `warmer`, and which are marked Unschedulable to `marks` (the preemption pass's). A
+    pod gpupack cannot parse is left to the filter, which says why."""
 
     told: OrderedDict[str, None] = OrderedDict()  # uids handed on: a pod's later events are not parsed
 
     def seen(obj: dict[str, Any]) -> None:
+        if marks is not None:
+            marks.apply(obj)
         if (obj.get("spec") or {}).get("nodeName"):
             return
         uid = str((obj.get("metadata") or {}).get("uid") or "")
@@ -332,9 +337,18 @@ def pending_watcher(
                 told.popitem(last=False)
 
     def listed(pages: Any) -> None:
+        marked: list[dict[str, Any]] = []
         for items in pages:
             for obj in items:
                 seen(obj)
+                if marks is not None and unschedulable(obj):
+                    marked.append(obj)
+        if marks is not None:
+            marks.replace(marked)
+
+    def gone(obj: dict[str, Any]) -> None:
+        if marks is not None:
+            marks.delete(obj)
 
     return Watcher(
         "pending-pods",
@@ -342,7 +356,7 @@ def pending_watcher(
         lambda rv, timeout_s: kube.watch_pending_pods(scheduler_name, rv, timeout_s),
         listed,
         seen,
-        lambda obj: None,
+        gone,
         stop,
         pause=pause,
     )

@@ -6,8 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from ext_helpers import node_obj
+from kubernetes import client
 
-from extender.preempt_inputs import MIRROR, node_allows, victims_of
+from extender.framework import Extender
+from extender.preempt_inputs import MIRROR, Unschedulable, node_allows, victims_of
+from extender.preemption import Preempter
+from extender.view import ClusterView
+from gpupack.core.policies import get_policy
+from gpupack.kubeclient import KubeClient
 
 LABELS = {"kubernetes.io/hostname": "n1", "zone": "a", "gpus": "8"}
 
@@ -108,3 +115,76 @@ def test_victims_of_gpu_and_host_only_pods() -> None:
     assert set(every) == {"ns/gpu", "ns/cpu"}
     cpu = every["ns/cpu"]
     assert (cpu.node, cpu.priority, cpu.pod_class, cpu.budgets) == ("n1", 1, "offline", ("ns/b",))
+
+
+def waiting(name: str, marked: bool, **meta: Any) -> dict[str, Any]:
+    cond = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}] if marked else []
+    return {
+        "metadata": {"name": name, "namespace": "ns", **meta},
+        "spec": {},
+        "status": {"phase": "Pending", "conditions": cond},
+    }
+
+
+def test_the_marks_follow_the_pending_watch() -> None:
+    """Unschedulable: what the pending-pod watch shows marked; nothing is known before a list."""
+    marks = Unschedulable()
+    assert not marks.none()  # no list read yet: the pass must look for itself
+    marks.apply(waiting("a", True))
+    marks.replace([waiting("a", False), waiting("b", False)])
+    assert marks.none()
+    marks.apply(waiting("a", True))
+    assert not marks.none()
+    marks.apply(waiting("a", False))  # tried again and not marked now
+    assert marks.none()
+    marks.apply(waiting("b", True))
+    marks.delete(waiting("b", True))  # bound or deleted: gone from the watch
+    assert marks.none()
+    marks.apply(waiting("c", True, deletionTimestamp="2026-12-05T12:00:00Z"))  # on its way out
+    assert marks.none()
+    marks.replace([waiting("d", True)])
+    assert not marks.none()
+
+
+class CountingKube:
+    """Only what a preemption pass reads when nothing waits: how often it lists the waiting pods."""
+
+    def __init__(self) -> None:
+        self.lists = 0
+
+    def unscheduled_pods(self, scheduler: str, cached: bool = False) -> list[dict[str, Any]]:
+        self.lists += 1
+        return []
+
+    def list_pods(self) -> dict[str, Any]:
+        return {"items": []}
+
+
+def test_a_pass_lists_the_waiting_pods_only_when_one_may_preempt() -> None:
+    """With the pending watch's marks, a pass reads nothing while no waiting pod is marked
+    Unschedulable and the controller holds no room; without them (or before the watch listed),
+    every pass lists."""
+    view = ClusterView()
+    view.replace_nodes([node_obj("n1")])
+    view.replace_pods([])
+    view.synced.set()
+    kube = CountingKube()
+    ext = Extender(view, get_policy("gpupack"), kube)  # type: ignore[arg-type]
+    marks = Unschedulable()
+    unused = KubeClient(client.ApiClient())  # the evictions' client: no pass here evicts
+    pre = Preempter(ext, unused, None, None, marks=marks)
+    pre.run_once()
+    assert kube.lists == 1  # the watch has not listed yet
+    marks.replace([])
+    pre.run_once()
+    assert (kube.lists, pre.skipped) == (1, 1)
+    pre.marks = None  # no pending watch to tell
+    pre.run_once()
+    assert kube.lists == 2
+    pre.marks = marks
+    marks.apply(waiting("a", True))
+    pre.run_once()
+    assert kube.lists == 3
+    marks.delete(waiting("a", True))
+    pre.run_once()
+    assert (kube.lists, pre.skipped) == (3, 2)
