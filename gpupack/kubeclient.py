@@ -16,8 +16,10 @@ answering must fail a call, never hang a component.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,11 +58,42 @@ def load_config(kubeconfig: str | None = None) -> client.Configuration:
         # TypeError/ValueError: a kubeconfig that is YAML but not a kubeconfig
         where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster or default kubeconfig"
         raise KubeConfigError(f"cannot configure the Kubernetes client ({where}): {e}") from e
-    if kubeconfig:
-        token_file = _token_file(kubeconfig)
-        if token_file:
-            _follow_token_file(cfg, token_file)
+    token_file = _token_file(kubeconfig) if kubeconfig else ""
+    if token_file:
+        _follow_token_file(cfg, token_file)
+    elif cfg.refresh_api_key_hook is not None:
+        cfg.refresh_api_key_hook = throttled(cfg.refresh_api_key_hook, HOOK_EVERY_S)
     return cfg
+
+
+# The library's own credential hook (an inline or exec token, in-cluster) runs before every request
+# and sets the host, CA and token again each time: ~a fifth of a small request's client CPU (a
+# Binding). Its only work that changes anything is reloading a token once it has expired (in-cluster:
+# re-reading the token file each minute), which at most once a second still does.
+HOOK_EVERY_S = 1.0
+
+
+def throttled(
+    hook: Callable[[client.Configuration], None], every_s: float, clock: Callable[[], float] = time.monotonic
+) -> Callable[[client.Configuration], None]:
+    """`hook`, run at most once every `every_s` seconds (the first call runs it). The library's hook
+    installs itself again each time it runs (kube_config's _set_config): whatever hook it installs
+    is the one run next time, and this one stays in its place."""
+    last = [-math.inf]
+    inner = [hook]
+
+    def call(c: client.Configuration) -> None:
+        now = clock()
+        if now - last[0] < every_s:
+            return
+        last[0] = now
+        inner[0](c)
+        installed = getattr(c, "refresh_api_key_hook", call)
+        if installed is not call and installed is not None:
+            inner[0] = installed
+            c.refresh_api_key_hook = call
+
+    return call
 
 
 def _token_file(kubeconfig: str) -> str:

@@ -48,3 +48,33 @@ def test_bad_flags_are_refused_before_any_request(capsys):
     assert token.main(["--service-account", "x", "--namespace", "n", "--out-dir", "/nonexistent",
                        "--pod-name", "p"]) == 2  # fmt: skip
     assert "go together" in capsys.readouterr().err
+
+
+def test_the_librarys_credential_hook_runs_at_most_once_a_second():
+    """The library's hook (inline, exec or in-cluster tokens) re-sets the configuration before every
+    request; throttled, it still runs on the first request and once a second after."""
+    calls: list[float] = []
+    t = [100.0]
+    hook = kubeclient.throttled(lambda c: calls.append(t[0]), 1.0, clock=lambda: t[0])
+    for dt_s in (0.0, 0.25, 0.5, 0.5, 0.125, 2.0):
+        t[0] += dt_s
+        hook(None)
+    assert calls == [100.0, 101.25, 103.375]
+
+
+def test_a_kubeconfigs_library_hook_is_throttled(tmp_path):
+    """With an inline token the library's hook re-sets the host before a request; after it ran,
+    requests within the second leave the configuration alone."""
+    (tmp_path / "kc").write_text(
+        '{"apiVersion": "v1", "kind": "Config", "current-context": "c",'
+        ' "clusters": [{"name": "k", "cluster": {"server": "http://127.0.0.1:1"}}],'
+        ' "users": [{"name": "u", "user": {"token": "inline"}}],'
+        ' "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}'
+    )
+    cfg = kubeclient.load_config(str(tmp_path / "kc"))
+    cfg.host = "http://127.0.0.1:2"
+    assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer inline"
+    assert cfg.host == "http://127.0.0.1:1"  # the hook ran: the kubeconfig's host again
+    cfg.host = "http://127.0.0.1:2"
+    assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer inline"
+    assert cfg.host == "http://127.0.0.1:2"  # within the second: not run (the throttle stays put)
