@@ -77,7 +77,7 @@ class ShapeTable(Generic[V]):
     each GPU serves. A shape the model may not use is left out: it counts all the node's free
     capacity as fragment whatever the node's state."""
 
-    __slots__ = ("shapes", "weight", "gpus", "cpu", "_serves", "_served", "_moved")
+    __slots__ = ("shapes", "weight", "gpus", "cpu", "by_cpu", "cpu_sorted", "_serves", "_served", "_moved")
 
     def __init__(
         self, model: str, shapes: Sequence[Shape], weights: Sequence[int], serves: Callable[[V, Shape], bool]
@@ -91,6 +91,10 @@ class ShapeTable(Generic[V]):
         self.weight = tuple(w for _, w in kept)
         self.gpus = tuple(s.gpus for s, _ in kept)
         self.cpu = tuple(s.cpu_milli for s, _ in kept)
+        # positions by CPU request, and those requests in that order: the shapes a free CPU allows
+        # are a prefix of this order (NodeFrag.hosted_at)
+        self.by_cpu = tuple(sorted(range(len(kept)), key=lambda k: self.cpu[k]))
+        self.cpu_sorted = tuple(self.cpu[k] for k in self.by_cpu)
         self._serves = serves
         self._served: dict[V, tuple[int, ...]] = {}
         self._moved: dict[tuple[V, V], tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
@@ -135,7 +139,7 @@ class NodeFrag(Generic[V]):
     `served[k]` sums those GPUs' free capacity.
     """
 
-    __slots__ = ("table", "amounts", "total", "fits", "served", "by_cpu", "trials")
+    __slots__ = ("table", "amounts", "total", "fits", "served", "by_cpu", "trials", "_prefix")
 
     def __init__(self, table: ShapeTable[V], views: Sequence[V], amounts: list[int]) -> None:
         self.table = table
@@ -152,6 +156,26 @@ class NodeFrag(Generic[V]):
         self.by_cpu: dict[int | None, int] = {}  # free CPU -> the hosted sum of this state
         # (changed GPUs' (before, after) pairs, free CPU after) -> (fragmentation, total after)
         self.trials: dict[tuple[object, ...], tuple[int, int]] = {}
+        self._prefix: list[int] | None = None
+
+    def hosted_at(self, cpu_left: int | None) -> int:
+        """hosted(fits, served, cpu_left) of this state: the shapes a free CPU allows are those
+        first in the table's CPU order, so one pass over the shapes gives every free CPU's sum
+        (a state is asked at its own free CPU and at each pod's CPU taken from it)."""
+        prefix = self._prefix
+        if prefix is None:
+            t = self.table
+            fits, served, weight, gpus = self.fits, self.served, t.weight, t.gpus
+            acc = 0
+            prefix = [0]
+            for k in t.by_cpu:
+                if fits[k] >= gpus[k]:
+                    acc += weight[k] * served[k]
+                prefix.append(acc)
+            self._prefix = prefix
+        if cpu_left is None:
+            return prefix[-1]
+        return prefix[bisect_right(self.table.cpu_sorted, cpu_left)]
 
     def hosted(self, fits: Sequence[int], served: Sequence[int], cpu_left: int | None) -> int:
         """Σ w × served capacity over the shapes the node can host."""
@@ -219,7 +243,7 @@ class FragCache(Generic[V]):
     def _hosted(nf: NodeFrag[V], cpu_left: int | None) -> int:
         hosted = nf.by_cpu.get(cpu_left)
         if hosted is None:
-            hosted = nf.by_cpu[cpu_left] = nf.hosted(nf.fits, nf.served, cpu_left)
+            hosted = nf.by_cpu[cpu_left] = nf.hosted_at(cpu_left)
         return hosted
 
     def trial(
