@@ -240,6 +240,40 @@ def counter(text: str, name: str, match: str = "") -> float:
     return total
 
 
+def api_metrics(cp: realk8s.ControlPlane) -> str:
+    """The API server's /metrics text (as the admin: it is not readable anonymously)."""
+    resp = requests.get(
+        cp.url + "/metrics",
+        headers={"Authorization": f"Bearer {cp.token}"},
+        verify=str(cp.ca_file),
+        timeout=30,
+    )
+    resp.raise_for_status()
+    return resp.text
+
+
+def api_requests(text: str) -> dict[str, float]:
+    """The API server's requests so far, by "VERB resource[/subresource]" (watches counted once, when
+    opened), and the watch events it has sent, by kind ("watch-events kind"): every client's."""
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        what = labels.get("resource", "") + ("/" + labels["subresource"] if labels.get("subresource") else "")
+        key = f"{labels.get('verb', '')} {what}"
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    for m in re.finditer(r"^apiserver_watch_events_total\{([^}]*)\} (\S+)$", text, re.M):
+        kind = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).get("kind", "")
+        key = f"watch-events {kind}"
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def per_pod(before: dict[str, float], after: dict[str, float], pods: int) -> dict[str, float]:
+    """What each count grew by, per pod (those that grew by at least 0.05 a pod), largest first."""
+    grown = {k: (v - before.get(k, 0.0)) / max(pods, 1) for k, v in after.items()}
+    return {k: round(v, 2) for k, v in sorted(grown.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
 def ms(x: float) -> float:
     return round(x * 1000, 2)
 
@@ -329,6 +363,7 @@ def run_phase(
     time.sleep(0.5)  # the watch is open
     s0 = sched.metrics()
     e0 = scrape(ext.url + "/metrics") if ext is not None else ""
+    a0 = api_requests(api_metrics(cp))
     c0 = cpu_seconds()
     if queued:
         os.kill(sched.proc.proc.pid, signal.SIGSTOP)
@@ -351,6 +386,7 @@ def run_phase(
         time.sleep(0.1)
     obs.stop.set()
     cpu = cpu_used(c0, cpu_seconds())
+    a1 = api_requests(api_metrics(cp))
     s1 = sched.metrics()
     e1 = scrape(ext.url + "/metrics") if ext is not None else ""
     bound = [obs.bound[n] - created[n] for n in names if n in obs.bound]
@@ -374,6 +410,9 @@ def run_phase(
         # CPU seconds each process spent from the first creation until every pod ran: on a machine
         # they all share, any of them may be what limits the others
         "cpu_s": cpu,
+        # every client's API requests and the watch events sent, per pod, from the first creation
+        # until every pod ran: what the API server's CPU a pod went on
+        "api_per_pod": per_pod(a0, a1, len(names)),
     }
     alg = diff(histogram(s1, "scheduler_scheduling_algorithm_duration_seconds"),
                histogram(s0, "scheduler_scheduling_algorithm_duration_seconds"))  # fmt: skip
