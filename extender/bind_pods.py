@@ -15,6 +15,7 @@ from gpupack.kubeclient import api_reason
 from .collector import VerbActivity
 from .kube import Kube
 from .lease import BindError
+from .node_resources import HostedPodRequest
 from .wire import BindArgs, WireError
 
 POD_MEMORY = 4096  # filtered pods kept for their bind
@@ -45,25 +46,28 @@ class PodMemory:
 
     def __init__(self, size: int = POD_MEMORY) -> None:
         self.size = size
-        self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # uid -> the pod, and its request as the filter parsed it (a bind's hold and fit need it;
+        # parsing the pod again, containers, quantities and host use, was a third of a bind's CPU)
+        self._pods: OrderedDict[str, tuple[dict[str, Any], HostedPodRequest | None]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, pod: dict[str, Any]) -> None:
+    def remember(self, pod: dict[str, Any], request: HostedPodRequest | None = None) -> None:
         meta = pod.get("metadata") or {}
         uid = meta.get("uid")
         # a pod with an assignment may just have been cleaned (its resourceVersion changed): read it
         if not uid or not meta.get("resourceVersion") or ANN_ASSIGNMENT in (meta.get("annotations") or {}):
             return
         with self._lock:
-            self._pods[uid] = pod
+            self._pods[uid] = (pod, request)
             self._pods.move_to_end(uid)
             while len(self._pods) > self.size:
                 self._pods.popitem(last=False)
 
-    def recall(self, args: BindArgs) -> dict[str, Any] | None:
-        """The pod as its last filter saw it when that is the pod being bound (taken out), else None."""
+    def recall(self, args: BindArgs) -> tuple[dict[str, Any] | None, HostedPodRequest | None]:
+        """The pod as its last filter saw it when that is the pod being bound (taken out), and the
+        request the filter parsed from it (None: not parsed); (None, None) when there is none."""
         with self._lock:
-            pod = self._pods.pop(args.pod_uid, None) if args.pod_uid else None
+            pod, request = self._pods.pop(args.pod_uid, (None, None)) if args.pod_uid else (None, None)
         meta = (pod or {}).get("metadata") or {}
         if (
             pod is None
@@ -72,5 +76,5 @@ class PodMemory:
             or meta.get("deletionTimestamp")
             or (pod.get("spec") or {}).get("nodeName")
         ):
-            return None
-        return pod
+            return None, None
+        return pod, request

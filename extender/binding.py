@@ -165,8 +165,8 @@ class Binder:
     def _bind(self, args: BindArgs) -> None:
         if self.kube is None:
             raise BindError("the extender runs without API access", "api")
-        pod = self.pods.recall(args)
-        early = self._early_request(pod)
+        pod, parsed = self.pods.recall(args)
+        early = self._early_request(pod, parsed)
         held = _Held()
         with self._view():
             if args.node not in self.view.nodes:
@@ -184,12 +184,12 @@ class Binder:
         try:
             slots = self._slots
             if slots is None:
-                self._bind_claimed(args, key, deadline, pod, held)
+                self._bind_claimed(args, key, deadline, pod, parsed, held)
                 return
             if not slots.acquire(timeout=self.config.bind_wait_s):
                 raise BindError(f"{BIND_BUSY}; try again", "busy")
             try:
-                self._bind_claimed(args, key, deadline, pod, held)
+                self._bind_claimed(args, key, deadline, pod, parsed, held)
             finally:
                 slots.release()
         finally:
@@ -198,17 +198,22 @@ class Binder:
                     self.view.unassume(key, args.pod_uid, held.a)
                 self.view.locks.unclaim(args.node, key)
 
-    def _early_request(self, pod: dict[str, Any] | None) -> HostedPodRequest | None:
-        """The request of a GPU pod its filter sent (no API read: the pod is in memory), to hold
-        its room at the claim; None when there is none, or it cannot be had without waiting."""
+    def _early_request(
+        self, pod: dict[str, Any] | None, parsed: HostedPodRequest | None
+    ) -> HostedPodRequest | None:
+        """The request of a GPU pod its filter sent (no API read: the pod is in memory; `parsed`:
+        its request as the filter parsed it), to hold its room at the claim; None when there is
+        none, or it cannot be had without waiting."""
         if pod is None or self.kube is None or not requests_gpupack(pod):
             return None
         if self.fence is not None and self.fence.problem(fresh=False):
             return None  # a standby holds nothing; the bind refuses below, with the reason
-        try:
-            req = pod_request(pod, self.kube)
-        except (PodRequestError, NamespaceUnreadable):
-            return None
+        req = parsed
+        if req is None:
+            try:
+                req = pod_request(pod, self.kube)
+            except (PodRequestError, NamespaceUnreadable):
+                return None
         return req if req.needs_gpu else None
 
     def _hold(self, args: BindArgs, req: HostedPodRequest, pod: dict[str, Any] | None) -> Assignment | None:
@@ -249,7 +254,13 @@ class Binder:
         return a
 
     def _bind_claimed(
-        self, args: BindArgs, key: str, deadline: float, remembered: dict[str, Any] | None, held: _Held
+        self,
+        args: BindArgs,
+        key: str,
+        deadline: float,
+        remembered: dict[str, Any] | None,
+        parsed: HostedPodRequest | None,
+        held: _Held,
     ) -> None:
         assert self.kube is not None
         if self.fence is not None:
@@ -258,8 +269,10 @@ class Binder:
         # The pod before queueing: a missing pod is answered at once, not after the wait.
         # If it changes while we wait, the Binding's resourceVersion precondition catches it.
         pod = remembered or read_pod(self.kube, self.activity, args)
+        if pod is not remembered:
+            parsed = None  # read now: parsed below
         if not requests_gpupack(pod):
-            self._bind_host_only(args, key, pod)
+            self._bind_host_only(args, key, pod, parsed)
             return
         lock = self._node_lock(args.node)
         t0 = time.monotonic()
@@ -271,7 +284,7 @@ class Binder:
                 self._wait_handoff(args.node, args.pod_uid, deadline)
             finally:
                 self.metrics.bind_wait.observe(time.monotonic() - t0)
-            req = self._request_to_bind(args, pod)
+            req = self._request_to_bind(args, pod, parsed)
             if req is None:
                 return
             with self._view():
@@ -303,23 +316,30 @@ class Binder:
             self.metrics.problems.labels("stale-handoff").inc()
         raise BindError(handoff.blocking_message(node, blocker), "handoff-wait")
 
-    def _request_to_bind(self, args: BindArgs, pod: dict[str, Any]) -> HostedPodRequest | None:
-        """The request of the pod to bind, or None when it is bound already (answered as such)."""
+    def _request_to_bind(
+        self, args: BindArgs, pod: dict[str, Any], parsed: HostedPodRequest | None = None
+    ) -> HostedPodRequest | None:
+        """The request of the pod to bind (`parsed`: as the filter parsed this pod), or None when
+        it is bound already (answered as such)."""
         bound = (pod.get("spec") or {}).get("nodeName")
         if bound:
             self._already_bound(args, pod, bound)
             return None
+        if parsed is not None:
+            return parsed
         try:
             return pod_request(pod, self.kube)
         except NamespaceUnreadable as e:
             raise BindError(f"gpupack: {e}", "api") from e
 
-    def _bind_host_only(self, args: BindArgs, key: str, pod: dict[str, Any]) -> None:
+    def _bind_host_only(
+        self, args: BindArgs, key: str, pod: dict[str, Any], parsed: HostedPodRequest | None = None
+    ) -> None:
         """Bind a CPU-only pod: fit its CPU/memory again under the view's lock, charge them on the
         node (the next filter sees them before the watch does), post the Binding under the Lease.
         No assignment, no handoff, no node lock: nothing of it waits for the kubelet."""
         assert self.kube is not None
-        req = self._request_to_bind(args, pod)
+        req = self._request_to_bind(args, pod, parsed)
         if req is None:
             return
         if req.needs_gpu:  # cannot be: requests_gpupack said no gpupack resource

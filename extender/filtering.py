@@ -18,6 +18,7 @@ from .fitting import FitMemo, Fitter
 from .kube import Kube, NamespaceUnreadable
 from .learning import Learner
 from .metrics import Metrics
+from .node_resources import HostedPodRequest
 from .pod_requests import pod_request
 from .sampling import NewShapeSampler
 from .scoring import EXPECT_MAX_NODES, EXPECT_S, Scorer
@@ -94,7 +95,7 @@ class Filter:
         metrics: Metrics,
         clock: Callable[[], datetime],
         keep_best: int,
-        on_pod: Callable[[dict[str, Any]], None] = lambda pod: None,
+        on_pod: Callable[[dict[str, Any], HostedPodRequest], None] = lambda pod, request: None,
         activity: VerbActivity | None = None,
     ) -> None:
         self.view = view
@@ -107,7 +108,9 @@ class Filter:
         # Filter passes only this many of the fitting nodes, the policy's best first (0: all of
         # them, and kube-scheduler's own scores and random ties pick among them with prioritize's).
         self.keep_best = keep_best
-        self.on_pod = on_pod  # told of each pod filtered that parsed (the binder's pod memory)
+        self.on_pod = (
+            on_pod  # told of each pod filtered that parsed, and its request (the binder's pod memory)
+        )
         self.answers: AnswerCache[FilterAnswer] = AnswerCache(FilterAnswer, scorer.names)
         self.activity = activity or VerbActivity()
         # told of each pod asked about, view lock held (the shape warmer's shapes to score again)
@@ -157,7 +160,7 @@ class Filter:
         except NamespaceUnreadable as e:
             log.warning("filter: %s", e)
             return filter_result(args, [], {}, {}, error=f"gpupack: {e}")
-        self.on_pod(args.pod)
+        self.on_pod(args.pod, pod)
         now = self.clock()
         names = args.node_names
         with self._locked():

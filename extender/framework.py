@@ -104,11 +104,11 @@ class Extender:
         # idle until started (main.py): tests drive it with drain()
         self.warmer = ShapeWarmer(view, self.filtering, self.scorer, self.activity, metrics, clock)
 
-    def _filtered(self, pod: dict[str, Any]) -> None:
+    def _filtered(self, pod: dict[str, Any], request: HostedPodRequest) -> None:
         # a stale assignment of its own must not count against the pod; the bind that follows
-        # works from the pod as filter saw it
+        # works from the pod as filter saw it, and from the request filter parsed from it
         self.cleaner.clean_own_stale(pod)
-        self.binder.pods.remember(pod)
+        self.binder.pods.remember(pod, request)
 
     def pod_request(self, pod: dict[str, Any]) -> HostedPodRequest:
         return pod_request(pod, self.kube)
