@@ -268,7 +268,21 @@ class Assignment:
             "node": self.node,
             "class": self.pod_class,
             "bound_at": self.bound_at,
-            "containers": {c: [asdict(s) for s in shares] for c, shares in self.containers.items()},
+            # GPUShare's fields, as asdict(s) has them (a test holds the two equal): asdict's
+            # generic walk was most of encoding an assignment, on every bind
+            "containers": {
+                c: [
+                    {
+                        "uuid": s.uuid,
+                        "index": s.index,
+                        "mem_mib": s.mem_mib,
+                        "sm_pct": s.sm_pct,
+                        "exclusive": s.exclusive,
+                    }
+                    for s in shares
+                ]
+                for c, shares in self.containers.items()
+            },  # fmt: skip
         }
         if self.reservation:
             d["reservation"] = self.reservation

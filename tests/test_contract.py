@@ -1,4 +1,5 @@
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -39,6 +40,9 @@ def test_assignment_round_trip():
     )
     assert decode_assignment(a.to_json(), "ns/p") == a
     assert a.gpu_uuids() == {"GPU-1", "GPU-2"}
+    # the encoding writes GPUShare's fields by name: every field, as asdict has them
+    shares = json.loads(a.to_json())["containers"]
+    assert shares == {c: [asdict(s) for s in ss] for c, ss in a.containers.items()}
 
 
 def test_reservations_round_trip():
