@@ -24,14 +24,19 @@ def test_written_files_load_as_a_kubeconfig_that_follows_its_token(tmp_path):
     assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer second"
 
 
-def test_a_kubeconfig_with_an_inline_token_is_not_followed(tmp_path):
-    (tmp_path / "kc").write_text(
+def inline_token_kubeconfig(d) -> str:
+    """A kubeconfig whose user has an inline token (server http://127.0.0.1:1); its path."""
+    (d / "kc").write_text(
         '{"apiVersion": "v1", "kind": "Config", "current-context": "c",'
         ' "clusters": [{"name": "k", "cluster": {"server": "http://127.0.0.1:1"}}],'
         ' "users": [{"name": "u", "user": {"token": "inline"}}],'
         ' "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}'
     )
-    cfg = kubeclient.load_config(str(tmp_path / "kc"))
+    return str(d / "kc")
+
+
+def test_a_kubeconfig_with_an_inline_token_is_not_followed(tmp_path):
+    cfg = kubeclient.load_config(inline_token_kubeconfig(tmp_path))
     assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer inline"
 
 
@@ -65,13 +70,7 @@ def test_the_librarys_credential_hook_runs_at_most_once_a_second():
 def test_a_kubeconfigs_library_hook_is_throttled(tmp_path):
     """With an inline token the library's hook re-sets the host before a request; after it ran,
     requests within the second leave the configuration alone."""
-    (tmp_path / "kc").write_text(
-        '{"apiVersion": "v1", "kind": "Config", "current-context": "c",'
-        ' "clusters": [{"name": "k", "cluster": {"server": "http://127.0.0.1:1"}}],'
-        ' "users": [{"name": "u", "user": {"token": "inline"}}],'
-        ' "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}'
-    )
-    cfg = kubeclient.load_config(str(tmp_path / "kc"))
+    cfg = kubeclient.load_config(inline_token_kubeconfig(tmp_path))
     cfg.host = "http://127.0.0.1:2"
     assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer inline"
     assert cfg.host == "http://127.0.0.1:1"  # the hook ran: the kubeconfig's host again

@@ -12,7 +12,7 @@ benchmarks/bench_policy.py times the two against each other.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -545,6 +545,25 @@ def test_incremental_fragmentation_equals_the_sum_over_gpus(
     )
 
 
+def fitted_shares(scenario: Scenario) -> Iterator[tuple[Any, Node, PodRequest, Fit]]:
+    """The scenario's gpupack policy (its workload given or learnt), and each arriving pod's Fit on
+    each node it fits, in order, with FragCache bounded at the scenario's limit meanwhile."""
+    cluster, arriving, _repeats, spec, learning, limit = scenario
+    policy: Any = get_policy("gpupack", seed=1, workload=None if learning else make_workload(spec))
+    if learning:
+        policy.workload = make_workload(spec)
+    default_limit = FragCache.LIMIT
+    FragCache.LIMIT = limit
+    try:
+        for pod in arriving:
+            for node in cluster:
+                f = policy.fit(node, pod)
+                if isinstance(f, Fit):
+                    yield policy, node, pod, f
+    finally:
+        FragCache.LIMIT = default_limit
+
+
 @pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.integers(0, 3), st.integers(0, 40))
@@ -555,32 +574,20 @@ def test_a_fits_own_score_is_the_full_computation_whatever_changed_since(
     node_score must answer exactly as without it, when asked right away and when the node, the
     pod's CPU or the policy's workload changed between the fit and the score (the extender scores a
     reservation's fit on the node itself; a learning flush rebuilds the tables)."""
-    cluster, arriving, _repeats, spec, learning, limit = scenario
-    policy: Any = get_policy("gpupack", seed=1, workload=None if learning else make_workload(spec))
-    if learning:
-        policy.workload = make_workload(spec)
-    default_limit = FragCache.LIMIT
-    FragCache.LIMIT = limit
-    try:
-        for pod in arriving:
-            for node in cluster:
-                f = policy.fit(node, pod)
-                if not isinstance(f, Fit):
-                    continue
-                bare = Fit(f.placement, f.charged)
-                if change == 1:  # the node took another pod meanwhile
-                    place(node, arriving[0], bare)
-                elif change == 2 and node.cpu_milli:  # its free CPU changed
-                    node.cpu_used = 0 if node.cpu_used > node.cpu_milli // 2 else node.cpu_milli
-                elif change == 3:  # the policy learnt meanwhile
-                    for _ in range(learnt):
-                        policy.observe(arriving[-1])
-                got = policy.node_score(node, pod, f)
-                assert got == policy.node_score(node, pod, bare)
-                if f.score_memo is not None and change == 0:
-                    event("a kept score served")
-    finally:
-        FragCache.LIMIT = default_limit
+    arriving = scenario[1]
+    for policy, node, pod, f in fitted_shares(scenario):
+        bare = Fit(f.placement, f.charged)
+        if change == 1:  # the node took another pod meanwhile
+            place(node, arriving[0], bare)
+        elif change == 2 and node.cpu_milli:  # its free CPU changed
+            node.cpu_used = 0 if node.cpu_used > node.cpu_milli // 2 else node.cpu_milli
+        elif change == 3:  # the policy learnt meanwhile
+            for _ in range(learnt):
+                policy.observe(arriving[-1])
+        got = policy.node_score(node, pod, f)
+        assert got == policy.node_score(node, pod, bare)
+        if f.score_memo is not None and change == 0:
+            event("a kept score served")
 
 
 @pytest.mark.slow
@@ -590,37 +597,23 @@ def test_a_kept_score_is_the_full_computation_or_none(scenario: Scenario, change
     """kept_score (the extender's, for a fit made on the node as it is now): the score node_score
     gives, or None. None when the pod asked about is not the one fitted (another CPU request or
     class); after the policy learnt meanwhile, the score only while its tables are the same."""
-    cluster, arriving, _repeats, spec, learning, limit = scenario
-    policy: Any = get_policy("gpupack", seed=1, workload=None if learning else make_workload(spec))
-    if learning:
-        policy.workload = make_workload(spec)
-    default_limit = FragCache.LIMIT
-    FragCache.LIMIT = limit
-    try:
-        for pod in arriving:
-            for node in cluster:
-                f = policy.fit(node, pod)
-                if not isinstance(f, Fit):
-                    continue
-                bare = Fit(f.placement, f.charged)
-                asked = pod
-                if change == 1:  # another pod of the same GPU request
-                    other = "offline" if pod.pod_class == "online" else "online"
-                    asked = (
-                        replace(pod, cpu_milli=pod.cpu_milli + 500)
-                        if learnt % 2
-                        else replace(pod, pod_class=other)
-                    )
-                elif change == 2:  # the policy learnt meanwhile
-                    for _ in range(learnt):
-                        policy.observe(arriving[-1])
-                kept = policy.kept_score(asked, f)
-                if change == 1:
-                    assert kept is None
-                elif kept is not None:
-                    assert kept == policy.node_score(node, asked, bare)
-                    event(f"kept score served (change {change})")
-                else:
-                    assert f.score_memo is None or change == 2
-    finally:
-        FragCache.LIMIT = default_limit
+    arriving = scenario[1]
+    for policy, node, pod, f in fitted_shares(scenario):
+        bare = Fit(f.placement, f.charged)
+        asked = pod
+        if change == 1:  # another pod of the same GPU request
+            other = "offline" if pod.pod_class == "online" else "online"
+            asked = (
+                replace(pod, cpu_milli=pod.cpu_milli + 500) if learnt % 2 else replace(pod, pod_class=other)
+            )
+        elif change == 2:  # the policy learnt meanwhile
+            for _ in range(learnt):
+                policy.observe(arriving[-1])
+        kept = policy.kept_score(asked, f)
+        if change == 1:
+            assert kept is None
+        elif kept is not None:
+            assert kept == policy.node_score(node, asked, bare)
+            event(f"kept score served (change {change})")
+        else:
+            assert f.score_memo is None or change == 2
