@@ -108,9 +108,8 @@ class Filter:
         # Filter passes only this many of the fitting nodes, the policy's best first (0: all of
         # them, and kube-scheduler's own scores and random ties pick among them with prioritize's).
         self.keep_best = keep_best
-        self.on_pod = (
-            on_pod  # told of each pod filtered that parsed, and its request (the binder's pod memory)
-        )
+        # told of each pod filtered that parsed, and its request (the binder's pod memory)
+        self.on_pod = on_pod
         self.answers: AnswerCache[FilterAnswer] = AnswerCache(FilterAnswer, scorer.names)
         self.activity = activity or VerbActivity()
         # told of each pod asked about, view lock held (the shape warmer's shapes to score again)

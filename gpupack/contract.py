@@ -282,7 +282,7 @@ class Assignment:
                     for s in shares
                 ]
                 for c, shares in self.containers.items()
-            },  # fmt: skip
+            },
         }
         if self.reservation:
             d["reservation"] = self.reservation

@@ -34,7 +34,7 @@ PAGE = 500
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "MERGE_PATCH", "ApiException", "KubeClient", "KubeConfigError", "api_client",
-    "api_reason", "bounded", "is_status", "load_config", "read_json", "request_json",
+    "api_reason", "bounded", "is_status", "load_config", "read_json", "request_json", "throttled",
 ]  # fmt: skip
 
 
