@@ -139,7 +139,7 @@ class NodeFrag(Generic[V]):
     `served[k]` sums those GPUs' free capacity.
     """
 
-    __slots__ = ("table", "amounts", "total", "fits", "served", "by_cpu", "trials", "_prefix")
+    __slots__ = ("table", "amounts", "total", "fits", "served", "trials", "_prefix")
 
     def __init__(self, table: ShapeTable[V], views: Sequence[V], amounts: list[int]) -> None:
         self.table = table
@@ -153,7 +153,6 @@ class NodeFrag(Generic[V]):
         self.total = sum(amounts)
         self.fits = fits
         self.served = served
-        self.by_cpu: dict[int | None, int] = {}  # free CPU -> the hosted sum of this state
         # (changed GPUs' (before, after) pairs, free CPU after) -> (fragmentation, total after)
         self.trials: dict[tuple[object, ...], tuple[int, int]] = {}
         self._prefix: list[int] | None = None
@@ -237,14 +236,7 @@ class FragCache(Generic[V]):
 
     def frag(self, nf: NodeFrag[V], cpu_left: int | None) -> int:
         """The fragmentation of state `nf` with `cpu_left` free CPU (None: CPU not tracked)."""
-        return self.wsum * nf.total - self._hosted(nf, cpu_left)
-
-    @staticmethod
-    def _hosted(nf: NodeFrag[V], cpu_left: int | None) -> int:
-        hosted = nf.by_cpu.get(cpu_left)
-        if hosted is None:
-            hosted = nf.by_cpu[cpu_left] = nf.hosted_at(cpu_left)
-        return hosted
+        return self.wsum * nf.total - nf.hosted_at(cpu_left)
 
     def trial(
         self, nf: NodeFrag[V], changes: tuple[tuple[V, V], ...], cpu_left: int | None
@@ -278,13 +270,13 @@ class FragCache(Generic[V]):
         return hit
 
     def _trial_one(self, nf: NodeFrag[V], v0: V, v1: V, cpu_left: int | None) -> tuple[int, int]:
-        """`trial` of one GPU changed, from the state's hosted sum at `cpu_left` (kept per state,
-        shared by every trial on it with that free CPU) and the shapes whose counts the change
+        """`trial` of one GPU changed, from the state's hosted sum at `cpu_left` (NodeFrag.hosted_at,
+        its prefix sums shared by every trial on the state) and the shapes whose counts the change
         moves: the common trial (one shared GPU a pod) no longer copies and sums every shape's
         counts. The same integers as the general path's."""
         t = nf.table
         a0, a1 = self.amount(v0), self.amount(v1)
-        hosted = self._hosted(nf, cpu_left)
+        hosted = nf.hosted_at(cpu_left)
         fits, served, weight, gpus, cpu = nf.fits, nf.served, t.weight, t.gpus, t.cpu
         both, lost, gained = t.moved(v0, v1)
         d = a1 - a0

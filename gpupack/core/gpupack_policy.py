@@ -48,6 +48,7 @@ Everything is integer arithmetic so the replay's vectorised fast path
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from gpupack.core.fit import Fit, FitFailure, fit
 from gpupack.core.frag import FragCache, NodeFrag, sigmoid_score
@@ -232,6 +233,20 @@ class _Prepared:
         return frag, stranded(total, cpu_left, self.ratio)
 
 
+class KeptScore(NamedTuple):
+    """What a fit on one shared GPU worked out of its node score (Fit.score_memo), and what it
+    depends on: the policy's prepared tables, the node state (its NodeFrag), `_score_inputs`, the
+    waste table, the share prices of that GPU's size, and the size itself."""
+
+    prep: _Prepared
+    nf: NodeFrag[GpuView]
+    inputs: tuple[int | None, int, int, str]
+    waste: tuple[float, ...]
+    prices: SharePrices
+    gpu_mem_mib: int
+    score: float
+
+
 class GpupackPolicy(WorkloadPolicy):
     name = "gpupack"
 
@@ -384,39 +399,42 @@ class GpupackPolicy(WorkloadPolicy):
             key = None if ex else ranked.get((views[idx], mem, milli))
             if key is not None:
                 size = views[idx][2]
-                memo = (prep, nf, _score_inputs(node, pod), waste, prices[size], -key, size)
-                return Fit(r.placement, r.charged, memo)
+                kept = KeptScore(prep, nf, _score_inputs(node, pod), waste, prices[size], size, -key)
+                return Fit(r.placement, r.charged, kept)
         return r
 
+    def _still_holds(self, prep: _Prepared, kept: KeptScore, pod: PodRequest) -> bool:
+        """Whether a kept score's pod side and tables are this pod's and the policy's now. The
+        waste table and the prices are read last, as the full computation reads them (reading may
+        rebuild them)."""
+        return (
+            kept.prep is prep
+            and kept.inputs[2:] == (pod.cpu_milli, pod.pod_class)
+            and self.waste is kept.waste
+            and self.prices(pod.pod_class, kept.gpu_mem_mib) is kept.prices
+        )
+
     def kept_score(self, pod: PodRequest, f: Fit) -> float | None:
-        memo = f.score_memo
-        # The node's side (its NodeFrag, free and allocatable CPU) is the caller's to vouch for;
-        # the pod's CPU and class, and the tables the score read, are checked as node_score does.
-        if memo is None:
-            return None
-        inputs: tuple[int | None, int, int, str] = memo[2]  # type: ignore[assignment]
-        if (
-            memo[0] is not self._prepared()
-            or inputs[2:] != (pod.cpu_milli, pod.pod_class)
-            or self.waste is not memo[3]
-            or self.prices(pod.pod_class, memo[6]) is not memo[4]  # type: ignore[arg-type]
-        ):
-            return None
-        return memo[5]  # type: ignore[return-value]
+        # The node's side (its NodeFrag, free and allocatable CPU) is the caller's to vouch for.
+        kept = f.score_memo
+        if isinstance(kept, KeptScore) and self._still_holds(self._prepared(), kept, pod):
+            return kept.score
+        return None
 
     def node_score(self, node: Node, pod: PodRequest, f: Fit) -> float:
         prep = self._prepared()
         views = gpu_views(node)
         cpu = node.free_cpu if node.cpu_milli else None
         nf = prep.frags.node(views, node.model)
-        memo = f.score_memo
-        if memo is not None and memo[0] is prep and memo[1] is nf and memo[2] == _score_inputs(node, pod):
-            # `fit` worked this score out on this node state for this pod: it stands if the tables
-            # it read are still those read below (reading the waste table or the prices may rebuild
-            # them, so they are read as the full computation would)
-            ((idx, _),) = f.charged.items()
-            if self.waste is memo[3] and self.prices(pod.pod_class, views[idx][2]) is memo[4]:
-                return memo[5]  # type: ignore[return-value]
+        kept = f.score_memo
+        if (
+            isinstance(kept, KeptScore)
+            and kept.nf is nf
+            and kept.inputs[:2] == _score_inputs(node, pod)[:2]
+            and self._still_holds(prep, kept, pod)
+        ):
+            # `fit` worked this score out on this node state for this pod, under these tables
+            return kept.score
         changes = []
         shares = []
         cls = pod.pod_class
