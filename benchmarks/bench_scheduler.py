@@ -39,6 +39,9 @@ over the nodes, and a check of the result (over-committed GPUs, handoffs not don
 seconds each process used in the phase (`cpu_s`): every part shares this machine's cores, so a
 phase that uses them all is as fast as the sum allows.
 
+`targets`: issue 29's done-when for the run, clause by clause (plain fed at twice its rate, the
+ratio, gpupack's creation -> bound p99; the last null with a queued arrival).
+
     python benchmarks/bench_scheduler.py                      # 1000 nodes, 500 pods (minutes)
     python benchmarks/bench_scheduler.py --nodes 100 --pods 200 --json
     python benchmarks/bench_scheduler.py --extender-cpus 1    # the extender's verbs on a CPU of its own
@@ -534,6 +537,33 @@ def check_gpus(pods: dict[str, dict[str, Any]]) -> dict[str, int]:
     return {"overcommitted_gpus": over, "handoffs_not_done": pending}
 
 
+# Issue 29's done-when for this benchmark: gpupack at least half plain kube-scheduler's rate, with
+# plain not held back by the creators (pods created at least twice as fast as plain binds them),
+# and every GPU pod bound within 3 s of its creation (p99).
+TARGET_RATIO = 0.5
+TARGET_P99_S = 3.0
+TARGET_CREATION_OVER_PLAIN = 2.0
+
+
+def targets(ratio: float, plain: dict[str, Any], gpupack: dict[str, Any], queued: bool) -> dict[str, Any]:
+    """Issue 29's done-when for one run, clause by clause, as its words say: `plain_fed` (pods
+    created at least twice as fast as plain bound them: the creators' rate, reached while the
+    scheduler was stopped with a queued arrival), `ratio_met`, `p99_met` (creation -> bound; None
+    with a queued arrival, whose latencies include the creation while the scheduler was stopped),
+    and `met`, all three."""
+    fed = plain["created_per_s"] >= TARGET_CREATION_OVER_PLAIN * plain["pods_per_s"]
+    p99_met = None if queued else gpupack["bound_p99_s"] <= TARGET_P99_S
+    return {
+        "ratio_min": TARGET_RATIO,
+        "p99_max_s": TARGET_P99_S,
+        "creation_over_plain_min": TARGET_CREATION_OVER_PLAIN,
+        "plain_fed": fed,
+        "ratio_met": ratio >= TARGET_RATIO,
+        "p99_met": p99_met,
+        "met": bool(fed and ratio >= TARGET_RATIO and p99_met),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=1000)
@@ -625,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             result["creation_over_plain"] = round(plain["created_per_s"] / max(plain["pods_per_s"], 1e-9), 2)
             # queued: every pod existed before the scheduler resumed, so no creator could hold it back
             result["plain_not_client_bound"] = queued or result["creation_over_plain"] >= 2.0
+            result["targets"] = targets(result["ratio"], plain, gp, queued)
             result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
             result["stand_in_errors"] = stand_in.errors()[:5]
         finally:
@@ -653,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio gpupack/plain: {result['ratio']}" + (
             f"  (extender on CPUs {pinned['extender']}, everything else on {pinned['others']}: "
             "not the ratio of a run without --extender-cpus)" if pinned else ""))  # fmt: skip
+        print(f"issue 29's targets: {result['targets']}")
         print(f"extender: {g['extender']}")
         print(f"correctness: {g['correctness']}")
     return 0
