@@ -17,12 +17,13 @@ from typing import Any
 
 import orjson
 from flask import Flask, Response, request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
 from .collector import LATENCY_VERBS
 from .framework import Extender
+from .gpu_gauges import render
 from .metrics import Metrics
 from .view import ClusterView
 from .webhook import WebhookConfig, review
@@ -103,7 +104,7 @@ def _common(app: Flask, view: ClusterView, metrics: Metrics, max_body: int) -> N
 
     @app.get("/metrics")
     def metrics_() -> Response:
-        return Response(generate_latest(metrics.registry), mimetype=CONTENT_TYPE_LATEST)
+        return Response(render(metrics.registry), mimetype=CONTENT_TYPE_LATEST)
 
 
 def _freeze_startup_heap() -> None:

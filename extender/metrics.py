@@ -6,7 +6,8 @@ and `index`, and the same quantity has the same name wherever it is exported (th
 exports `gpupack_gpu_memory_bytes` too).
 
 Per-GPU and cluster gauges are produced at scrape time from the view (a collector), so keeping
-them costs nothing on the scheduling path. Every scheduler replica's extender holds the same
+them costs nothing on the scheduling path; each node's per-GPU lines are written once per node
+version and kept (gpu_gauges.py), and the /metrics handler writes the registry with `render`. Every scheduler replica's extender holds the same
 view, so only the active one (beside the kube-scheduler holding the leader Lease) exports them:
 otherwise each sum over the cluster would count every GPU once per replica.
 
@@ -21,13 +22,12 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from gpupack.core.model import FULL
-
+from .gpu_gauges import GpuGauges
 from .view import ClusterView
 
-MIB = 1 << 20
 GPU_LABELS = ["node", "uuid", "index", "model"]
 
 # fine below 50 ms: the verbs' latency targets are 10 ms (1,000 nodes) and 50 ms (5,000 nodes)
@@ -120,24 +120,13 @@ class Metrics:
         self.registry.register(ViewCollector(view, active))
 
 
-def fragmentation(view: ClusterView) -> float:
-    free_total = free_partial = 0
-    for node in view.state.nodes.values():
-        for g in node.gpus:
-            if not g.healthy:
-                continue
-            free_total += g.free_mem
-            if not g.empty:
-                free_partial += g.free_mem
-    return free_partial / free_total if free_total else 0.0
-
-
 class ViewCollector(Collector):
     def __init__(self, view: ClusterView, active: Callable[[], bool] = lambda: True) -> None:
         self.view = view
         self.active = active
+        self.gpus = GpuGauges(view)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "gpupack_extender_synced", "1 after the first full list", value=int(self.view.synced.is_set())
         )
@@ -152,58 +141,20 @@ class ViewCollector(Collector):
         )
         if active:
             yield from self._cluster()
+        else:
+            self.gpus.forget()
 
-    def _cluster(self) -> Iterator[GaugeMetricFamily]:
-        mem = GaugeMetricFamily(
-            "gpupack_gpu_reserved_memory_bytes", "GPU memory reserved by gpupack pods", labels=GPU_LABELS
-        )
-        total = GaugeMetricFamily("gpupack_gpu_memory_bytes", "GPU memory of each GPU", labels=GPU_LABELS)
-        sm = GaugeMetricFamily(
-            "gpupack_gpu_reserved_sm_ratio", "Share of the SMs reserved on each GPU (0-1)", labels=GPU_LABELS
-        )
-        cls = GaugeMetricFamily(
-            "gpupack_gpu_class", "1 for the class of the pods on a GPU", labels=[*GPU_LABELS, "class"]
-        )
-        # Copied under the view's lock, formatted after it: the scheduling verbs wait for that lock,
-        # and building some 30,000 samples for 1,000 nodes held it for ~40 ms per scrape.
-        with self.view.lock:
-            gpus = [
-                (
-                    node.name,
-                    g.index,
-                    g.uuid,
-                    g.model,
-                    g.mem_used,
-                    g.mem_mib,
-                    g.milli_used,
-                    g.pod_class,
-                    g.healthy,
-                    g.free_mem,
-                    not g.empty,
-                )  # fmt: skip
-                for node in self.view.state.nodes.values()
-                for g in node.gpus
-            ]
-            pods = len(self.view.pods)
-            pending = sum(len(s) for s in self.view.locks.pending.values())
-        free_total = free_partial = 0
-        for name, index, uuid, model, mem_used, mem_mib, milli_used, pod_class, healthy, free, held in gpus:
-            lv = [name, uuid, str(index), model]
-            mem.add_metric(lv, mem_used * MIB)
-            total.add_metric(lv, mem_mib * MIB)
-            sm.add_metric(lv, milli_used / FULL)
-            if pod_class:
-                cls.add_metric([*lv, pod_class], 1)
-            if healthy:  # as fragmentation()
-                free_total += free
-                if held:
-                    free_partial += free
-        frag = free_partial / free_total if free_total else 0.0
-        yield from (mem, total, sm, cls)
+    def _cluster(self) -> Iterator[Metric]:
+        snap = self.gpus.snapshot()
+        yield from snap.families
         yield GaugeMetricFamily(
-            "gpupack_cluster_fragmentation_ratio", "Share of free GPU memory on partly used GPUs", value=frag
+            "gpupack_cluster_fragmentation_ratio",
+            "Share of free GPU memory on partly used GPUs",
+            value=snap.fragmentation,
         )
-        yield GaugeMetricFamily("gpupack_cluster_pods", "gpupack pods holding GPU reservations", value=pods)
         yield GaugeMetricFamily(
-            "gpupack_cluster_pending_handoffs", "Pods bound but not yet allocated", value=pending
+            "gpupack_cluster_pods", "gpupack pods holding GPU reservations", value=snap.pods
+        )
+        yield GaugeMetricFamily(
+            "gpupack_cluster_pending_handoffs", "Pods bound but not yet allocated", value=snap.pending
         )

@@ -10,12 +10,12 @@ import re
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.health import DeviceState
 from deviceplugin.metrics import Metrics as PluginMetrics
 from extender.defrag.metrics import RunMetrics
+from extender.gpu_gauges import render
 from extender.metrics import Metrics as ExtenderMetrics
 from extender.view import ClusterView
 from gpupack.contract import ANN_INVENTORY, GPUInfo, NodeInventory
@@ -103,7 +103,7 @@ def test_names_follow_one_scheme():
 
 def _samples(registry: CollectorRegistry) -> dict[str, list[tuple[dict[str, str], float]]]:
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+    for fam in text_string_to_metric_families(render(registry).decode()):
         for s in fam.samples:
             out.setdefault(s.name, []).append((s.labels, s.value))
     return out
@@ -137,7 +137,7 @@ def test_only_the_active_replica_exports_the_cluster_gauges():
     assert not CLUSTER_ONLY & set(standby)
     # what is the replica's own stays on both: its counters, latency, and whether it is synced/active
     assert set(active) - set(standby) == CLUSTER_ONLY
-    text = {a: generate_latest(extender_registry(a)).decode() for a in (True, False)}
+    text = {a: render(extender_registry(a)).decode() for a in (True, False)}
     assert "gpupack_extender_active 1.0" in text[True] and "gpupack_extender_active 0.0" in text[False]
 
 
@@ -148,5 +148,5 @@ def test_a_failing_leader_check_is_a_standby_not_a_failed_scrape():
         raise RuntimeError("Lease unreadable")
 
     m.attach_view(_view(), active=broken)
-    text = generate_latest(m.registry).decode()
+    text = render(m.registry).decode()
     assert "gpupack_extender_active 0.0" in text and "gpupack_gpu_memory_bytes" not in text

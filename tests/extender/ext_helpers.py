@@ -22,6 +22,7 @@ from processes import ExtenderProcess
 from gpupack import handoff
 from gpupack.contract import (
     ANN_ALLOCATED,
+    ANN_ASSIGNMENT,
     ANN_HANDOFF,
     ANN_INVENTORY,
     ANN_RESERVATIONS,
@@ -33,8 +34,10 @@ from gpupack.contract import (
     LABEL_GPU_NODE,
     RES_GPU,
     SLOTS_PER_GPU,
+    Assignment,
     ContractError,
     GPUInfo,
+    GPUShare,
     NodeInventory,
     Reservation,
     decode_inventory,
@@ -55,6 +58,28 @@ def payload_dir(mode: str) -> Path:
     if d is None or not (d / "payloads" / mode).is_dir():
         pytest.skip("recorded scheduler payloads not found (set GPUPACK_SHARED to the shared/ directory)")
     return d / "payloads" / mode
+
+
+def assigned(
+    pod: dict[str, Any],
+    node: str,
+    shares: dict[str, tuple[GPUShare, ...]],
+    handoff: str = "done",
+    uid: str | None = None,
+    reservation: str = "",
+) -> dict[str, Any]:
+    """`pod` bound to `node` and Running, with an assignment of `shares` (container -> shares)."""
+    pod = json.loads(json.dumps(pod))
+    uid = uid or f"uid-{pod['metadata']['name']}"
+    pod["metadata"]["uid"] = uid
+    a = Assignment(
+        uid, node, pod["metadata"]["labels"].get("gpupack.io/class", "online"), shares, "", reservation
+    )
+    pod["metadata"].setdefault("annotations", {})[ANN_ASSIGNMENT] = a.to_json()
+    pod["metadata"]["annotations"][ANN_HANDOFF] = handoff
+    pod["spec"]["nodeName"] = node
+    pod["status"]["phase"] = "Running"
+    return pod
 
 
 def payloads(mode: str) -> list[tuple[str, dict[str, Any]]]:

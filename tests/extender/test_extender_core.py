@@ -4,7 +4,7 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from ext_helpers import H100_MIB, container, node_obj, payloads, pod_obj
+from ext_helpers import H100_MIB, assigned, container, node_obj, payloads, pod_obj
 
 from extender.binding import assignment_from_fit
 from extender.framework import Extender
@@ -12,9 +12,6 @@ from extender.hostuse import pod_host_request
 from extender.view import ClusterView
 from extender.wire import ExtenderArgs, WireError
 from gpupack.contract import (
-    ANN_ASSIGNMENT,
-    ANN_HANDOFF,
-    Assignment,
     GPUShare,
     Reservation,
 )
@@ -34,20 +31,6 @@ def make(nodes, policy=DEFAULT_POLICY):
 
 def args(pod, names):
     return ExtenderArgs(pod, names, None)
-
-
-def assigned(pod, node, shares, handoff="done", uid=None, reservation=""):
-    pod = json.loads(json.dumps(pod))
-    uid = uid or f"uid-{pod['metadata']['name']}"
-    pod["metadata"]["uid"] = uid
-    a = Assignment(
-        uid, node, pod["metadata"]["labels"].get("gpupack.io/class", "online"), shares, "", reservation
-    )
-    pod["metadata"].setdefault("annotations", {})[ANN_ASSIGNMENT] = a.to_json()
-    pod["metadata"]["annotations"][ANN_HANDOFF] = handoff
-    pod["spec"]["nodeName"] = node
-    pod["status"]["phase"] = "Running"
-    return pod
 
 
 def usage(view):
