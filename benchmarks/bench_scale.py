@@ -15,7 +15,9 @@ Then, measured:
   cost when the harness could not reach it);
 - a burst of --burst GPU pods through the real kube-scheduler with the shipped profile, beside the
   plain scheduler given the same number of CPU/memory pods (bench_scheduler.py's phases): rates,
-  ratio, and the extender's filter p50/p99 during the burst.
+  ratio, and the extender's filter p50/p99 during the burst;
+- at the end, the extender's full garbage collections over its life (`gc_full`: count, seconds)
+  and its CPU seconds.
 
     python benchmarks/bench_scale.py                                  # 500 nodes, 10,000 pods
     python benchmarks/bench_scale.py --nodes 5000 --pods 100000 --burst 2000 --json
@@ -144,6 +146,18 @@ def rss_mib(pid: int) -> float:
     return round(total, 1)
 
 
+def gc_full(metrics: str) -> dict[str, float]:
+    """Count and seconds of the extender's full collections, from its /metrics text."""
+    count = sum(
+        float(v)
+        for v in re.findall(r"^gpupack_extender_gc_full_seconds_count\{[^}]*\} (\S+)$", metrics, re.M)
+    )
+    total = sum(
+        float(v) for v in re.findall(r"^gpupack_extender_gc_full_seconds_sum\{[^}]*\} (\S+)$", metrics, re.M)
+    )
+    return {"count": int(count), "seconds": round(total, 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=500)
@@ -235,10 +249,13 @@ def main(argv: list[str] | None = None) -> int:
             res["rss_mib_end"] = rss_mib(ext.proc.pid)
             # GPU pods the extender charges: every running one and the burst's, or its view is not the
             # cluster's (its cluster gauges come from the replica whose scheduler holds the Lease)
-            m = re.search(
-                r"^gpupack_cluster_pods (\S+)$", ext.http.get(ext.url + "/metrics", timeout=60).text, re.M
-            )
+            text = ext.http.get(ext.url + "/metrics", timeout=60).text
+            m = re.search(r"^gpupack_cluster_pods (\S+)$", text, re.M)
             res["charged_gpu_pods"] = int(float(m.group(1))) if m else None
+            # the extender's full garbage collections over its whole life (extender/collector.py)
+            # and its CPU seconds: a collection holds the GIL for as long as it walks the heap
+            res["gc_full"] = gc_full(text)
+            res["extender_cpu_s"] = round(cpu_of(ext.proc.pid), 1)
             res["gpu_pods_expected"] = res["running_gpu_pods"] + gp["bound"]
             res["load_avg"] = [round(x, 2) for x in os.getloadavg()]
         finally:

@@ -10,6 +10,14 @@ so one inside a filter can take longer than the filter's whole budget (figures: 
 collections run from a thread of their own once filter and prioritize have been quiet for
 `idle_s`, or after `max_gap_s` without one whatever the traffic, so cyclic garbage is still freed
 within that. Objects freed by their last reference (most of the view's) never wait for it.
+
+What survives a full collection is frozen (gc.freeze), so the next one walks only what was
+allocated since: at 5,000 nodes and 100,000 pods with 40 pod shapes' answers kept, a full
+collection walked ~730,000 objects (0.5-0.9 s holding the GIL, each time ten young collections
+had run), and one after a freeze walks the few allocated since (0.075 s after 40 more shapes'
+filters). Cyclic garbage among frozen objects would then never be freed: every `sweep_s` a full
+collection unfreezes everything first (the whole heap, 2.2 million objects, 1.5 s there) and
+freezes the survivors again.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ log = logging.getLogger("gpupack.extender")
 
 IDLE_S = 1.0  # filter and prioritize quiet this long: a full collection will not stall one
 MAX_GAP_S = 300.0  # at most this long between full collections, however busy the scheduler is
+SWEEP_S = 3600.0  # a full collection walks the frozen objects too at most this long after the last did
 POLL_S = 0.25
 # the longest a bind or watch thread stands aside for one verb: a filter at 5,000 nodes takes up to
 # ~35 ms when it is a new pod shape's first. A bind may wait once between its Lease read and its
@@ -111,7 +120,8 @@ class VerbActivity:
 class IdleCollector:
     """Runs the full collections CPython would run, at a moment no verb waits for them.
 
-    `collect` and `young_count` are gc's own in the product; tests pass their own."""
+    `collect`, `young_count`, `freeze` and `unfreeze` are gc's own in the product; tests pass
+    their own."""
 
     def __init__(
         self,
@@ -122,12 +132,17 @@ class IdleCollector:
         collect: Callable[[], object] = gc.collect,
         young_count: Callable[[], int] = lambda: gc.get_count()[2],
         on_collect: Callable[[float, bool], None] | None = None,
+        sweep_s: float = SWEEP_S,
+        freeze: Callable[[], None] = gc.freeze,
+        unfreeze: Callable[[], None] = gc.unfreeze,
     ) -> None:
         self.activity = activity
-        self.idle_s, self.max_gap_s = idle_s, max_gap_s
+        self.idle_s, self.max_gap_s, self.sweep_s = idle_s, max_gap_s, sweep_s
         self._clock, self._collect, self._young = clock, collect, young_count
+        self._freeze, self._unfreeze = freeze, unfreeze
         self._on_collect = on_collect
-        self._last = clock()
+        self._last = self._last_sweep = clock()
+        self.swept = 0  # full collections that walked the frozen objects too
         self.stop = threading.Event()
 
     def install(self) -> None:
@@ -143,10 +158,17 @@ class IdleCollector:
         overdue = young > 0 and now - self._last >= self.max_gap_s
         if not overdue and (young < DUE_YOUNG_COLLECTIONS or self.activity.quiet_for() < self.idle_s):
             return False
+        sweep = now - self._last_sweep >= self.sweep_s
         t0 = time.perf_counter()
+        if sweep:
+            self._unfreeze()
         self._collect()
+        self._freeze()  # what survived is long-lived: the next collection walks only what comes after
         took = time.perf_counter() - t0
         self._last = self._clock()
+        if sweep:
+            self._last_sweep = self._last
+            self.swept += 1
         if self._on_collect is not None:
             self._on_collect(took, overdue)
         if overdue and took > 0.01:

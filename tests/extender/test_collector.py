@@ -8,6 +8,7 @@ import gc
 import json
 import threading
 import time
+import weakref
 
 import pytest
 import realk8s
@@ -48,6 +49,7 @@ def collector(
     c = IdleCollector(
         activity, idle_s=1.0, max_gap_s=300.0, clock=clock, collect=collect,
         young_count=lambda: young[0], on_collect=lambda s, o: done.append((s, o)),
+        freeze=lambda: None, unfreeze=lambda: None,
     )  # fmt: skip
     return c, activity
 
@@ -80,6 +82,60 @@ def test_overdue_collects_however_busy() -> None:
     assert c.step()  # cyclic garbage is not kept longer than max_gap_s
     assert done[-1][1] is True
     activity.leave()
+
+
+def test_survivors_are_frozen_and_a_sweep_walks_them_again() -> None:
+    clock, young, calls = Clock(), [DUE_YOUNG_COLLECTIONS], []
+
+    def collect() -> int:
+        calls.append("collect")
+        young[0] = 0
+        return 0
+
+    c = IdleCollector(
+        VerbActivity(clock), idle_s=1.0, max_gap_s=300.0, sweep_s=3600.0, clock=clock, collect=collect,
+        young_count=lambda: young[0], freeze=lambda: calls.append("freeze"),
+        unfreeze=lambda: calls.append("unfreeze"),
+    )  # fmt: skip
+    clock.t += 5
+    assert c.step()
+    assert calls == ["collect", "freeze"] and c.swept == 0
+    calls.clear()
+    young[0] = DUE_YOUNG_COLLECTIONS
+    clock.t += 3600
+    assert c.step()
+    assert calls == ["unfreeze", "collect", "freeze"] and c.swept == 1
+    calls.clear()
+    young[0] = DUE_YOUNG_COLLECTIONS
+    clock.t += 5
+    assert c.step()
+    assert calls == ["collect", "freeze"]  # the next sweep is an hour away again
+
+
+def test_cyclic_garbage_that_was_frozen_is_freed_by_the_next_sweep() -> None:
+    """With gc's own collect and freeze: a cycle that survived a full collection is frozen, so
+    dropping it frees nothing until a sweep walks the frozen objects again."""
+
+    class Node:
+        other: object = None
+
+    clock, activity = Clock(), VerbActivity(Clock())
+    c = IdleCollector(activity, idle_s=0.0, max_gap_s=300.0, sweep_s=3600.0, clock=clock,
+                      young_count=lambda: DUE_YOUNG_COLLECTIONS)  # fmt: skip
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        ref = weakref.ref(a)
+        assert c.step()  # a and b are alive: they survive, frozen
+        del a, b
+        clock.t += 5
+        assert c.step()
+        assert ref() is not None  # frozen: this collection did not walk them
+        clock.t += 3600
+        assert c.step() and c.swept == 1
+        assert ref() is None
+    finally:
+        gc.unfreeze()
 
 
 def test_overlapping_verbs_are_busy_until_the_last_ends() -> None:
