@@ -44,7 +44,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
 import realk8s  # noqa: E402
-from bench_scheduler import HOST, Scheduler, gpu_pod, plain_pod, run_phase, shipped_extender_args  # noqa: E402
+from bench_scheduler import (  # noqa: E402
+    HOST,
+    Scheduler,
+    counter,
+    gpu_pod,
+    plain_pod,
+    run_phase,
+    shipped_extender_args,
+)
 from ext_helpers import DevicePluginEmulator, gpu_node  # noqa: E402
 from pod_creator import PodCreator  # noqa: E402
 from processes import ExtenderProcess, descendants, give_extender_cpus  # noqa: E402
@@ -148,14 +156,11 @@ def rss_mib(pid: int) -> float:
 
 def gc_full(metrics: str) -> dict[str, float]:
     """Count and seconds of the extender's full collections, from its /metrics text."""
-    count = sum(
-        float(v)
-        for v in re.findall(r"^gpupack_extender_gc_full_seconds_count\{[^}]*\} (\S+)$", metrics, re.M)
-    )
-    total = sum(
-        float(v) for v in re.findall(r"^gpupack_extender_gc_full_seconds_sum\{[^}]*\} (\S+)$", metrics, re.M)
-    )
-    return {"count": int(count), "seconds": round(total, 2)}
+    name = "gpupack_extender_gc_full_seconds"
+    return {
+        "count": int(counter(metrics, name + "_count")),
+        "seconds": round(counter(metrics, name + "_sum"), 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,8 +12,9 @@ learned (every node scored again); the same with the shape warmer (extender/warm
 per shape, the filter after it, the filter after the policy learned (the old order serving) and
 the warmer's rescoring per shape; each shape's first filter with the shipped --new-shape-budget-ms
 (extender/sampling.py), the nodes it looked at, and how the node it answered scores against the
-whole answer's; and a /metrics scrape (the per-GPU gauges), then the next one with no node changed (again_cpu_s). Times are this
-process's CPU time (on a shared machine wall time measures the neighbours).
+whole answer's; and a /metrics scrape (the per-GPU gauges), then the next one with no node
+changed (again_cpu_s). Times are this process's CPU time (on a shared machine wall time measures
+the neighbours).
 
     python benchmarks/bench_view.py [--nodes 5000 --pods 100000] [--json]
 """

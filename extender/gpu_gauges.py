@@ -166,7 +166,7 @@ class GpuGauges:
                             g.healthy,
                             g.free_mem,
                             not g.empty,
-                        )  # fmt: skip
+                        )
                         for g in node.gpus
                     )
                     changed.append((name, version, rows))

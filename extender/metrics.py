@@ -7,9 +7,10 @@ exports `gpupack_gpu_memory_bytes` too).
 
 Per-GPU and cluster gauges are produced at scrape time from the view (a collector), so keeping
 them costs nothing on the scheduling path; each node's per-GPU lines are written once per node
-version and kept (gpu_gauges.py), and the /metrics handler writes the registry with `render`. Every scheduler replica's extender holds the same
-view, so only the active one (beside the kube-scheduler holding the leader Lease) exports them:
-otherwise each sum over the cluster would count every GPU once per replica.
+version and kept (gpu_gauges.py), and the /metrics handler writes the registry with `render`.
+Every scheduler replica's extender holds the same view, so only the active one (beside the
+kube-scheduler holding the leader Lease) exports them: otherwise each sum over the cluster would
+count every GPU once per replica.
 
 Fragmentation (`gpupack_cluster_fragmentation_ratio`): the share of free GPU memory that sits on
 partly used GPUs, 0 when every free MiB is on an idle GPU, towards 1 when free memory is spread
@@ -27,8 +28,6 @@ from prometheus_client.registry import Collector
 
 from .gpu_gauges import GpuGauges
 from .view import ClusterView
-
-GPU_LABELS = ["node", "uuid", "index", "model"]
 
 # fine below 50 ms: the verbs' latency targets are 10 ms (1,000 nodes) and 50 ms (5,000 nodes)
 BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
