@@ -15,7 +15,7 @@ What survives a full collection is frozen (gc.freeze), so the next one walks onl
 allocated since: at 5,000 nodes and 100,000 pods with 40 pod shapes' answers kept, a full
 collection walked ~730,000 objects (0.5-0.9 s holding the GIL, each time ten young collections
 had run), and one after a freeze walks the few allocated since (0.075 s after 40 more shapes'
-filters). Cyclic garbage among frozen objects would then never be freed: every `sweep_s` a full
+filters; both timed in one process, a diagnostic: bench_scale.py's `gc_full` is the benchmark). Cyclic garbage among frozen objects would then never be freed: every `sweep_s` a full
 collection unfreezes everything first (the whole heap, 2.2 million objects, 1.5 s there) and
 freezes the survivors again.
 """
