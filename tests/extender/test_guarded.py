@@ -62,17 +62,23 @@ def test_requests_are_answered_and_kept_alive(port: int) -> None:
 
 
 def test_what_is_refused_before_any_thread_sees_it(port: int) -> None:
-    assert _talk(port, b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n").startswith(b"HTTP/1.1 413")
-    assert _talk(port, b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").startswith(b"HTTP/1.1 411")
-    assert _talk(port, b"GET / HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n").startswith(b"HTTP/1.1 431")
+    assert _talk(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n").startswith(
+        b"HTTP/1.1 413"
+    )
+    assert _talk(port, b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n").startswith(
+        b"HTTP/1.1 411"
+    )
+    assert _talk(port, b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 20000 + b"\r\n\r\n").startswith(
+        b"HTTP/1.1 431"
+    )
     assert _talk(port, b"nonsense\r\n\r\n").startswith(b"HTTP/1.1 400")
     assert CALLS == []
 
 
 def test_slow_heads_and_bodies_are_closed_at_their_deadline(port: int) -> None:
     t0 = time.monotonic()
-    assert _talk(port, b"POST / HTTP/1.1\r\n") == b""  # the head never ends
-    assert _talk(port, b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nab") == b""  # nor the body
+    assert _talk(port, b"POST / HTTP/1.1\r\nHost: x\r\n") == b""  # the head never ends
+    assert _talk(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nab") == b""  # nor the body
     assert time.monotonic() - t0 < 3 and CALLS == []
 
 
@@ -83,7 +89,7 @@ def test_at_its_limit_a_listener_closes_the_connection_that_waited_longest(
     for _ in range(4):  # accepted one after another, so the first is the oldest
         idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         until(lambda: len(listener.conns) == len(idle), 5, "the connection accepted")
-    answer = _talk(port, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+    answer = _talk(port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200")
     assert idle[0].recv(10) == b""  # the oldest was closed to make room
     for s in idle:
@@ -109,7 +115,7 @@ def _chunked(body: bytes, size: int) -> bytes:
 
 
 def test_a_chunked_body_is_decoded_before_a_thread_sees_it(chunked_port: int) -> None:
-    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     assert _talk(chunked_port, head + _chunked(b"0123456789" * 10, 7)).endswith(b"got " + b"0123456789" * 10)
     assert len(CALLS) == 1
 
@@ -117,13 +123,13 @@ def test_a_chunked_body_is_decoded_before_a_thread_sees_it(chunked_port: int) ->
 def test_a_chunked_body_past_the_limit_or_malformed_is_refused_and_its_answer_arrives(
     chunked_port: int,
 ) -> None:
-    head = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
     # the whole body is sent before the answer is read: the 413 must survive the close
     over = _talk(chunked_port, head + _chunked(b"x" * 300_000, 1000))
     assert over.startswith(b"HTTP/1.1 413") and b"larger than 100 bytes" in over
     assert _talk(chunked_port, head + b"zz\r\nab\r\n0\r\n\r\n").startswith(b"HTTP/1.1 400")
     assert _talk(chunked_port, head + b"2\r\nabcd\r\n0\r\n\r\n").startswith(b"HTTP/1.1 400")
-    assert _talk(chunked_port, b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n").startswith(
+    assert _talk(chunked_port, b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n").startswith(
         b"HTTP/1.1 400"
     )
     assert CALLS == []
@@ -143,7 +149,7 @@ def test_a_stopping_listener_answers_the_request_in_hand_and_closes_the_waiting_
     srv.start()
     idle = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
     busy = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
-    busy.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    busy.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert started.wait(5)
     shut = asyncio.run_coroutine_threadsafe(lst.shut(5.0), srv.loop)
     assert idle.recv(10) == b""  # closed at once: it held no request
@@ -169,9 +175,9 @@ def test_an_answer_larger_than_the_socket_takes_arrives_whole_and_holds_no_threa
     srv.start()
     try:
         slow = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
-        slow.sendall(b"GET /big HTTP/1.1\r\n\r\n")  # and not read yet
+        slow.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")  # and not read yet
         # the one thread is free again while the loop writes the rest of that answer
-        assert _talk(lst.port, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n").endswith(b"small")
+        assert _talk(lst.port, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").endswith(b"small")
         got = b""
         while not got.endswith(big):
             chunk = slow.recv(1 << 20)
@@ -179,7 +185,7 @@ def test_an_answer_larger_than_the_socket_takes_arrives_whole_and_holds_no_threa
             got += chunk
         head, _, body = got.partition(b"\r\n\r\n")
         assert body == big and f"Content-Length: {len(big)}".encode() in head
-        slow.sendall(b"GET / HTTP/1.1\r\n\r\n")  # the connection carries the next request in order
+        slow.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # the connection carries the next request in order
         assert slow.recv(4096).endswith(b"small")
         slow.close()
     finally:
