@@ -73,6 +73,14 @@ class Tables(Generic[V]):
             self.data.move_to_end(key)
         return t
 
+    def forget_node(self, name: str) -> None:
+        """A deleted node's entries go from every table."""
+        for t in self.data.values():
+            t.pop(name, None)
+
+    def entries(self) -> int:
+        return sum(map(len, self.data.values()))
+
 
 class Answer(Protocol):
     names: list[str]

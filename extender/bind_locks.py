@@ -4,6 +4,7 @@ kube-scheduler is about to bind there; and the Bindings whose outcome is not kno
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -14,6 +15,9 @@ from .records import PodInfo
 
 if TYPE_CHECKING:
     from .view import ClusterView
+
+# `expected` is swept of expired entries when it grows past this many (see BindLocks.expect).
+EXPECTED_SWEEP = 256
 
 
 class BindLocks:
@@ -41,6 +45,7 @@ class BindLocks:
         # scheduler starts the bind and its next pod's filter at the same moment, so that filter
         # can overtake the bind; it steers away from these nodes as from a bind in progress.
         self.expected: dict[str, tuple[float, str, tuple[str, ...]]] = {}
+        self._sweep_at = EXPECTED_SWEEP
 
     def may_be_admitted(self, p: PodInfo) -> bool:
         """Whether the kubelet may admit this assigned pod on its node: bound there, or being bound
@@ -70,8 +75,34 @@ class BindLocks:
         with self.view.lock:
             if nodes:
                 self.expected[uid] = (until, key, nodes)
+                if len(self.expected) > self._sweep_at:
+                    # The filters' lock checks drop expired expectations as they pass them; with
+                    # none coming (prioritize alone, or a burst of pods never filtered again) they
+                    # are dropped here, so the map holds the last EXPECT_S's pods, not history.
+                    # The next sweep waits for twice what is left: amortised O(1) an expectation.
+                    now = time.monotonic()  # the callers' `until` is on this clock
+                    for u in [u for u, e in self.expected.items() if e[0] <= now]:
+                        del self.expected[u]
+                    self._sweep_at = max(EXPECTED_SWEEP, 2 * len(self.expected))
             else:
                 self.expected.pop(uid, None)
+
+    def forget_pod(self, uid: str) -> None:
+        """The pod `uid` is gone (deleted, or bound: the watch showed it): no bind is to be
+        expected for it. View lock held."""
+        if uid:
+            self.expected.pop(uid, None)
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """Entries per map and set (nested ones counted); view lock held."""
+        return {
+            "locks.pending": len(self.pending) + sum(map(len, self.pending.values())),
+            "locks.inflight": len(self.inflight),
+            "locks.doubtful": len(self.doubtful),
+            "locks.claims": len(self.claims) + sum(map(len, self.claims.values())),
+            "locks.charged": len(self.charged),
+            "locks.expected": len(self.expected),
+        }
 
     def settle_claim(self, key: str) -> None:
         """The claim of `key` holds its room in the view now (see `charged`)."""

@@ -155,6 +155,13 @@ class Binder:
         with self._turn, self.view.lock:
             yield
 
+    def node_locks(self) -> list[str]:
+        """The nodes a bind lock is kept for: every node a GPU pod was bound to since the start
+        (nodes are the operator's, not a tenant's; a lock is not dropped with its node, as a bind
+        may hold it still)."""
+        with self._locks_guard:
+            return list(self._node_locks)
+
     def _node_lock(self, node: str) -> threading.Lock:
         with self._locks_guard:
             lock = self._node_locks.get(node)

@@ -42,6 +42,21 @@ class Fitter:
         self._states: VersionedTable[int | None] = VersionedTable()
         self._state_ids: dict[Key, int] = {}
         self._state_seq = itertools.count()
+        view.on_node_gone(self.node_gone)
+
+    def node_gone(self, name: str) -> None:
+        """Node `name` was deleted: its entries go from every kept shape's table (view lock held)."""
+        self._states.pop(name, None)
+        self.fits.forget_node(name)
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """Entries kept: pod shapes, their per-node fits, node states (view lock held)."""
+        return {
+            "fitter.shapes": len(self.fits.data),
+            "fitter.fits": self.fits.entries(),
+            "fitter.node_states": len(self._states),
+            "fitter.state_ids": len(self._state_ids),
+        }
 
     def node_fit(
         self, name: str, pod: PodRequest, now: datetime, table: FitTable | None, memo: FitMemo | None = None

@@ -103,6 +103,32 @@ class Extender:
         self.upkeep = Upkeep(view, kube, config, metrics, clock, fence, events, settler)
         # idle until started (main.py): tests drive it with drain()
         self.warmer = ShapeWarmer(view, self.filtering, self.scorer, self.activity, metrics, clock)
+        self.warmer.on_gone = self._pending_gone
+        metrics.attach_extender(self)
+
+    def _pending_gone(self, uid: str) -> None:
+        # a pod kube-scheduler asked about is bound or deleted: what was kept for its bind goes
+        self.binder.pods.forget(uid)
+        with self.view.lock:
+            self.view.locks.forget_pod(uid)
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """How many entries every map, set and queue this extender keeps holds, by name: the
+        view's (ClusterView.tracked_sizes) and its caches'. Those kept per pod fall back when the
+        pods go; those kept per pod shape are capped (answers.CACHE_SHAPES, the learnt mix's
+        gpupack.core.workload.LEARNT_SHAPES_MAX). The `gpupack_extender_tracked_entries` gauge."""
+        out = self.view.tracked_sizes()
+        with self.view.lock:
+            out.update(self.fitter.tracked_sizes())
+            out.update(self.scorer.tracked_sizes())
+            out["filter.answers"] = len(self.filtering.answers.data)
+            out.update(self.learner.tracked_sizes())
+        out.update(self.warmer.tracked_sizes())
+        out["binder.pods"] = len(self.binder.pods)
+        out["binder.node_locks"] = len(self.binder.node_locks())
+        if self.kube is not None:
+            out.update(self.kube.tracked_sizes())
+        return out
 
     def _filtered(self, pod: dict[str, Any], request: HostedPodRequest) -> None:
         # a stale assignment of its own must not count against the pod; the bind that follows

@@ -34,6 +34,15 @@ class HostLedger:
         # while a list's page is applied (see deferred): node -> its count before the page
         self._deferred: dict[str, tuple[HostUse, int]] | None = None
 
+    def tracked_sizes(self) -> dict[str, int]:
+        """Entries per map (nested ones counted); view lock held."""
+        return {
+            "host.pods": len(self.pods),
+            "host.by_node": len(self.by_node) + sum(map(len, self.by_node.values())),
+            "host.assumed": len(self.assumed),
+            "host.assumed_by_node": len(self.assumed_by_node) + sum(map(len, self.assumed_by_node.values())),
+        }
+
     def recount(self, name: str) -> bool:
         """Set the node's requested host resources and pod count (NodeInfo.requested, pod_count)
         and the core Node's CPU/memory from its allocatable and the pods assigned to it; True when

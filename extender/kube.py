@@ -18,6 +18,8 @@ from kubernetes.client.rest import ApiException
 from gpupack import kubeclient
 
 MERGE_PATCH = "application/merge-patch+json"
+# Namespaces' labels read from the API server and kept for `ns_ttl_s`, at most this many.
+NS_CACHE_MAX = 10_000
 # Every call on the bind path is bounded: a bind makes at most a lease read, a pod read and a
 # Binding (a few more when that Binding's outcome must be found out), and must answer within
 # kube-scheduler's extender httpTimeout (15 s).
@@ -88,6 +90,12 @@ class Kube:
         # API server busy with binds), and a class label changed on a namespace took up to a
         # minute to count.
         self._ns_watched: dict[str, dict[str, str]] | None = None
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """Namespaces kept: read ones (short-lived, at most NS_CACHE_MAX) and watched ones."""
+        with self._ns_lock:
+            read = len(self._ns_cache)
+        return {"kube.ns_read": read, "kube.ns_watched": len(self._ns_watched or ())}
 
     # --- reads ----------------------------------------------------------------------------------
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
@@ -222,8 +230,13 @@ class Kube:
                 ) from e
             labels = {}
         with self._ns_lock:
-            if len(self._ns_cache) > 10_000:
-                self._ns_cache.clear()
+            if len(self._ns_cache) >= NS_CACHE_MAX:
+                # Only namespaces the watch has not delivered are read (every one, without a
+                # watch): expired reads go first, and if all are fresh, all of them
+                for name in [n for n, (at, _) in self._ns_cache.items() if now - at >= self.ns_ttl_s]:
+                    del self._ns_cache[name]
+                if len(self._ns_cache) >= NS_CACHE_MAX:
+                    self._ns_cache.clear()
             self._ns_cache[namespace] = (now, labels)
         return labels
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from gpupack.core.learning import LearningBatcher
 from gpupack.core.model import PodRequest
 from gpupack.core.policies import Policy
+from gpupack.core.workload import Workload
 
 
 class Learner:
@@ -34,6 +35,16 @@ class Learner:
         again for nothing."""
         if self.policy.learn and self.batcher.offer(pod.uid or pod.key, pod):
             self.on_flush()
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """Pods offered (their identities, the LRU of gpupack.core.learning.SEEN_MAX) and waiting
+        for the next batch, and the pod shapes of the learnt mix (capped: LEARNT_SHAPES_MAX)."""
+        wl = getattr(self.policy, "workload", None)
+        return {
+            "learner.seen": self.batcher.seen_count,
+            "learner.waiting": len(self.batcher.waiting),
+            "learner.shapes": len(wl.counts) if isinstance(wl, Workload) else 0,
+        }
 
     def since_flush(self) -> float:
         """Seconds since the policy was last shown pods (on the batches' clock)."""

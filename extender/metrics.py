@@ -20,6 +20,7 @@ in slivers no large model can use. Computed over healthy GPUs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -110,13 +111,46 @@ class Metrics:
             registry=r,
         )
 
+        self._sizes_attached = False
+
     def full_collection(self, seconds: float, overdue: bool) -> None:
         self.gc_full.labels("true" if overdue else "false").observe(seconds)
+
+    def attach_extender(self, ext: Sized) -> None:
+        """Export `ext.tracked_sizes()` (framework.Extender) as `gpupack_extender_tracked_entries`:
+        a count per map the process keeps, which should follow the live pods and nodes, not how
+        many came and went. Once per registry (a second Extender on the same Metrics is not)."""
+        if not self._sizes_attached:
+            self._sizes_attached = True
+            self.registry.register(SizesCollector(ext))
 
     def attach_view(self, view: ClusterView, active: Callable[[], bool] = lambda: True) -> None:
         """`active`: whether this replica exports the cluster's gauges (the one whose scheduler
         holds the leader Lease; always, for a single replica)."""
         self.registry.register(ViewCollector(view, active))
+
+
+class Sized(Protocol):
+    def tracked_sizes(self) -> dict[str, int]: ...
+
+
+class SizesCollector(Collector):
+    """The extender's tracked structures' sizes at scrape time: ~80 len() calls under the view's
+    lock, and a sum over per-node maps (~0.1 ms at 5,000 nodes)."""
+
+    def __init__(self, ext: Sized) -> None:
+        self.ext = ext
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "gpupack_extender_tracked_entries",
+            "Entries in each map, set or queue the extender process keeps, by structure (they follow "
+            "the live pods, nodes and pod shapes, not how many came and went)",
+            labels=["structure"],
+        )
+        for name, n in sorted(self.ext.tracked_sizes().items()):
+            g.add_metric([name], n)
+        yield g
 
 
 class ViewCollector(Collector):

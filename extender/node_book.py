@@ -150,6 +150,8 @@ class NodeBook:
             node = self.view.state.nodes.pop(name, None)
             if node is not None:
                 self._uncharge(name)
+            if info is not None or node is not None:
+                self.view.node_gone(name)
             self.view.changed.notify_all()
 
     def _on(self, name: str) -> list[str]:

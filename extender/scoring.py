@@ -73,6 +73,23 @@ class Scorer:
         # the last best()'s nodes scored and whether a stale order served (the slow-filter log)
         self.last_scored = 0
         self.last_stale = False
+        view.on_node_gone(self.node_gone)
+
+    def node_gone(self, name: str) -> None:
+        """Node `name` was deleted: its scores go from every kept (shape, epoch) (view lock held).
+        The answers drop it once a request no longer names it (AnswerCache.current)."""
+        self.scores.forget_node(name)
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """Entries kept: (shape, epoch) keys, their per-node scores, answers (view lock held)."""
+        return {
+            "scorer.keys": len(self.scores.data),
+            "scorer.scores": self.scores.entries(),
+            "scorer.priorities": len(self.priorities.data),
+            "scorer.best_index": len(self.best_index.data),
+            "scorer.served": len(self.served),
+            "policy.tie_key": len(self.policy.tie_key),
+        }
 
     # --- prioritize ------------------------------------------------------------------------------
     def prioritize(self, pod: PodRequest, names: list[str], now: datetime) -> list[int]:

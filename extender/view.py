@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from datetime import datetime
@@ -88,6 +89,49 @@ class ClusterView:
         self.host = HostLedger(self)  # host resources in use per node (with track_host)
         self.locks = BindLocks(self)  # pending handoffs, binds in progress, expected binds, doubts
         self.node_book = NodeBook(self)  # Node objects into `nodes` and `state.nodes`
+        # Told (view lock held) of each node deleted, so that what the answer caches keep per node
+        # goes with it: a long-lived pod shape's tables would otherwise keep an entry for every
+        # node an autoscaled cluster ever had. Weak: an Extender built on this view and dropped
+        # (a test's probe) is not kept alive by it.
+        self._node_gone: list[weakref.WeakMethod[Callable[[str], None]]] = []
+
+    def on_node_gone(self, fn: Callable[[str], None]) -> None:
+        """Call the bound method `fn` with a node's name once the node is deleted (lock held)."""
+        self._node_gone.append(weakref.WeakMethod(fn))
+
+    def node_gone(self, name: str) -> None:
+        """A node was deleted: what is kept of it anywhere goes. View lock held."""
+        for k in [k for k in self.problems if k.startswith(f"node/{name}/")]:
+            del self.problems[k]
+        if not self.slot_use.get(name):
+            self.slot_use.pop(name, None)  # pods still charged there keep theirs (the node may return)
+        if not self.consumed.get(name):
+            self.consumed.pop(name, None)
+        alive = []
+        for ref in self._node_gone:
+            fn = ref()
+            if fn is not None:
+                fn(name)
+                alive.append(ref)
+        self._node_gone = alive
+
+    def tracked_sizes(self) -> dict[str, int]:
+        """How many entries each map and set the view keeps holds (a nested map counts its inner
+        entries too): what must fall back when pods and nodes go. For tests, and the
+        `gpupack_extender_tracked_entries` gauge. Takes the lock."""
+        with self.lock:
+            return {
+                "view.nodes": len(self.nodes),
+                "view.pods": len(self.pods),
+                "view.state.nodes": len(self.state.nodes),
+                "view.state.pods": len(self.state.pods),
+                "view.slot_use": len(self.slot_use) + sum(map(len, self.slot_use.values())),
+                "view.consumed": len(self.consumed) + sum(map(len, self.consumed.values())),
+                "view.problems": len(self.problems),
+                "view.reserved": len(self.reserved),
+                **self.host.tracked_sizes(),
+                **self.locks.tracked_sizes(),
+            }
 
     # --- nodes ---------------------------------------------------------------------------------
     def problem(self, kind: str, obj: str, msg: str) -> None:
@@ -178,10 +222,14 @@ class ClusterView:
         use = self.slot_use.get(p.node)
         if use is not None:
             use.pop(key, None)
+            if not use:
+                del self.slot_use[p.node]  # one entry per node with pods, not per node that had one
         if p.assignment.reservation:
             ids = self.consumed.get(p.node)
             if ids is not None:
                 ids.discard(p.assignment.reservation)
+                if not ids:
+                    del self.consumed[p.node]
         self.locks.unindex(p.node, key)
         self.host.recount(p.node)
         self.bump(p.node)
@@ -220,6 +268,11 @@ class ClusterView:
                 self.problem("foreign-assignment", f"pod/{key}", f"pod {key}: {why}; not charged")
                 a = None
         with self.lock:
+            if deleted or phase in TERMINAL:
+                # what was reported of the pod goes with it: a pod that was never charged (its
+                # assignment unreadable or another pod's) has nothing else to release
+                self.problems.pop(f"pod/{key}", None)
+                self.locks.forget_pod(uid)
             old = self.pods.get(key)
             if a is None and old is None:
                 return  # not a gpupack pod (the watch shows every assigned pod), or gone already
@@ -315,6 +368,12 @@ class ClusterView:
         # an assumed pod's Binding may postdate the list; a doubtful one is the janitor's to settle
         for key in [k for k, p in self.pods.items() if k not in seen and not p.assumed]:
             self._release(key)
+        # a pod deleted while the watch was away: what was reported of it goes too
+        gone = [
+            k for k in self.problems if k.startswith("pod/") and k[4:] not in seen and k[4:] not in self.pods
+        ]
+        for obj in gone:
+            del self.problems[obj]
 
     # --- the assigned-pod watch: every pod with a node, not terminal -------------------------------
     def apply_assigned(self, obj: dict[str, Any]) -> None:

@@ -103,6 +103,12 @@ class ShapeWarmer:
         self._seen: OrderedDict[Key, tuple[PodRequest, float]] = OrderedDict()  # (pod, when asked)
         self.monotonic = time.monotonic
         self.warmed = 0  # shapes warmed (tests, benchmarks)
+        # uids of the pending pods whose shape was handed on (pending_watcher): their later events
+        # are not parsed again. A pod leaves when the watch no longer shows it (bound or deleted),
+        # and a relist keeps only the pods listed; TOLD_MAX bounds it whatever happens.
+        self.told: OrderedDict[str, None] = OrderedDict()
+        # told (view lock not held) of each pending pod's uid once it is bound or gone
+        self.on_gone: Callable[[str], None] = lambda uid: None
 
     @staticmethod
     def stand_in(pod: PodRequest) -> PodRequest:
@@ -268,6 +274,13 @@ class ShapeWarmer:
         while len(self._seen) > CACHE_SHAPES:
             self._seen.popitem(last=False)
 
+    def tracked_sizes(self) -> dict[str, int]:
+        """Entries per queue and map (shapes, and the pending pods' uids)."""
+        with self._cond:
+            queued = {"warmer.urgent": len(self._urgent), "warmer.queue": len(self._queue),
+                      "warmer.pending": len(self._pending)}  # fmt: skip
+        return {**queued, "warmer.seen": len(self._seen), "warmer.told": len(self.told)}
+
     def drain(self) -> int:
         """Warm everything queued, in this thread (tests); how many shapes were warmed."""
         n = 0
@@ -316,7 +329,7 @@ def pending_watcher(
     handed to `warmer`, and which are marked Unschedulable to `marks` (the preemption pass's). A
     pod gpupack cannot parse is left to the filter, which says why."""
 
-    told: OrderedDict[str, None] = OrderedDict()  # uids handed on: a pod's later events are not parsed
+    told = warmer.told
 
     def seen(obj: dict[str, Any]) -> None:
         if marks is not None:
@@ -338,17 +351,27 @@ def pending_watcher(
 
     def listed(pages: Any) -> None:
         marked: list[dict[str, Any]] = []
+        listed_uids: set[str] = set()
         for items in pages:
             for obj in items:
                 seen(obj)
+                listed_uids.add(str((obj.get("metadata") or {}).get("uid") or ""))
                 if marks is not None and unschedulable(obj):
                     marked.append(obj)
         if marks is not None:
             marks.replace(marked)
+        # pods bound or deleted while the watch was away: no event will say so
+        for uid in [u for u in told if u not in listed_uids]:
+            del told[uid]
 
     def gone(obj: dict[str, Any]) -> None:
         if marks is not None:
             marks.delete(obj)
+        # bound (it leaves the unbound selection) or deleted: nothing is kept of it any more
+        uid = str((obj.get("metadata") or {}).get("uid") or "")
+        if uid:
+            told.pop(uid, None)
+            warmer.on_gone(uid)
 
     return Watcher(
         "pending-pods",

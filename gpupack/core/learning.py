@@ -60,6 +60,11 @@ class LearningBatcher(Generic[T]):
         self.last_flush = clock()
         self._seen: OrderedDict[str, None] = OrderedDict()
 
+    @property
+    def seen_count(self) -> int:
+        """Identities remembered (at most SEEN_MAX)."""
+        return len(self._seen)
+
     def offer(self, ident: str, item: T) -> bool:
         """Offer one pod by its identity; True when this offer flushed (the policy has changed).
         A pod offered before (among the last SEEN_MAX) is ignored."""

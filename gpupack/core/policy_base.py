@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from gpupack.core.fit import Fit, FitFailure, fit, tightest
 from gpupack.core.model import GPU, ClusterState, Node, PodRequest
-from gpupack.core.workload import Workload, shape_of
+from gpupack.core.workload import LEARNT_SHAPES_MAX, Workload, shape_of
 
 
 class Policy:
@@ -65,7 +65,8 @@ class WorkloadPolicy(Policy):
     def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
         super().__init__(seed)
         self.learn = workload is None
-        self.workload = workload if workload is not None else Workload()
+        # a learnt workload is bounded: its shapes are whatever the pods ask for
+        self.workload = workload if workload is not None else Workload(max_shapes=LEARNT_SHAPES_MAX)
 
     def observe(self, pod: PodRequest) -> None:
         if self.learn:

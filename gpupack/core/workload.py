@@ -39,18 +39,36 @@ def shape_of(pod: PodRequest) -> Shape:
     return Shape(pod.cpu_milli, c.gpus, milli, c.mem_mib or 0, pod.gpu_models, pod.pod_class)
 
 
+# Distinct pod shapes a learnt workload keeps (see Workload.max_shapes). The openb traces' pods
+# come in 80-312 shapes; every field of a shape is the pod author's to choose (a GPU memory request
+# of 1..N MiB makes N shapes), and without a bound one tenant could grow the mix, and the work of
+# every policy table built from it, without end.
+LEARNT_SHAPES_MAX = 1024
+
+
 class Workload:
     """Popularity of pod shapes; `typical()` keeps the most popular ones covering `coverage` of pods.
 
     Weights stay integer counts; `total` counts every pod seen and `kept` the pods of the typical
     shapes, by which the published simulator renormalises their weights (FGD scales its score by
     it).
+
+    `max_shapes` (None: no bound): once `add` makes more distinct shapes than this, the least
+    popular ones are forgotten until half of them are left (the most popular first, ties to the one
+    seen first, as `typical` ranks them), so a flood of one-off shapes cannot push out the shapes
+    the workload is made of, and the cost of that pruning is spread over the many adds after it.
     """
 
     def __init__(
-        self, counts: Counter[Shape] | None = None, coverage: float = 0.95, by_demand: bool = False
+        self,
+        counts: Counter[Shape] | None = None,
+        coverage: float = 0.95,
+        by_demand: bool = False,
+        max_shapes: int | None = None,
     ) -> None:
         self.counts: Counter[Shape] = Counter(counts or {})
+        self.max_shapes = max_shapes
+        self.forgotten = 0  # shapes dropped by the bound (tests, the extender's log)
         self.coverage = coverage
         # by_demand: weigh each shape by count × the GPU milli it asks for, not by count alone.
         self.by_demand = by_demand
@@ -85,6 +103,15 @@ class Workload:
     def add(self, shape: Shape) -> None:
         self.counts[shape] += 1
         self._version += 1
+        if self.max_shapes is not None and len(self.counts) > self.max_shapes:
+            self._forget_least()
+
+    def _forget_least(self) -> None:
+        assert self.max_shapes is not None
+        ranked = sorted(self.counts.items(), key=lambda kv: -self.weight(*kv))  # stable: first seen first
+        keep = {s for s, _ in ranked[: max(1, self.max_shapes // 2)]}
+        self.forgotten += len(self.counts) - len(keep)
+        self.counts = Counter({s: n for s, n in self.counts.items() if s in keep})  # first-seen order kept
 
     def typical(self) -> tuple[tuple[Shape, ...], tuple[int, ...]]:
         if self._cache is not None and self._cache[0] == self._version:
