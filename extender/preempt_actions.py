@@ -7,6 +7,7 @@ bound or gone. Its metrics too."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,9 @@ class PreemptionMetrics:
         r = ext.metrics.registry
         self.preemptions = Counter(
             "gpupack_extender_preemptions_total",
-            "Preemption decisions for pending GPU pods, by outcome (evicted, no-room, fits, never, failed)",
+            "Preemption decisions for pending GPU pods, by outcome (evicted, no-room, fits, never, failed;"
+            " infeasible: the pod would not run where victims leave room; backoff: a hold expired with"
+            " the pod unbound; error: planning for the pod failed)",
             ["outcome"],
             registry=r,
         )
@@ -71,6 +74,33 @@ class Plan:
     victims: dict[str, Victim]  # the chosen ones, as the chooser saw them
 
 
+class Reports:
+    """What was said once about each waiting pod (uid -> the reason), so that a pass every 2 s
+    logs and records an Event when a reason is new, not each time; pruned to the pods still
+    waiting. Thread-safe (the executor threads report too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said: dict[str, str] = {}
+
+    def first(self, uid: str, reason: str) -> bool:
+        """True when this reason was not the last one reported for the pod."""
+        with self._lock:
+            if self._said.get(uid) == reason:
+                return False
+            self._said[uid] = reason
+            return True
+
+    def prune(self, live: set[str]) -> None:
+        with self._lock:
+            for uid in [u for u in self._said if u not in live]:
+                del self._said[uid]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._said)
+
+
 def in_parallel(fn: Callable[[_T], int], items: list[_T]) -> list[int]:
     """fn over items, EXECUTORS at a time; the results in order."""
     if len(items) <= 1:
@@ -89,6 +119,35 @@ class PreemptionActions:
         self.writer = ReservationWriter(kc)
         self.metrics = PreemptionMetrics(ext)
         self.touched: set[tuple[str, str]] = set()  # (uid, record time) asked to retry once
+        self.reports = Reports()
+
+    def forget(self, live: set[str]) -> None:
+        """Drop what is kept of pods no longer waiting (`live`: the uids of those that are): a
+        preemptor's retry mark lives as long as the pod waits, not as long as the process."""
+        self.touched = {m for m in self.touched if m[0] in live}
+        self.reports.prune(live)
+
+    def report(
+        self,
+        pod: dict[str, Any],
+        reason: str,
+        event: str,
+        message: str,
+        warning: bool = True,
+        exc: BaseException | None = None,
+    ) -> bool:
+        """Log (with `exc`'s traceback) and record an Event on the pod, once per reason; True
+        when it was new."""
+        meta = pod.get("metadata") or {}
+        uid = pin.uid_of(pod)
+        if not self.reports.first(uid, reason):
+            return False
+        log.warning("pod %s: %s", pin.key_of(pod), message, exc_info=exc)
+        if self.events is not None:
+            self.events.pod(
+                meta.get("namespace") or "default", str(meta.get("name")), uid, event, message, warning
+            )
+        return True
 
     # --- waiting and releasing ----------------------------------------------------------------
     def wait_victims(self, pod: dict[str, Any], rec: pin.Record, by_key: dict[str, dict[str, Any]]) -> int:
@@ -172,9 +231,12 @@ class PreemptionActions:
             for plan in group:
                 try:
                     ok = self.execute(plan, by_key, now)
-                except Exception:  # one preemptor's failure must not stop the others'
-                    log.exception("preemption for %s failed", plan.pre.pod.key)
-                    ok = False
+                except Exception as e:  # one preemptor's failure must not stop the others'
+                    self.report(plan.pod, f"error: {type(e).__name__}", "PreemptionFailed",
+                                f"gpupack could not carry out its preemption for this pod: {type(e).__name__}: {e}",
+                                exc=e)  # fmt: skip
+                    self.metrics.preemptions.labels("error").inc()
+                    continue
                 if not ok or plan.choice.victims:  # a hold alone was counted as "fits"
                     self.metrics.preemptions.labels("evicted" if ok else "failed").inc()
                 n += len(plan.choice.victims) if ok else 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpupack.contract import CLASS_OFFLINE, CLASS_ONLINE, LABEL_CLASS, selector_matches
+from gpupack.core import pod_filters as pf
 from gpupack.core.preemption import Victim
 
 # Pod annotation the preemption controller writes on a preemptor: the node, the reservation that
@@ -67,8 +68,20 @@ def uid_of(pod: dict[str, Any]) -> str:
     return str((pod.get("metadata") or {}).get("uid") or "")
 
 
+# The longest termination grace a hold waits out: the API accepts any int64 >= 0 for
+# terminationGracePeriodSeconds, and a hold must still end (and its expiry be a date).
+MAX_GRACE_S = 86_400
+INT32 = 2**31  # PriorityClass values are int32
+
+
 def priority_of(pod: dict[str, Any]) -> int:
-    return int((pod.get("spec") or {}).get("priority") or 0)
+    """The pod's priority, within an int32 as the API keeps it (a value that is not a number
+    counts as 0)."""
+    try:
+        v = int((pod.get("spec") or {}).get("priority") or 0)
+    except (TypeError, ValueError):
+        return 0
+    return max(-INT32, min(v, INT32 - 1))
 
 
 def may_preempt(pod: dict[str, Any]) -> bool:
@@ -128,76 +141,14 @@ class Unschedulable:
             return self.listed.is_set() and not self._keys
 
 
-def node_selected(pod: dict[str, Any], labels: dict[str, str]) -> bool:
-    """The pod's nodeSelector allows a node with these labels."""
-    sel = (pod.get("spec") or {}).get("nodeSelector") or {}
-    return all(labels.get(k) == v for k, v in sel.items())
-
-
 def node_allows(
     pod: dict[str, Any], name: str, labels: dict[str, str], taints: frozenset[tuple[str, str, str]]
 ) -> bool:
     """Whether the pod may run on the node at all, as kube-scheduler's NodeSelector/NodeAffinity
     (required terms) and TaintToleration filters decide: no eviction is made on a node that
-    would refuse the preemptor anyway. Volume and inter-pod constraints are not read here
-    (kube-scheduler still checks them when it places the pod)."""
-    return node_selected(pod, labels) and _affinity_allows(pod, name, labels) and _tolerated(pod, taints)
-
-
-def _affinity_allows(pod: dict[str, Any], name: str, labels: dict[str, str]) -> bool:
-    aff = ((pod.get("spec") or {}).get("affinity") or {}).get("nodeAffinity") or {}
-    req = aff.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
-    terms = req.get("nodeSelectorTerms")
-    if not terms:
-        return True
-    # terms are ORed, a term's requirements ANDed; a term with no requirement matches nothing
-    for t in terms:
-        exprs = (t or {}).get("matchExpressions") or []
-        fields = (t or {}).get("matchFields") or []
-        if not exprs and not fields:
-            continue
-        if all(_requirement(e, labels) for e in exprs) and all(
-            _requirement(f, {"metadata.name": name}) for f in fields
-        ):
-            return True
-    return False
-
-
-def _requirement(e: dict[str, Any], labels: dict[str, str]) -> bool:
-    key, op, values = str(e.get("key")), e.get("operator"), [str(v) for v in e.get("values") or []]
-    if op == "In":
-        return key in labels and labels[key] in values
-    if op == "NotIn":
-        return key not in labels or labels[key] not in values
-    if op == "Exists":
-        return key in labels
-    if op == "DoesNotExist":
-        return key not in labels
-    if op in ("Gt", "Lt") and key in labels and len(values) == 1:
-        try:
-            have, want = int(labels[key]), int(values[0])
-        except ValueError:
-            return False
-        return have > want if op == "Gt" else have < want
-    return False
-
-
-def _tolerated(pod: dict[str, Any], taints: frozenset[tuple[str, str, str]]) -> bool:
-    tols = (pod.get("spec") or {}).get("tolerations") or []
-    for key, value, effect in taints:
-        if effect not in ("NoSchedule", "NoExecute"):
-            continue  # PreferNoSchedule only weighs
-        if not any(_tolerates(t, key, value, effect) for t in tols if isinstance(t, dict)):
-            return False
-    return True
-
-
-def _tolerates(t: dict[str, Any], key: str, value: str, effect: str) -> bool:
-    if t.get("effect") and t.get("effect") != effect:
-        return False
-    if t.get("operator") == "Exists":
-        return not t.get("key") or t.get("key") == key
-    return t.get("key") == key and str(t.get("value") or "") == value
+    would refuse the preemptor anyway. The filters that read other pods are in
+    preempt_feasibility.py (gpupack.core.pod_filters)."""
+    return pf.node_allows(pod, pf.NodeFacts(name, labels, taints)) is None
 
 
 def budget_allows(pdbs: list[dict[str, Any]]) -> dict[str, int]:
@@ -258,5 +209,15 @@ MIRROR = "kubernetes.io/config.mirror"
 
 
 def grace_s(pod: dict[str, Any]) -> int:
-    v = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
-    return 30 if v is None else int(v)
+    """The pod's termination grace in seconds, clamped to [0, MAX_GRACE_S]: a hold lasts that
+    long past the evictions at most."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    v = meta.get("deletionGracePeriodSeconds")  # an eviction under way may have shortened it
+    if v is None:
+        v = spec.get("terminationGracePeriodSeconds")
+    if v is None:
+        return 30
+    try:
+        return max(0, min(int(v), MAX_GRACE_S))
+    except (TypeError, ValueError, OverflowError):
+        return MAX_GRACE_S

@@ -24,26 +24,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from gpupack import handoff
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.model import FULL, Node
+from gpupack.core.pod_filters import AFFINITY, NodeFacts
 from gpupack.core.preemption import Choice, Preemptor, Victim, choose, without
 from gpupack.events import EventRecorder
-from gpupack.kubeclient import KubeClient
+from gpupack.kubeclient import ApiException, KubeClient, api_reason
 
+from . import preempt_feasibility as pf
 from . import preempt_inputs as pin
 from . import reservations as resv
 from .framework import Extender
 from .hostuse import NO_HOST_USE, ram_mib
+from .kube import NamespaceUnreadable
 from .lease import LeaseFence
 from .node_resources import HostedPodRequest
 from .preempt_actions import Plan, PreemptionActions, in_parallel
+from .preempt_backoff import ANN_BACKOFF, Backoffs, delay_s, next_backoff
+from .preempt_feasibility import PodsInPlace
 
 log = logging.getLogger("gpupack.extender.preemption")
+# Nodes a preemptor's chosen victims are refused on (its other filters) before the pass gives up
+# on it: each retry asks the chooser again, and the nodes left are most likely refused alike.
+MAX_REFUSED = 16
 
 
 class Preempter:
@@ -71,6 +81,7 @@ class Preempter:
         # controller holds no room, a pass reads nothing (None: every pass lists the waiting pods)
         self.marks = marks
         self.skipped = 0  # passes that found nothing to read
+        self.backoffs = Backoffs()  # preemptors whose hold ran out unbound (also on the pod)
 
     # --- the thread ---------------------------------------------------------------------------
     def start(self) -> Preempter:
@@ -96,15 +107,29 @@ class Preempter:
 
     # --- one pass -----------------------------------------------------------------------------
     def run_once(self) -> dict[str, int]:
-        done = {"evicted": 0, "waiting": 0, "released": 0, "no-room": 0}
+        done = {
+            "evicted": 0,
+            "waiting": 0,
+            "released": 0,
+            "no-room": 0,
+            "infeasible": 0,
+            "backoff": 0,
+            "error": 0,
+        }
         if not self.view.synced.is_set() or (self.fence is not None and self.fence.problem()):
             return done
         now, started = self.ext.clock(), time.monotonic()
         own = self._own_reservations(now)
         if not own and self.marks is not None and self.marks.none():
             self.skipped += 1
+            self.act.forget(set())  # nothing waits: nothing to remember
+            self.backoffs.prune(set())
             return done
         unbound = self.kube.unscheduled_pods(self.ext.config.scheduler_name, cached=True)
+        # what is kept per pod lives as long as the pod waits
+        live = {pin.uid_of(p) for p in unbound}
+        self.act.forget(live)
+        self.backoffs.prune(live)
         pending = [p for p in unbound if pin.unschedulable(p)]
         wanting = [(p, req) for p in pending if (req := self._request(p)) is not None]
         if not wanting and not own:
@@ -124,9 +149,15 @@ class Preempter:
         waits = []
         for p in unbound_by_key.values():
             rec = pin.record_of(p)
-            if rec is not None and any(r.id == rec.reservation for r in own.get(rec.node, [])):
+            if rec is None:
+                continue
+            if any(r.id == rec.reservation for r in own.get(rec.node, [])):
                 taken.update(v.rsplit(":", 1)[0] for v in rec.victims)
                 waits.append((p, rec))
+            elif (
+                pin.key_of(p) not in by_key and pin.key_of(p) not in held_for and self._hold_ran_out(rec, now)
+            ):
+                done["backoff"] += self._isolated(p, partial(self._back_off, p, rec, now))
         waiting = {pin.key_of(p) for p, _ in waits}
         todo = []
         for p, req in wanting:
@@ -135,13 +166,17 @@ class Preempter:
                 # decided already (a hold whose record is not seen yet: the pending list comes
                 # from the API server's cache, a moment old): never planned again
                 continue
-            if pin.may_preempt(p):
-                todo.append((p, req))
-            else:
+            if not pin.may_preempt(p):
                 self.metrics.preemptions.labels("never").inc()
+            elif self.backoffs.until(pin.uid_of(p), p, now) is None:
+                todo.append((p, req))
         # a burst leaves many preemptors waiting at once, each maybe with an API call to make
         # (a nomination written again, an eviction retried, a retry asked for)
-        done["waiting"] = sum(in_parallel(lambda w: self.act.wait_victims(w[0], w[1], by_key), waits))
+        done["waiting"] = sum(
+            in_parallel(
+                lambda w: self._isolated(w[0], lambda: self.act.wait_victims(w[0], w[1], by_key)), waits
+            )
+        )
         if not todo:
             return done
         pdbs = self.kc.list_all(self.kc.policy.list_pod_disruption_budget_for_all_namespaces)
@@ -159,55 +194,177 @@ class Preempter:
                 (t[0].get("metadata") or {}).get("creationTimestamp") or "",
             )
         )
-        memo: dict[Any, Any] = {}  # preemptors of one shape ask the same of unchanged nodes
-        plans: list[Plan] = []
+        place = PodsInPlace(running, self._node_facts(), self._ns_labels)
+        pass_ = _Pass(nodes, gpu_nodes, constraints, room, leaving, pool, allowed, by_key, place, now)
         for p, req in todo:
-            pre = Preemptor(req, pin.priority_of(p), True)
-            cands = [
-                n
-                for name, n in nodes.items()
-                if (name in gpu_nodes or not req.needs_gpu)
-                and pin.node_allows(p, name, n.labels, constraints[name])
-            ]
-            choice = choose(cands, pre, pool, allowed, pod_room=room, memo=memo)
-            if choice is None:
-                self.metrics.preemptions.labels("no-room").inc()
+            outcome = self._isolated(p, partial(self._plan, p, req, pass_), error=-1)
+            if outcome == -1:
+                done["error"] += 1
+            elif outcome == 1:
                 done["no-room"] += 1
-                continue
-            if not choice.victims:
-                # room that is there, or will be once the pods on their way out are gone: counted
-                # as this pod's for the rest of the pass, so no other preemptor counts it again
-                self.metrics.preemptions.labels("fits").inc()
-                if choice.node in room:
-                    room[choice.node] -= 1
-                if choice.node in leaving and not self._fits_now(choice.node, pre, now):
-                    # only once they are gone (another preemptor's victims): held for it as for
-                    # its own, so no lower-priority pod takes it meanwhile
-                    r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
-                    plans.append(Plan(p, pre, choice, r, {}))
-                    nodes[choice.node] = resv.hold(nodes[choice.node], [r])
-                else:
-                    nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
-                continue
-            r = self._reservation(p, pre, choice, nodes[choice.node], by_key, now)
-            plans.append(Plan(p, pre, choice, r, {k: pool[k] for k in choice.victims}))
-            for k in choice.victims:  # never picked again in this pass; their room is held
-                for b in pool[k].budgets:
-                    allowed[b] = allowed.get(b, 0) - 1
-            # the hold counts its GPUs and host room for the rest of the pass
-            nodes[choice.node] = resv.hold(without(nodes[choice.node], choice.victims, pool), [r])
-            for k in choice.victims:
-                pool.pop(k, None)
-            if choice.node in room:
-                room[choice.node] += len(choice.victims) - 1
-            leaving.add(choice.node)  # its victims leave: room the next preemptor may share
-        done["evicted"] = self.act.carry_out(plans, by_key, now)
+            elif outcome == 2:
+                done["infeasible"] += 1
+        done["evicted"] = self.act.carry_out(pass_.plans, by_key, now)
         log.log(
-            logging.INFO if plans else logging.DEBUG,
-            "preemption pass: %d pending, %d waiting for victims, %d decided (%d victims), %d without room, %.1f s",
-            len(pending), len(waits), len(plans), done["evicted"], done["no-room"], time.monotonic() - started,
+            logging.INFO if pass_.plans else logging.DEBUG,
+            "preemption pass: %d pending, %d waiting for victims, %d decided (%d victims), %d without room, "
+            "%d refused, %d failed, %.1f s",
+            len(pending), len(waits), len(pass_.plans), done["evicted"], done["no-room"], done["infeasible"],
+            done["error"], time.monotonic() - started,
         )  # fmt: skip
         return done
+
+    def _isolated(self, pod: dict[str, Any], fn: Callable[[], int], error: int = 0) -> int:
+        """fn(), its failure kept to `pod`: logged once (per kind of failure) with its reason, an
+        Event on the pod, counted (outcome "error"); the pass goes on for the others."""
+        try:
+            return fn()
+        except Exception as e:
+            self.metrics.preemptions.labels("error").inc()
+            self.act.report(
+                pod, f"error: {type(e).__name__}", "PreemptionFailed",
+                f"gpupack's preemption for this pod failed ({type(e).__name__}: {e}); other pods are not affected",
+                exc=e,
+            )  # fmt: skip
+            return error
+
+    def _plan(self, p: dict[str, Any], req: Any, ps: _Pass) -> int:
+        """One preemptor's decision, added to the pass's plans; 0 when decided (or it fits), 1 when
+        no eviction makes room, 2 when it would not run where victims leave room."""
+        why_not = pf.scheduler_refuses(p)
+        if why_not is not None:
+            return self._refused(p, why_not)
+        pre = Preemptor(req, pin.priority_of(p), True)
+        allowed = [
+            n
+            for name, n in ps.nodes.items()
+            if (name in ps.gpu_nodes or not req.needs_gpu)
+            and pin.node_allows(p, name, n.labels, ps.constraints[name])
+        ]
+        reachable = ps.place.reachable(p) if allowed else None
+        cands = [n for n in allowed if reachable is not None and reachable(n.name)]
+        refused: dict[str, str] = {}
+        while True:
+            choice = choose(cands, pre, ps.pool, ps.allowed, pod_room=ps.room, memo=ps.memo)
+            if choice is None:
+                break
+            why = ps.place.refusal(p, choice.node, choice.victims) or self._resources_short(pre, choice)
+            if why is None:
+                break
+            refused[choice.node] = why
+            if len(refused) >= MAX_REFUSED:
+                choice = None
+                break
+            cands = [n for n in cands if n.name != choice.node]
+        if choice is None:
+            if refused:
+                return self._refused(p, "; ".join(f"node {n}: {w}" for n, w in sorted(refused.items())[:4]))
+            if allowed and not cands:
+                return self._refused(
+                    p, f"no node where it may run meets its required pod affinity ({AFFINITY})"
+                )
+            self.metrics.preemptions.labels("no-room").inc()
+            return 1
+        try:
+            return self._decided(p, pre, choice, ps)
+        except Exception:
+            # whatever failed may be a victim's doing: the others do not pick it in this pass
+            for k in choice.victims:
+                ps.pool.pop(k, None)
+            raise
+
+    def _decided(self, p: dict[str, Any], pre: Preemptor, choice: Choice, ps: _Pass) -> int:
+        """`choice` counted in the pass (its hold and plan added, its victims taken)."""
+        nodes, room, leaving, pool = ps.nodes, ps.room, ps.leaving, ps.pool
+        if not choice.victims:
+            # room that is there, or will be once the pods on their way out are gone: counted
+            # as this pod's for the rest of the pass, so no other preemptor counts it again
+            self.metrics.preemptions.labels("fits").inc()
+            if choice.node in room:
+                room[choice.node] -= 1
+            if choice.node in leaving and not self._fits_now(choice.node, pre, ps.now):
+                # only once they are gone (another preemptor's victims): held for it as for
+                # its own, so no lower-priority pod takes it meanwhile
+                r = self._reservation(p, pre, choice, nodes[choice.node], ps.by_key, ps.now)
+                ps.plans.append(Plan(p, pre, choice, r, {}))
+                nodes[choice.node] = resv.hold(nodes[choice.node], [r])
+            else:
+                nodes[choice.node] = _charged(nodes[choice.node], pre, choice)
+            return 0
+        r = self._reservation(p, pre, choice, nodes[choice.node], ps.by_key, ps.now)
+        ps.plans.append(Plan(p, pre, choice, r, {k: pool[k] for k in choice.victims}))
+        for k in choice.victims:  # never picked again in this pass; their room is held
+            for b in pool[k].budgets:
+                ps.allowed[b] = ps.allowed.get(b, 0) - 1
+        # the hold counts its GPUs and host room for the rest of the pass
+        nodes[choice.node] = resv.hold(without(nodes[choice.node], choice.victims, pool), [r])
+        for k in choice.victims:
+            pool.pop(k, None)
+        if choice.node in room:
+            room[choice.node] += len(choice.victims) - 1
+        leaving.add(choice.node)  # its victims leave: room the next preemptor may share
+        return 0
+
+    def _refused(self, p: dict[str, Any], why: str) -> int:
+        """No eviction for `p`: it would not run where victims leave room (said once per reason)."""
+        self.metrics.preemptions.labels("infeasible").inc()
+        self.act.report(
+            p, f"infeasible: {why}", "NotPreempting",
+            f"gpupack will not preempt for this pod: evicting pods would not let it run ({why})"[:1000],
+        )  # fmt: skip
+        return 2
+
+    def _hold_ran_out(self, rec: pin.Record, now: datetime) -> bool:
+        """The record's hold is gone with its pod unbound, at least `hold_s` after the evictions:
+        it ran out (a hold removed sooner, with its node, is no failure of the pod)."""
+        at = handoff.parse_rfc3339(rec.at)
+        return at is not None and (now - at).total_seconds() >= self.hold_s
+
+    def _back_off(self, p: dict[str, Any], rec: pin.Record, now: datetime) -> int:
+        """A hold ran out with `p` unbound: no new evictions for it for a while (1 when this is
+        news: a hold not counted before)."""
+        uid = pin.uid_of(p)
+        b = next_backoff(self.backoffs.current(uid, p), rec.reservation, now)
+        if b is None:
+            return 0
+        self.backoffs.note(uid, b)
+        self.metrics.preemptions.labels("backoff").inc()
+        meta = p.get("metadata") or {}
+        try:
+            self.kube.patch_pod_metadata(
+                meta.get("namespace") or "default", str(meta.get("name")), {ANN_BACKOFF: b.encode()}, {}, None
+            )
+        except ApiException as e:
+            log.info("pod %s: cannot record its preemption back-off: %s", pin.key_of(p), api_reason(e))
+        self.act.report(
+            p, f"backoff: {rec.reservation}", "PreemptionBackoff",
+            f"the room gpupack held for this pod on node {rec.node} ({len(rec.victims)} pod(s) evicted for it) "
+            f"ran out before it was bound there: no evictions for it for {delay_s(b.failures):.0f} s "
+            f"(back-off {b.failures})",
+        )  # fmt: skip
+        return 1
+
+    def _node_facts(self) -> dict[str, NodeFacts]:
+        with self.view.lock:
+            return {n: NodeFacts(n, info.labels, info.taints) for n, info in self.view.nodes.items()}
+
+    def _ns_labels(self, ns: str) -> dict[str, str] | None:
+        try:
+            return self.kube.namespace_labels(ns)
+        except NamespaceUnreadable:
+            return None
+
+    def _resources_short(self, pre: Preemptor, choice: Choice) -> str | None:
+        """The node resources the chooser does not weigh, with the victims gone (host tracking)."""
+        want = pre.pod.host if isinstance(pre.pod, HostedPodRequest) else NO_HOST_USE
+        if not self.view.track_host or (want.eph_bytes <= 0 and not want.other):
+            return None
+        with self.view.lock:
+            info = self.view.nodes.get(choice.node)
+            if info is None:
+                return "the node is gone"
+            freed = [hp.use for k in choice.victims if (hp := self.view.host.pods.get(k)) is not None]
+            return pf.resources_short(want, info.allocatable, info.requested, freed)
 
     def _request(self, pod: dict[str, Any]) -> Any:
         try:
@@ -335,6 +492,26 @@ class Preempter:
             host_mem_bytes=host.mem_bytes,
             host_pods=1 if self.view.track_host else 0,
         )
+
+
+@dataclass
+class _Pass:
+    """What one pass's decisions share and change as they are made."""
+
+    nodes: dict[str, Node]
+    gpu_nodes: set[str]
+    constraints: dict[str, frozenset[tuple[str, str, str]]]
+    room: dict[str, int]
+    leaving: set[str]
+    pool: dict[str, Victim]
+    allowed: dict[str, int]
+    by_key: dict[str, dict[str, Any]]
+    place: PodsInPlace
+    now: datetime
+    plans: list[Plan] = field(default_factory=list)
+    memo: dict[Any, Any] = field(
+        default_factory=dict
+    )  # preemptors of one shape ask the same of unchanged nodes
 
 
 def _charged(node: Node, pre: Preemptor, choice: Choice) -> Node:

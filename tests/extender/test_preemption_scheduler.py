@@ -454,3 +454,52 @@ def test_a_lower_priority_pod_never_takes_held_cpu(cluster, ns, sfx, sched, kube
     p = gone_and_bound(cluster, ns, "web", sched)
     assert p["spec"]["nodeName"] == node
     assert "late" not in bound_names(cluster, ns)  # and with web there, no room is left for it
+
+
+# --- hostile pods ------------------------------------------------------------------------------
+
+
+def test_a_victim_with_an_endless_grace_period_stops_no_preemption(cluster, ns, sfx, sched, kubelet):
+    """The lowest-priority victim asks for 10^12 s of grace (the API takes any int64 >= 0): the
+    hold's expiry is clamped, and both preemptors, each with a legal victim, are bound (the
+    expiry raised OverflowError and aborted every pass: none was)."""
+    for n in ("a", "b", "c"):
+        gpu_node(cluster, f"gpu-{n}-{sfx}", n=1)
+    hostile = pod("hostile", "offline", OFFLINE_LOW, container("main", gpu=1))
+    hostile["spec"]["terminationGracePeriodSeconds"] = 10**12
+    create_pod(cluster.core, hostile, ns)
+    for i in range(2):
+        create_pod(cluster.core, pod(f"off-{i}", "offline", OFFLINE, container("main", gpu=1)), ns)
+    running(cluster, ns, ["hostile", "off-0", "off-1"], sched)
+    errors = metric(sched, "gpupack_extender_preemptions_total", outcome="error")
+    for i in range(2):
+        create_pod(cluster.core, pod(f"web-{i}", "online", ONLINE, container("main", gpu=1)), ns)
+    for i in range(2):
+        gone_and_bound(cluster, ns, f"web-{i}", sched)
+    assert "hostile" not in present(cluster, ns)  # it was the first choice, and it went
+    assert metric(sched, "gpupack_extender_preemptions_total", outcome="error") == errors
+    check_all_bound_no_overcommit(cluster, ns)
+
+
+def test_a_preemptor_that_cannot_run_anywhere_evicts_no_one(cluster, ns, sfx, sched, kubelet):
+    """A higher-priority GPU pod with a required pod affinity to a label no pod carries:
+    kube-scheduler says so ("didn't match pod affinity rules") and no eviction can change it, so
+    gpupack evicts no one over several passes, and says why in one Event."""
+    gpu_node(cluster, f"gpu-a-{sfx}", n=1)
+    create_pod(cluster.core, pod("off-0", "offline", OFFLINE, container("main", gpu=1)), ns)
+    running(cluster, ns, ["off-0"], sched)
+    before = {
+        o: metric(sched, "gpupack_extender_preemptions_total", outcome=o) for o in ("infeasible", "evicted")
+    }
+    web = pod("web", "online", ONLINE, container("main", gpu=1))
+    web["spec"]["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": f"nobody-{sfx}"}}}]}}  # fmt: skip
+    create_pod(cluster.core, web, ns)
+    until(lambda: metric(sched, "gpupack_extender_preemptions_total", outcome="infeasible") >= before["infeasible"] + 5,
+          30, "five passes refusing to preempt")  # fmt: skip
+    pods = present(cluster, ns)
+    assert "off-0" in pods and not pods["off-0"]["metadata"].get("deletionTimestamp")
+    assert not pods["web"]["spec"].get("nodeName") and ANN_PREEMPTION not in annotations(pods["web"])
+    assert metric(sched, "gpupack_extender_preemptions_total", outcome="evicted") == before["evicted"]
+    said = [r for r in reasons(cluster, ns, "web") if r.startswith("NotPreempting:")]
+    assert len(said) == 1 and "pod affinity" in said[0], said
