@@ -21,6 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 from werkzeug.http import HTTP_STATUS_CODES
 
+from gpupack.guarded import Probe
+
 from .collector import LATENCY_VERBS
 from .framework import Extender
 from .gpu_gauges import render
@@ -32,6 +34,11 @@ from .wire import WireError, parse_bind_args, parse_extender_args
 log = logging.getLogger("gpupack.extender.http")
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
+# An AdmissionReview carries the object and, on UPDATE, the old object too. etcd stores an object
+# of at most 1.5 MiB (the API server refuses a larger write), so two of them are 3 MiB; the half
+# MiB above that is for the review's envelope and JSON's field names, wordier than the stored
+# protobuf. A larger body is no review the API server sends: 413 without reading it.
+WEBHOOK_MAX_BODY = 3 * 1024 * 1024 + 512 * 1024
 
 
 _PLAIN_NAMES = re.compile(r"[A-Za-z0-9._:-]*\Z")
@@ -90,6 +97,10 @@ def _common(app: Flask, view: ClusterView, metrics: Metrics, max_body: int) -> N
         log.exception("unhandled error on %s", request.path)
         return _error(500, f"internal error: {type(e).__name__}: {e}")
 
+    # the listeners answer these on their loop (probes_of), never behind the work queue; the
+    # routes below serve what reaches the app itself
+    app.extensions["gpupack_ready"] = view.synced.is_set
+
     @app.get("/healthz")
     def healthz() -> Response:
         return Response("ok\n", mimetype="text/plain")
@@ -98,13 +109,30 @@ def _common(app: Flask, view: ClusterView, metrics: Metrics, max_body: int) -> N
     def readyz() -> Response:
         if view.synced.is_set():
             return Response("ok\n", mimetype="text/plain")
-        return Response(
-            "waiting for the first full list of nodes and pods\n", status=503, mimetype="text/plain"
-        )
+        return Response(NOT_READY, status=503, mimetype="text/plain")
 
     @app.get("/metrics")
     def metrics_() -> Response:
         return Response(render(metrics.registry), mimetype=CONTENT_TYPE_LATEST)
+
+
+NOT_READY = "waiting for the first full list of nodes and pods\n"
+
+
+def probes_of(app: Flask, alive: Callable[[], str] | None = None) -> dict[str, Probe]:
+    """/healthz and /readyz of `app` (made by create_extender_app or create_webhook_app) as the
+    guarded listener answers them on its loop: cheap, non-blocking reads of the app's state.
+    `alive`, where given, says why the process is not healthy ("" when it is)."""
+    ready: Callable[[], bool] = app.extensions["gpupack_ready"]
+
+    def healthz() -> tuple[int, str]:
+        why = alive() if alive is not None else ""
+        return (503, why + "\n") if why else (200, "ok\n")
+
+    def readyz() -> tuple[int, str]:
+        return (200, "ok\n") if ready() else (503, NOT_READY)
+
+    return {"/healthz": healthz, "/readyz": readyz}
 
 
 def _freeze_startup_heap() -> None:
@@ -262,7 +290,7 @@ def only_probes(app: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def create_webhook_app(
-    cfg: WebhookConfig, view: ClusterView, metrics: Metrics, max_body: int = DEFAULT_MAX_BODY
+    cfg: WebhookConfig, view: ClusterView, metrics: Metrics, max_body: int = WEBHOOK_MAX_BODY
 ) -> Flask:
     _freeze_startup_heap()
     app = Flask("gpupack-webhook")

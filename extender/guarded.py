@@ -4,7 +4,7 @@ plugin's metrics port; its names are re-exported here for the extender."""
 
 from __future__ import annotations
 
-from gpupack.guarded import GuardedServer, Limits, Listener, raise_fd_limit, tls_context
+from gpupack.guarded import GuardedServer, Limits, Listener, Probe, raise_fd_limit, tls_context
 
 __all__ = [
     "GRACEFUL_S",
@@ -12,6 +12,8 @@ __all__ = [
     "GuardedServer",
     "Limits",
     "Listener",
+    "Probe",
+    "WEBHOOK_BODY_BYTES_IN_FLIGHT",
     "metrics_limits",
     "raise_fd_limit",
     "tls_context",
@@ -23,9 +25,18 @@ KEEPALIVE_S = 30.0  # kube-scheduler keeps its connections to the extender open 
 GRACEFUL_S = 3.0  # on SIGTERM, for the requests in hand (binds wait at most --bind-wait-s; the scheduler retries the rest)
 
 
+# The webhook's port is open to the network: bodies being read or waiting for one of its 8
+# threads hold at most this much between them (a 503 past it; the API server retries a review's
+# call per its failurePolicy). Reviews of real pods are tens of kilobytes, so 64 MiB is hundreds
+# of them at once; 100 connections each declaring a body near the limit and stalling hold no more
+# than this (tests/extender/test_guarded_budgets.py measures the process's RSS).
+WEBHOOK_BODY_BYTES_IN_FLIGHT = 64 * 1024 * 1024
+
+
 def webhook_limits(max_body: int) -> Limits:
     # admission reviews come from the API server, a few at a time; 8 threads answer them
-    return Limits(max_connections=2048, max_body=max_body, threads=8)
+    return Limits(max_connections=2048, max_body=max_body, threads=8,
+                  max_body_bytes_in_flight=max(WEBHOOK_BODY_BYTES_IN_FLIGHT, max_body), max_queued=256)  # fmt: skip
 
 
 def verbs_limits(max_body: int, threads: int) -> Limits:

@@ -15,9 +15,7 @@ import argparse
 import json
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -29,7 +27,7 @@ from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
 from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy, policy_spec
 
 from . import autoscale
-from .app import DEFAULT_MAX_BODY
+from .app import DEFAULT_MAX_BODY, WEBHOOK_MAX_BODY
 from .config import ExtenderConfig
 
 log = logging.getLogger("gpupack.extender")
@@ -168,7 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: this host name, which kube-scheduler uses as `<hostname>_<uuid>`)",
     )
     p.add_argument(
-        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body accepted"
+        "--max-body-bytes", type=int, default=DEFAULT_MAX_BODY, help="largest request body of a verb accepted"
+    )
+    p.add_argument(
+        "--webhook-max-body-bytes",
+        type=int,
+        default=WEBHOOK_MAX_BODY,
+        help="largest AdmissionReview accepted (default 3.5 MiB: an object and its old version at etcd's "
+        "1.5 MiB cap, and the review around them)",
     )
     autoscale.add_flags(p)
     logs.add_log_flags(p)
@@ -222,13 +227,18 @@ def extender_config(args: argparse.Namespace) -> ExtenderConfig:
 
 
 def _extender_factory(
-    args: argparse.Namespace, listening: threading.Event | None = None
+    args: argparse.Namespace,
+    listening: threading.Event | None = None,
+    alive: Callable[[], str] | None = None,
 ) -> Callable[[], Any]:
+    """The extender's app; `alive` (why the process is unhealthy, "" if it is not) joins the
+    metrics port's /healthz, the container's liveness probe."""
+
     def make() -> Any:
         from gpupack.events import EventRecorder
         from gpupack.kubeclient import KubeClient
 
-        from .app import create_extender_app, only_probes
+        from .app import create_extender_app, only_probes, probes_of
         from .collector import IdleCollector
         from .framework import Extender
         from .kube import Kube, api_client
@@ -286,7 +296,9 @@ def _extender_factory(
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
                       args.preemption_interval_s, marks=marks).start()  # fmt: skip
-        autoscale.start_from_args(args, api, None if fence is None else fence.problem)
+        autoscale.start_from_args(
+            args, api, None if fence is None else fence.problem, metrics.registry, events
+        )
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,
                  args.workload_file or "learnt from the pods seen")  # fmt: skip
@@ -300,7 +312,8 @@ def _extender_factory(
 
         metrics_server = GuardedServer()
         metrics_server.add(only_probes(app), args.metrics_host, args.metrics_port,
-                           metrics_limits(args.max_body_bytes), name="metrics")  # fmt: skip
+                           metrics_limits(args.max_body_bytes), name="metrics",
+                           probes=probes_of(app, alive))  # fmt: skip
         metrics_server.start()
         return app
 
@@ -322,7 +335,7 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
         Sync(view, kube, pods=False).start()  # the webhooks read nodes only
         # pod_lookup: the node of the device plugin pod a token is bound to (plugin-node webhook)
         cfg = WebhookConfig(args.scheduler_name, args.set_scheduler_name, pod_lookup=kube.get_pod)
-        return create_webhook_app(cfg, view, metrics, args.max_body_bytes)
+        return create_webhook_app(cfg, view, metrics, args.webhook_max_body_bytes)
 
     return make
 
@@ -358,26 +371,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "webhook":
         # open to the network (the API server calls it): served so that slow or idle connections
         # cannot stall admission (guarded.py)
+        from .app import probes_of
         from .guarded import GuardedServer, raise_fd_limit, tls_context, webhook_limits
 
         raise_fd_limit()
+        # the loop reads every connection's handshake, head and body and answers the probes itself:
+        # a thread parsing a review must hand it the GIL within 0.5 ms, not the default 5 ms
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         server = GuardedServer()
-        server.add(_webhook_factory(args)(), args.webhook_host, args.webhook_port,
-                   webhook_limits(args.max_body_bytes), tls_context(args.tls_cert, args.tls_key), "webhook")  # fmt: skip
+        app = _webhook_factory(args)()
+        server.add(app, args.webhook_host, args.webhook_port, webhook_limits(args.webhook_max_body_bytes),
+                   tls_context(args.tls_cert, args.tls_key), "webhook", probes=probes_of(app))  # fmt: skip
         server.run()
         return 0
 
     child = None
     if args.role == "all" and args.webhook_port:
-        cmd = [
-            sys.executable,
-            "-m",
-            "extender.main",
-            *(argv if argv is not None else sys.argv[1:]),
-            "--role",
-            "webhook",
-        ]
-        child = subprocess.Popen(cmd)
+        from .webhook_child import WebhookChild
+
+        # supervised: started again when it exits, and the liveness probe fails while it stays down
+        child = WebhookChild(
+            [sys.executable, "-m", "extender.main", *(argv if argv is not None else sys.argv[1:]),
+             "--role", "webhook"]
+        )  # fmt: skip
+        child.start()
+    from .app import probes_of
     from .guarded import GRACEFUL_S, GuardedServer, raise_fd_limit, verbs_limits
 
     raise_fd_limit()
@@ -386,17 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         # so that no container beside it can stall scheduling with a few connections
         server = GuardedServer()
         listening = threading.Event()
-        server.add(_extender_factory(args, listening)(), args.host, args.port,
-                   verbs_limits(args.max_body_bytes, args.threads), name="verbs")  # fmt: skip
+        alive = None if child is None else child.problem
+        app = _extender_factory(args, listening, alive)()
+        server.add(app, args.host, args.port, verbs_limits(args.max_body_bytes, args.threads), name="verbs",
+                   probes=probes_of(app, alive))  # fmt: skip
         listening.set()  # bound: kube-scheduler's next filter waits in the backlog, is not refused
         server.run(GRACEFUL_S)
     finally:
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        if child is not None:
+            child.stop()
     return 0
 
 
