@@ -32,8 +32,10 @@ MIB = 1 << 20
 # The metrics/health port is open to the network (Prometheus, the kubelet's probes): a budget of
 # its own, served by gpupack/guarded.py, so idle or trickling connections hold no thread and the
 # 1,025th connection closes the one that has waited longest. Scrapes and probes are small GETs;
-# a scrape lists this node's pods at most once per ttl_s, so 4 threads are plenty.
-METRICS_LIMITS = Limits(max_connections=1024, max_body=65536, threads=4)
+# a scrape lists this node's pods at most once per ttl_s, so 4 threads are plenty. Scrapes and
+# probes carry no body: 4 MiB of bodies in flight, and 64 requests waiting, are more than they use.
+METRICS_LIMITS = Limits(max_connections=1024, max_body=65536, threads=4,
+                        max_body_bytes_in_flight=4 << 20, max_queued=64)  # fmt: skip
 
 
 def reserved_by_gpu(pods: Iterable[Any], node: str) -> dict[str, tuple[int, int]]:

@@ -48,5 +48,6 @@ def verbs_limits(max_body: int, threads: int) -> Limits:
 
 
 def metrics_limits(max_body: int) -> Limits:
-    # scrapes and probes: a small budget of its own, apart from the verbs'
-    return Limits(max_connections=1024, max_body=min(max_body, 65536), threads=2)
+    # scrapes and probes (no bodies): a small budget of its own, apart from the verbs'
+    return Limits(max_connections=1024, max_body=min(max_body, 65536), threads=2,
+                  max_body_bytes_in_flight=4 << 20, max_queued=64)  # fmt: skip

@@ -172,7 +172,7 @@ class Listener:
     def _reserve(self, c: _Conn, n: int) -> None:
         """Count `n` more bytes of `c`'s body in the listener's budget; past it, close bodies that
         have been read for over EVICT_BODY_AFTER_S (oldest first), then refuse with a 503."""
-        budget = self.limits.max_body_bytes_in_flight
+        budget = max(self.limits.max_body_bytes_in_flight, self.limits.max_body)  # one body always fits
         if self.body_bytes + n > budget:
             now = time.monotonic()
             stalled = sorted(
