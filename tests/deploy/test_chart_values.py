@@ -216,3 +216,47 @@ def test_helm_test_pods_check_the_extender_and_the_webhook(tmp_path):
     assert np["spec"]["ingress"][0]["from"] == [
         {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gpupack-helm-test"}}}
     ]
+
+
+# Every switch on and every knob turned: what tools/validate_deploy.py holds deploy/ to, the
+# chart's objects are held to as well (each gpupack command's args parsed by its real parser,
+# ports, mounts, selectors, RBAC references, the scheduler configuration against the extender).
+EVERYTHING = {
+    "namespace": {"create": True},
+    "logFormat": "json",
+    "logLevel": "debug",
+    "scheduler": {"profile": {"extender": {"weight": 3, "httpTimeout": "30s"}}},
+    "extender": {
+        "bindWaitSeconds": 6,
+        "preemption": {"intervalSeconds": 7.5},
+        "extraArgs": ["--bind-concurrency=32", "--no-warm-shapes"],
+    },
+    "webhook": {"certificates": {"caDays": 1000, "certDays": 100, "renewBeforeDays": 10}},
+    "devicePlugin": {"enforcement": "mps", "kubeletDir": "/data/kubelet"},
+    "defrag": {"objective": "nodes", "pushgateway": "http://pgw:9091", "extraArgs": ["--allow-jobs"]},
+    "autoscale": {"enabled": True, "nodeTemplates": "apiVersion: v1\nkind: List\nitems: []\n"},
+}
+
+
+def _validate(objs: list[dict]) -> list[str]:
+    import copy
+
+    from tools.validate_deploy import schema_errors, semantic_errors
+
+    errs = semantic_errors(objs)
+    for o in objs:
+        errs += schema_errors(copy.deepcopy(o), ("1.30", "1.32", "1.35"))
+    return errs
+
+
+def test_every_option_renders_objects_that_validate(tmp_path):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(EVERYTHING))
+    objs = render("helm", "--kube-version", "1.32.4", "-f", str(values), home=tmp_path)
+    assert _validate(objs) == []
+    # ... and the check bites: a flag `gpupack extender` does not have is named
+    objs = render(
+        "helm", "--kube-version", "1.32.4", "--set", "extender.extraArgs={--no-such-flag=1}", home=tmp_path
+    )
+    (err,) = _validate(objs)
+    assert "gpupack extender rejects its args" in err and "--no-such-flag" in err, err
