@@ -238,7 +238,11 @@ class Listener:
                 if probe is not None and environ["REQUEST_METHOD"] in ("GET", "HEAD"):
                     # answered here: a probe never waits behind the work queue
                     self._release(conn)
-                    status, text = probe()
+                    try:
+                        status, text = probe()
+                    except Exception as e:  # a probe's bug is its 500, logged at most every 10 s
+                        self.complaints.note(500, f"probe {environ['PATH_INFO']} failed", "-", e)
+                        status, text = 500, "probe failed\n"
                     data = _answer(status, [("Content-Type", "text/plain")], text.encode(), not keep)
                     await self._send(writer, data)
                 elif self.in_pool >= self.limits.threads + self.limits.max_queued:

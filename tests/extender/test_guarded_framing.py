@@ -28,7 +28,7 @@ def app(environ, start_response):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def ports() -> Iterator[dict[str, int]]:
     srv = GuardedServer()
-    lim = Limits(header_s=2, body_s=2, idle_s=2, max_connections=64, max_header_bytes=4096, max_body=100,
+    lim = Limits(header_s=2, body_s=2, idle_s=2, max_connections=64, max_header_bytes=8192, max_body=100,
                  threads=2)  # fmt: skip
     plain = srv.add(app, "127.0.0.1", 0, lim, name="t-framing")
     chunked = srv.add(app, "127.0.0.1", 0, Limits(**{**lim.__dict__, "chunked": True}), name="t-framing-c")
@@ -82,7 +82,7 @@ CASES = [
      b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n", 400),
     ("chunk longer than its size", "chunked",
      b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n2\r\nabcd\r\n0\r\n\r\n", 400),
-    ("head over max_header_bytes in one piece", "plain", b"GET / HTTP/1.1\r\n" + H + b"X: " + b"a" * 5000 + b"\r\n\r\n", 431),
+    ("head over max_header_bytes in one piece", "plain", b"GET / HTTP/1.1\r\n" + H + b"X: " + b"a" * 9000 + b"\r\n\r\n", 431),
     ("head over max_header_bytes, never ending", "plain", b"GET / HTTP/1.1\r\n" + H + b"X: " + b"a" * 70000, 431),
     ("body over max_body", "plain", b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 101\r\n\r\n", 413),
     ("chunked body over max_body", "chunked",

@@ -14,6 +14,10 @@ import requests
 from processes import free_port
 from realk8s import until
 
+from extender.app import create_webhook_app, probes_of
+from extender.metrics import Metrics
+from extender.view import ClusterView
+from extender.webhook import WebhookConfig
 from extender.webhook_child import WebhookChild
 from gpupack import certs
 
@@ -90,3 +94,16 @@ def test_a_child_up_again_clears_the_problem() -> None:
     finally:
         child.stop()
         marker.unlink(missing_ok=True)
+
+
+def test_the_liveness_probe_carries_the_webhooks_problem() -> None:
+    view = ClusterView()
+    app = create_webhook_app(WebhookConfig(namespace="gpupack-system"), view, Metrics())
+    why = [""]
+    probes = probes_of(app, lambda: why[0])
+    assert probes["/healthz"]() == (200, "ok\n")
+    why[0] = "the admission webhook has not stayed up"
+    assert probes["/healthz"]() == (503, "the admission webhook has not stayed up\n")
+    assert probes["/readyz"]()[0] == 503
+    view.synced.set()
+    assert probes["/readyz"]() == (200, "ok\n")
