@@ -1,39 +1,34 @@
-"""How low can unallocated GPUs at 100% arrival go on the openb traces? A bound and an offline packing.
+"""How low can unallocated GPUs at 100% arrival go on the openb traces? The bound against the policies.
 
-    python benchmarks/bound_openb.py [--trace default --trace ...] [--seeds 42-51] [--json]
+    python benchmarks/bound_openb.py [--trace default --trace ...] [--seeds 42-51] [--jobs 2]
+                                     [--rows FILE] [--cpu-rule-windows K] [--json]
 
-Under the replay rules (docs/simulate.md, "Replay rules") pods never leave and a pod that does not
-fit is dropped, so after any arrival allocated = arrived − dropped, and the unallocated share at an
-event is 100% − (arrived − dropped) / capacity. Bin 100 averages the events whose arrived request
-is 100–101% of capacity. For each seed's arrival order this script reports, at those events:
+Per trace (default: every pod list in the openb folder) and seed, at bin 100 (the replay's
+events whose arrived GPU request is 100-101% of capacity, docs/simulate.md "Replay rules"):
 
-- `hole_floor`: the previous argument. A sharing pod asking for more than half a GPU has a GPU to
-  itself among sharing pods; one of 810 milli (13% of the default trace's pods) leaves a 190-milli
-  hole that only pods of ≤ 190 milli can use. If every arrived 810 pod is placed, at least
-  190 × (810 pods) − (milli of ≤ 190 pods) stays free: a floor for any policy that places every
-  810 pod it is shown.
-- `lp_bound`: a true lower bound for ANY placement, offline included, which may also leave 810
-  pods out. With x of the N arrived 810 pods placed, O the other arrived GPU request, S the arrived
-  milli of pods ≤ 190 and G the GPU count: allocated ≤ 810·x + min(O, 1000·(G − x) + min(S, 190·x)).
-  The bound takes the best x; it ignores CPU, RAM, models and nodes, so the truth is higher.
-- `offline_ffd` and `offline_reordered`: what an offline packer achieves knowing every pod of the
-  prefix up to the middle of bin 100 (arrived = 100.5% of capacity), with the CPU, RAM and model
-  constraints; CPU-only pods are left out (an offline packer may drop them at no GPU cost).
-  `offline_ffd` is first-fit decreasing by GPU request (multi-GPU pods, then whole GPUs, then
-  sharing pods largest first) into the tightest GPU / node that fits. `offline_reordered` replays
-  the prefix through the `gpupack` policy with multi-GPU pods first, then whole GPUs, then the
-  sharing pods in arrival order. Both are achievable packings, so the offline optimum is at most
-  the smaller one. (Decreasing order is the worse of the two: it places every 810 pod and so pays
-  the whole hole floor, while the best packing leaves some 810 pods out for pods that fill a GPU.)
+- `bound`: gpupack.simulate.bound.bin_bound, a lower bound on the bin-100 figure for any
+  placement of the same arrivals, offline included (the `gpupack simulate --bound` figure).
+- `gpupack`, `fgd`, `bestfit`: the replay's figures; `gap`: gpupack - bound (points).
+- `offline_reordered`, `offline_ffd`: what offline packers achieve knowing every pod of the prefix
+  up to the middle of bin 100 (arrived = 100.5% of capacity), CPU-only pods left out.
+  `offline_reordered` replays the prefix through the `gpupack` policy with multi-GPU pods first,
+  then whole GPUs, then the sharing pods in arrival order; `offline_ffd` is first-fit decreasing
+  into the tightest GPU / node. `offline_reordered_cpu`: the reordered packing with the prefix's
+  CPU-only pods placed last (each left out only if no node has room then).
+- with --cpu-rule-windows K, `bound_cpu_rule`: the bound with the replay's rule for CPU-only pods
+  put back (bound.max_allocated, cpu_only="replay") over K arrival windows, a mixed-integer program.
 
-An online policy that must place every pod that fits sits above `lp_bound` and, while it places
-every 810 pod, above `hole_floor`.
+Every figure is checked on every seed: the bound <= each policy's figure, and the bound at the
+100.5% prefix <= each offline packing. A violation is printed and makes the exit status 1.
+--rows FILE appends each trace and seed's figures as a JSON line as soon as they are known; the
+tasks run seed by seed, so a run cut short still has whole seeds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
@@ -44,21 +39,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpupack.core.model import FULL  # noqa: E402
+from gpupack.simulate.bound import bin_bound, max_allocated, node_types, pod_classes  # noqa: E402
 from gpupack.simulate.openb import NodeList, PodList, read_nodes, read_pods  # noqa: E402
 from gpupack.simulate.replay import arrival_order, replay  # noqa: E402
 
-TRACES = (
-    "default",
-    "gpushare40",
-    "gpuspec10",
-    "cpu050",
-    "multigpu20",
-    "gpushare60",
-    "gpushare80",
-    "gpuspec25",
-    "multigpu40",
-)
-BIG, HOLE = 810, FULL - 810
+POLICIES = ("gpupack", "fgd", "bestfit")
 
 
 def openb_dir() -> Path:
@@ -66,35 +51,19 @@ def openb_dir() -> Path:
     return (Path(base) if base else ROOT / ".." / "shared") / "data" / "openb"
 
 
-def bin100_events(pods: PodList, order: np.ndarray, capacity: int) -> np.ndarray:
+def traces(d: Path) -> list[str]:
+    return sorted(p.name[len("openb_pod_list_") : -4] for p in d.glob("openb_pod_list_*.csv"))
+
+
+def prefix_at(pods: PodList, order: np.ndarray, capacity: int) -> np.ndarray:
+    """The arrivals up to the middle of bin 100 (arrived = 100.5% of capacity)."""
     arrived = np.cumsum(pods.gpu_request[order])
-    return np.nonzero(arrived * 100 // capacity == 100)[0]
-
-
-def floors(pods: PodList, order: np.ndarray, capacity: int) -> tuple[float, float]:
-    """Mean over bin-100 events of the hole floor and the LP bound, % of capacity."""
-    gpus = capacity // FULL
-    req = pods.gpu_request[order]
-    sharing = (pods.num_gpu[order] == 1) & (pods.gpu_milli[order] < FULL)
-    big = sharing & (pods.gpu_milli[order] == BIG)
-    small = sharing & (pods.gpu_milli[order] <= HOLE)
-    arrived, n_big = np.cumsum(req), np.cumsum(big)
-    s_small = np.cumsum(np.where(small, req, 0))
-    hole, lp = [], []
-    for e in bin100_events(pods, order, capacity):
-        n, s, a = int(n_big[e]), int(s_small[e]), int(arrived[e])
-        other = a - BIG * n
-        hole.append(max(0, HOLE * n - s) / capacity * 100)
-        x = np.arange(n + 1)
-        alloc = BIG * x + np.minimum(other, FULL * (gpus - x) + np.minimum(s, HOLE * x))
-        lp.append(max(0.0, 100 - int(alloc.max()) * 100 / capacity))
-    return float(np.mean(hole)), float(np.mean(lp))
+    return order[: int(np.searchsorted(arrived, capacity * 1.005, side="right"))]
 
 
 def offline_ffd(nodes: NodeList, pods: PodList, order: np.ndarray, capacity: int) -> float:
     """Unallocated % after first-fit-decreasing the GPU pods arrived up to 100.5% of capacity."""
-    arrived = np.cumsum(pods.gpu_request[order])
-    prefix = order[: int(np.searchsorted(arrived, capacity * 1.005, side="right"))]
+    prefix = prefix_at(pods, order, capacity)
     prefix = prefix[pods.num_gpu[prefix] > 0]
     n, g = len(nodes), int(nodes.gpus.max())
     free = np.full((n, g), -1, np.int64)  # missing GPUs never fit
@@ -133,17 +102,71 @@ def offline_ffd(nodes: NodeList, pods: PodList, order: np.ndarray, capacity: int
     return 100 - allocated * 100 / capacity
 
 
-def offline_reordered(nodes: NodeList, pods: PodList, order: np.ndarray, capacity: int, seed: int) -> float:
+def offline_reordered(
+    nodes: NodeList, pods: PodList, order: np.ndarray, capacity: int, seed: int, cpu_only: bool = False
+) -> float:
     """Unallocated % after the gpupack policy places the GPU pods arrived up to 100.5% of capacity,
-    multi-GPU pods first, then whole GPUs, then sharing pods, each group in arrival order."""
-    arrived = np.cumsum(pods.gpu_request[order])
-    prefix = order[: int(np.searchsorted(arrived, capacity * 1.005, side="right"))]
-    gpu_pods = prefix[pods.num_gpu[prefix] > 0]
-    num, milli = pods.num_gpu[gpu_pods], pods.gpu_milli[gpu_pods]
-    group = np.where(num > 1, 0, np.where(milli >= FULL, 1, 2))
-    r = replay(nodes, pods, "gpupack", seed, order=gpu_pods[np.argsort(group, kind="stable")])
-    allocated = int(pods.gpu_request[gpu_pods].sum()) - r.failed_gpu_milli
+    multi-GPU pods first, then whole GPUs, then sharing pods, each group in arrival order; with
+    `cpu_only`, the prefix's CPU-only pods last."""
+    prefix = prefix_at(pods, order, capacity)
+    num, milli = pods.num_gpu[prefix], pods.gpu_milli[prefix]
+    group = np.where(num > 1, 0, np.where(milli >= FULL, 1, np.where(num > 0, 2, 3)))
+    keep = prefix[group < 3] if not cpu_only else prefix
+    ranked = keep[np.argsort(group[group < 3] if not cpu_only else group, kind="stable")]
+    r = replay(nodes, pods, "gpupack", seed, order=ranked)
+    allocated = int(pods.gpu_request[keep].sum()) - r.failed_gpu_milli
     return 100 - allocated * 100 / capacity
+
+
+def one(task: tuple[str, int, int]) -> dict:
+    """Every figure for one trace and seed."""
+    t, seed, windows = task
+    d = openb_dir()
+    nodes = read_nodes(d / "openb_node_list_gpu_node.csv")
+    pods = read_pods(d / f"openb_pod_list_{t}.csv")
+    capacity = nodes.gpu_capacity
+    order = arrival_order(pods, capacity, seed)
+    row: dict = {"trace": t, "seed": seed}
+    for p in POLICIES:
+        row[p] = replay(nodes, pods, p, seed, order=order).unallocated_pct_at_100
+    b = bin_bound(nodes, pods, order, samples=SAMPLES)
+    row["bound"] = _val(b.unallocated_pct)
+    row["gap"] = row["gpupack"] - row["bound"]
+    row["offline_reordered"] = offline_reordered(nodes, pods, order, capacity, seed)
+    row["offline_ffd"] = offline_ffd(nodes, pods, order, capacity)
+    row["offline_reordered_cpu"] = offline_reordered(nodes, pods, order, capacity, seed, cpu_only=True)
+    # The bound at the offline packings' own prefix, to check them against.
+    row["bound_prefix"] = (
+        100
+        - max_allocated(node_types(nodes), pod_classes(pods, prefix_at(pods, order, capacity)))
+        * 100
+        / capacity
+    )
+    if windows:
+        rule = bin_bound(nodes, pods, order, cpu_only="replay", samples=SAMPLES, windows=windows)
+        row["bound_cpu_rule"] = _val(rule.unallocated_pct)
+    return row
+
+
+def _val(v: float | None) -> float:
+    return float("nan") if v is None else v
+
+
+TOL = 1e-6  # points: the solver's tolerance on a 6,212-GPU objective is far below this
+
+
+def violations(row: dict) -> list[str]:
+    checks = [(row["bound"], p) for p in POLICIES]
+    checks += [
+        (row["bound_prefix"], k) for k in ("offline_reordered", "offline_ffd", "offline_reordered_cpu")
+    ]
+    if "bound_cpu_rule" in row:
+        checks += [(row["bound"], "bound_cpu_rule")] + [(row["bound_cpu_rule"], p) for p in POLICIES]
+    return [
+        f"{row['trace']} seed {row['seed']}: bound {b:.4f} > {k} {row[k]:.4f}"
+        for b, k in checks
+        if b > row[k] + TOL
+    ]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -153,48 +176,65 @@ def parse_seeds(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
+COLUMNS = (
+    "bound",
+    "gpupack",
+    "fgd",
+    "bestfit",
+    "gap",
+    "offline_reordered_cpu",
+    "offline_reordered",
+    "offline_ffd",
+)
+SAMPLES = 4
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", action="append", choices=TRACES)
+    ap.add_argument("--trace", action="append")
     ap.add_argument("--seeds", default="42-51")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rows", help="append each trace and seed's figures here as JSON lines")
+    ap.add_argument("--cpu-rule-windows", type=int, default=0, help="also the bound with the CPU-only rule")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     d = openb_dir()
     if not (d / "openb_node_list_gpu_node.csv").is_file():
         print(f"skipped: openb trace not found at {d} (set GPUPACK_SHARED)")
         return 0
-    nodes = read_nodes(d / "openb_node_list_gpu_node.csv")
-    capacity = nodes.gpu_capacity
+    names = args.trace or traces(d)
     seeds = parse_seeds(args.seeds)
-    out: dict[str, dict[str, float]] = {}
-    for t in args.trace or TRACES:
-        pods = read_pods(d / f"openb_pod_list_{t}.csv")
-        rows = []
-        for s in seeds:
-            order = arrival_order(pods, capacity, s)
-            rows.append(
-                (
-                    *floors(pods, order, capacity),
-                    offline_ffd(nodes, pods, order, capacity),
-                    offline_reordered(nodes, pods, order, capacity, s),
-                )
-            )
-        m = np.mean(rows, axis=0)
-        out[t] = {
-            k: round(float(v), 2)
-            for k, v in zip(("hole_floor", "lp_bound", "offline_ffd", "offline_reordered"), m, strict=True)
-        }
+    tasks = [(t, s, args.cpu_rule_windows) for s in seeds for t in names]
+    rows: list[dict] = []
+    sink = open(args.rows, "a") if args.rows else None  # noqa: SIM115  (open for the whole run)
+    try:
+        with mp.get_context("fork").Pool(max(1, args.jobs)) as pool:
+            for row in pool.imap(one, tasks, chunksize=1):
+                rows.append(row)
+                if sink:
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+    finally:
+        if sink:
+            sink.close()
+    bad = [v for r in rows for v in violations(r)]
+    cols = COLUMNS + (("bound_cpu_rule",) if args.cpu_rule_windows else ())
+    out: dict[str, dict] = {}
+    for t in names:
+        rs = [r for r in rows if r["trace"] == t]
+        out[t] = {k: round(float(np.mean([r[k] for r in rs])), 2) for k in cols}
+        out[t]["per_seed"] = {str(r["seed"]): {k: round(r[k], 4) for k in cols} for r in rs}
     if args.json:
-        print(json.dumps({"seeds": seeds, "traces": out}))
+        print(json.dumps({"seeds": seeds, "traces": out, "violations": bad}))
     else:
-        print(f"unallocated GPUs % at 100% arrival, mean of seeds {args.seeds}")
-        print(f"{'trace':<12}{'hole floor':>12}{'LP bound':>10}{'offline FFD':>13}{'offline reordered':>19}")
+        print(f"unallocated GPUs % at 100% arrival, mean of seeds {args.seeds}; gap = gpupack - bound")
+        print("| trace | " + " | ".join(cols) + " |")
+        print("| --- " * (len(cols) + 1) + "|")
         for t, r in out.items():
-            print(
-                f"{t:<12}{r['hole_floor']:>12.2f}{r['lp_bound']:>10.2f}"
-                f"{r['offline_ffd']:>13.2f}{r['offline_reordered']:>19.2f}"
-            )
-    return 0
+            print(f"| {t} | " + " | ".join(f"{r[k]:.2f}" for k in cols) + " |")
+        for v in bad:
+            print("VIOLATION:", v)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -38,10 +38,13 @@ def save(fig: Any, path: Path, dpi: int = 100) -> Path:
 COLORS = {"random": "#999999", "bestfit": "#1f77b4", "fgd": "#ff7f0e", "gpupack": "#2ca02c"}
 
 
-def replay_chart(curves: dict[str, list[float | None]], path: Path, title: str) -> Path:
+def replay_chart(
+    curves: dict[str, list[float | None]], path: Path, title: str, bound: float | None = None
+) -> Path:
     """Unallocated GPUs (% of capacity) against arrived GPU request (% of capacity), one curve per policy.
 
-    `curves`: policy -> mean unallocated % per bin 0..130.
+    `curves`: policy -> mean unallocated % per bin 0..130. `bound`: the lower bound at 100%
+    (gpupack.simulate.bound), drawn as a marker no placement can go below.
     """
     plt = pyplot()
     fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
@@ -54,6 +57,17 @@ def replay_chart(curves: dict[str, list[float | None]], path: Path, title: str) 
         full.plot(xs, vs, label=name, color=color, linewidth=1.6)
         pts = [(x, y) for x, y in zip(xs, vs, strict=True) if x >= 80]
         zoom.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, linewidth=1.8)
+    if bound is not None:
+        for ax in (full, zoom):
+            ax.plot(
+                [100],
+                [bound],
+                marker="v",
+                markersize=9,
+                linestyle="none",
+                color="#d62728",
+                label=f"bound (any placement): {bound:.2f}% at 100%" if ax is zoom else "bound",
+            )
     for ax in (full, zoom):
         ax.axvline(100, color="#444444", linestyle=":", linewidth=1)
         ax.set_xlabel("arrived GPU request (% of cluster GPU capacity)")

@@ -5,10 +5,12 @@
         against gpupack's placement. Prints a table, writes DIR/fleet.png.
 
     gpupack simulate --trace PODS.csv --nodes NODES.csv [--policy NAME ...] [--seeds 42-51]
-                     [--jobs N] [--out DIR] [--json]
+                     [--jobs N] [--out DIR] [--json] [--bound]
         Replays an openb trace as docs/simulate.md ("Replay rules") describes, one run per policy
         and seed. Prints mean unallocated GPUs at 100% arrival per policy; DIR/replay.png charts
         unallocated GPUs against arrived load. --json prints one object (see docs/simulate.md).
+        --bound adds, per seed, a lower bound on that figure for any placement of the same
+        arrivals (gpupack.simulate.bound) and each policy's gap to it.
 
     gpupack simulate --tidal [--trace PODS.csv --nodes NODES.csv] [--swing 4] [--json]
         A day of replicas following demand on an autoscaled pool, night consolidation (gpupack
@@ -100,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default="simulate-out", help="directory for the PNG chart (default ./simulate-out)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="also a lower bound on unallocated GPUs at 100%% for any placement, per seed (LP, HiGHS)",
+    )
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")
     p.add_argument(
         "--progress", choices=("auto", "always", "never"), default="auto", help="stderr progress bar"
@@ -142,6 +149,33 @@ def _run_one(task: tuple[str, int]) -> dict:
     }
 
 
+BOUND_SAMPLES = 4  # events of bin 100 where the bound's program is solved (first and last among them)
+
+
+def _bound_one(seed: int) -> dict:
+    from gpupack.simulate.bound import bin_bound
+    from gpupack.simulate.replay import arrival_order
+
+    nodes, pods = _W["nodes"], _W["pods"]
+    t0 = time.perf_counter()
+    order = arrival_order(pods, nodes.gpu_capacity, seed)
+    b = bin_bound(nodes, pods, order, samples=BOUND_SAMPLES)
+    return {
+        "bound": seed,
+        "unallocated_pct_at_100": b.unallocated_pct,
+        "events": b.events,
+        "solved_at": b.solved_at,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _run_task(task: tuple[str, int]) -> dict:
+    return _bound_one(task[1]) if task[0] == _BOUND else _run_one(task)
+
+
+_BOUND = "\0bound"  # a task name no policy can have
+
+
 def run_trace(args) -> int:
     from gpupack.simulate.openb import read_nodes, read_pods
     from gpupack.simulate.replay import arrival_order, trace_workload
@@ -165,6 +199,14 @@ def run_trace(args) -> int:
     pods = read_pods(args.trace)
     _W.update(nodes=nodes, pods=pods, workload=trace_workload(pods))
     tasks = [(p, s) for p in policies for s in seeds]
+    if args.bound:
+        try:
+            import scipy  # noqa: F401  (HiGHS, in the `simulate` extra)
+        except ImportError:
+            raise UsageError(
+                "--bound needs scipy, in gpupack's `simulate` extra: pip install 'gpupack[simulate]'"
+            ) from None
+        tasks = [(_BOUND, s) for s in seeds] + tasks  # the bound's solves are the longest tasks
     steps = sum(len(arrival_order(pods, nodes.gpu_capacity, s)) for s in seeds) * len(policies)
     jobs = args.jobs or min(os.cpu_count() or 1, len(tasks))
     enabled = {"auto": None, "always": True, "never": False}[args.progress]
@@ -179,13 +221,13 @@ def run_trace(args) -> int:
         counter = Value("q", 0)
         _init_worker(counter)
         for t in tasks:
-            results.append(_run_one(t))
+            results.append(_run_task(t))
             bar.update(counter.value)
     else:
         ctx = mp.get_context("fork")
         counter = ctx.Value("q", 0)
         with ctx.Pool(jobs, initializer=_init_worker, initargs=(counter,)) as pool:
-            pending = pool.map_async(_run_one, tasks, chunksize=1)
+            pending = pool.map_async(_run_task, tasks, chunksize=1)
             while not pending.ready():
                 pending.wait(0.25)
                 bar.update(counter.value)
@@ -198,7 +240,8 @@ def run_trace(args) -> int:
 
         mean_curves = {p: out["policies"][p]["mean_curve"] for p in policies}
         title = f"{Path(args.trace).name} on {Path(args.nodes).name}: mean of seeds {args.seeds}"
-        png = _chart(lambda: replay_chart(mean_curves, Path(args.out) / "replay.png", title))
+        bound = out["bound"]["unallocated_pct_at_100"] if "bound" in out else None
+        png = _chart(lambda: replay_chart(mean_curves, Path(args.out) / "replay.png", title, bound=bound))
         if png is not None:
             out["chart"] = str(png)
     if args.json:
@@ -217,6 +260,8 @@ def _summarise(args, policies, seeds, results, wall, steps) -> dict:
         "arrivals_per_second": round(steps / wall, 1) if wall > 0 else None,
         "policies": {},
     }
+    bounds = {r["bound"]: r for r in results if "bound" in r}
+    results = [r for r in results if "bound" not in r]
     for p in policies:
         rs = [r for r in results if r["policy"] == p]
         vals = [r["unallocated_pct_at_100"] for r in rs]
@@ -235,7 +280,46 @@ def _summarise(args, policies, seeds, results, wall, steps) -> dict:
             "placed": {str(r["seed"]): r["placed"] for r in rs},
             "arrived": {str(r["seed"]): r["arrived"] for r in rs},
         }
+    if bounds:
+        _add_bound(out, seeds, bounds)
     return out
+
+
+BOUND_RELAXES = (
+    "a linear program over node types (HiGHS): exact GPU models, per-node fit, per-GPU packing "
+    "of shares (arc-flow), per-node packing of multi-GPU pods, CPU and RAM per node type; relaxed: "
+    "integrality, node boundaries for CPU and RAM (pooled per node type), arrival order (any pod "
+    "may be left out)"
+)
+
+
+def _add_bound(out: dict, seeds: list[int], bounds: dict[int, dict]) -> None:
+    """The bound per seed (the mean over bin 100's events, as the policies' figures; `solved_at`: the
+    arrivals where the program was solved, `events`: how many the mean is over) and each policy's
+    gap to it (policy - bound, points of capacity)."""
+    per_seed = {str(s): _opt(bounds[s]["unallocated_pct_at_100"]) for s in seeds}
+    out["bound"] = {
+        "unallocated_pct_at_100": _mean(per_seed.values()),
+        "per_seed": per_seed,
+        "solved_at": {str(s): bounds[s]["solved_at"] for s in seeds},
+        "events": {str(s): bounds[s]["events"] for s in seeds},
+        "relaxes": BOUND_RELAXES,
+    }
+    for d in out["policies"].values():
+        gaps = {
+            s: None if v is None or per_seed.get(s) is None else round(v - per_seed[s], 4)
+            for s, v in d["per_seed"].items()
+        }
+        d["gap_to_bound"] = {"mean": _mean(gaps.values()), "per_seed": gaps}
+
+
+def _opt(v: float | None) -> float | None:
+    return None if v is None else _num(v)
+
+
+def _mean(vals) -> float | None:
+    finite = [v for v in vals if v is not None]
+    return round(sum(finite) / len(finite), 4) if finite else None
 
 
 def _num(v: float) -> float | None:
@@ -250,11 +334,23 @@ def _print_table(out: dict) -> None:
     print(
         f"trace {out['trace']}  nodes {out['nodes']}  seeds {out['seeds'][0]}..{out['seeds'][-1]} ({len(out['seeds'])})"
     )
-    print(f"{'policy':<10} {'unallocated GPUs @100%':>24} {'min':>7} {'max':>7}")
+    bound = out.get("bound")
+    gap_head = f" {'gap to bound':>13}" if bound else ""
+    print(f"{'policy':<10} {'unallocated GPUs @100%':>24} {'min':>7} {'max':>7}{gap_head}")
     for p, d in out["policies"].items():
         vals = [v for v in d["per_seed"].values() if v is not None] or [float("nan")]
         mean = d["unallocated_pct_at_100"]
-        print(f"{p:<10} {_pct(mean):>24} {min(vals):>6.2f}% {max(vals):>6.2f}%")
+        gap = ""
+        if bound:
+            g = d["gap_to_bound"]["mean"]
+            gap = f" {'n/a' if g is None else f'{g:+.2f}':>13}"
+        print(f"{p:<10} {_pct(mean):>24} {min(vals):>6.2f}% {max(vals):>6.2f}%{gap}")
+    if bound:
+        vals = [v for v in bound["per_seed"].values() if v is not None] or [float("nan")]
+        print(
+            f"{'bound':<10} {_pct(bound['unallocated_pct_at_100']):>24} {min(vals):>6.2f}% {max(vals):>6.2f}%"
+        )
+        print("  (bound: lower bound for any placement of the same arrivals; gap = policy - bound, points)")
     print(
         f"{out['arrivals_per_second']} arrivals/s over {out['wall_seconds']} s"
         + (f"; chart {out['chart']}" if "chart" in out else "")

@@ -196,3 +196,33 @@ def test_five_column_trace_parses(openb):
     assert len(pods) == 8324 and all(s is None for s in pods.spec)
     spec = read_pods(openb / "openb_pod_list_gpuspec10.csv")
     assert frozenset({"V100M16", "V100M32"}) in spec.spec
+
+
+def test_bound_beside_the_policies_with_gaps_in_json_table_and_chart(files, tmp_path, capsys):
+    nodes, pods = files
+    base = ["--trace", str(pods), "--nodes", str(nodes), "--policy", "fgd", "--policy", "gpupack"]
+    base += ["--seeds", "1-2", "--jobs", "1", "--progress", "never", "--bound"]
+    assert main([*base, "--json", "--out", str(tmp_path / "o")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    bound = out["bound"]
+    assert set(bound["per_seed"]) == {"1", "2"}
+    assert bound["unallocated_pct_at_100"] == pytest.approx(sum(bound["per_seed"].values()) / 2, abs=1e-3)
+    assert "integrality" in bound["relaxes"]
+    for name in ("fgd", "gpupack"):
+        d = out["policies"][name]
+        for s, v in d["per_seed"].items():
+            assert bound["per_seed"][s] <= v + 1e-6  # a lower bound
+            assert d["gap_to_bound"]["per_seed"][s] == pytest.approx(v - bound["per_seed"][s], abs=1e-3)
+    assert Path(out["chart"]).is_file()
+    assert main([*base, "--no-chart"]) == 0
+    text = capsys.readouterr().out
+    assert "gap to bound" in text
+    assert any(line.startswith("bound ") for line in text.splitlines())
+
+
+def test_without_bound_the_output_has_none(files, capsys):
+    nodes, pods = files
+    args = ["--trace", str(pods), "--nodes", str(nodes), "--policy", "fgd", "--seeds", "1", "--jobs", "1"]
+    assert main([*args, "--json", "--no-chart", "--progress", "never"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "bound" not in out and "gap_to_bound" not in out["policies"]["fgd"]
