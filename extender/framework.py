@@ -111,6 +111,7 @@ class Extender:
         self.binder.pods.forget(uid)
         with self.view.lock:
             self.view.locks.forget_pod(uid)
+            self.learner.batcher.forget(uid)  # learnt once already; it is not asked about again
 
     def tracked_sizes(self) -> dict[str, int]:
         """How many entries every map, set and queue this extender keeps holds, by name: the

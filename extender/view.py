@@ -129,6 +129,7 @@ class ClusterView:
                 "view.consumed": len(self.consumed) + sum(map(len, self.consumed.values())),
                 "view.problems": len(self.problems),
                 "view.reserved": len(self.reserved),
+                "view.journal": len(self.journal.entries),  # capped (journal.JOURNAL_MAX)
                 **self.host.tracked_sizes(),
                 **self.locks.tracked_sizes(),
             }

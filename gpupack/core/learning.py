@@ -60,6 +60,11 @@ class LearningBatcher(Generic[T]):
         self.last_flush = clock()
         self._seen: OrderedDict[str, None] = OrderedDict()
 
+    def forget(self, ident: str) -> None:
+        """The pod `ident` will not be offered again (bound, or gone): its identity need not be
+        kept for SEEN_MAX more offers."""
+        self._seen.pop(ident, None)
+
     @property
     def seen_count(self) -> int:
         """Identities remembered (at most SEEN_MAX)."""
