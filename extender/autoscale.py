@@ -10,19 +10,33 @@ templates and its own placeholders, all from the API, and then:
   exactly that many); nodes of a group that exist but do not take pods yet count as upcoming, so
   their placeholders go once the autoscaler has added them, and the real pods land there when the
   node is Ready and its device plugin has published the inventory;
+- counts a pod toward a group only if a node of that group would take it: its nodeSelector,
+  required node affinity and tolerations against the template's labels and taints, its CPU,
+  memory and pod count against the template's allocatable (`gpupack.core.node_rules`), then its
+  GPUs. A pod no group can take gets one Event saying why, per group, and no placeholder;
+- backs a group off (exponentially, capped) when the autoscaler says it will not add a node for
+  one of its placeholders (its `NotTriggerScaleUp` Event on the placeholder) or when a placeholder
+  waits past `scale_up_timeout_s` (its node never came): the placeholder goes and none of that
+  group is made until the backoff ends; a node of the group made after the failure ends it;
 - marks `cluster-autoscaler.kubernetes.io/scale-down-disabled` on nodes holding a pod with no
   other place (`pinned_nodes`), and unmarks them (only its own marks) once the pods could move.
 
-Nothing is kept between passes: after a restart the placeholders found are the state, and the
-counts are recomputed, never added to.
+State lives in the API: after a restart the placeholders found are the state, the counts are
+recomputed, never added to, and the backoffs are read back from the placeholders' owner ConfigMap
+(key `backoff`: bounded by the node groups). In memory: which pods were told they fit no group
+(pruned every pass to the unbound pods that exist).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
+import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -30,11 +44,14 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gpupack.contract import ContractError
-from gpupack.core.autoscale import pinned_nodes, plan_scale_up
+from gpupack.core.autoscale import NodeGroup, pinned_nodes, plan_scale_up
 from gpupack.core.model import PodRequest
+from gpupack.core.node_rules import PodTerms, node_facts, pod_terms
 from gpupack.core.request import RequestError, parse_pod
+from gpupack.events import EventRecorder
 from gpupack.kubeclient import KubeClient, api_reason
 
 from .autoscale_groups import (
@@ -42,15 +59,24 @@ from .autoscale_groups import (
     ANN_SCALE_DOWN_DISABLED,
     LABEL_PLACEHOLDER,
     OWNER_CONFIGMAP,
+    placeholder_host,
     placeholder_pod,
     read_templates,
     unschedulable_condition,
+    with_node_allocatable,
 )
 from .defrag.snapshot import build_snapshot
 from .kube import ASSIGNED_PODS
 
 log = logging.getLogger("gpupack.extender.autoscale")
 NOT_READY_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+# what the cluster autoscaler writes on a pending pod it found no node group for (also when the
+# group is at its maximum or in the autoscaler's own backoff after a failed scale-up)
+CA_NO_SCALE_UP = "NotTriggerScaleUp"
+REASON_NO_GROUP = "NoNodeGroupFits"
+REASON_BACKOFF = "ScaleUpBackoff"
+BACKOFF_KEY = "backoff"  # the owner ConfigMap's key holding each group's backoff
+MAX_FAILURES = 30  # beyond it the doubling is capped anyway; keeps 2**n small
 
 
 @dataclass(frozen=True)
@@ -60,6 +86,11 @@ class AutoscaleConfig:
     group_label: str = "gpupack.io/node-group"
     scheduler_name: str = "gpupack-scheduler"
     interval_s: float = 10.0
+    backoff_s: float = 60.0  # a group's first backoff; doubled per failure in a row
+    backoff_max_s: float = 1800.0
+    # a placeholder older than this has had no node: longer than the autoscaler's own
+    # --max-node-provision-time (15 min by default), after which it gives up on a node itself
+    scale_up_timeout_s: float = 1200.0
 
 
 @dataclass
@@ -69,10 +100,42 @@ class PassResult:
     deleted: int = 0
     pinned: dict[str, str] = field(default_factory=dict)
     unplaceable: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # placeholder -> why its scale-up failed
+    backing_off: dict[str, float] = field(default_factory=dict)  # group -> seconds left
+
+
+class AutoscaleMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.passes = Counter(
+            "gpupack_autoscale_passes_total", "Autoscale controller passes completed", registry=r
+        )
+        self.unplaceable = Gauge(
+            "gpupack_autoscale_unplaceable_pods", "Pending gpupack pods no node group can take", registry=r
+        )
+        self.failures = Counter(
+            "gpupack_autoscale_scale_up_failures_total",
+            "Placeholders the cluster autoscaler added no node for, by node group",
+            ["group"],
+            registry=r,
+        )
+        self.backoff = Gauge(
+            "gpupack_autoscale_backoff_seconds",
+            "Seconds until a node group gets placeholders again after failed scale-ups",
+            ["group"],
+            registry=r,
+        )
 
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _epoch(ts: Any) -> float | None:
+    try:
+        return datetime.strptime(str(ts), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
 
 
 def _ready(node: Mapping[str, Any]) -> bool:
@@ -92,16 +155,51 @@ def _unschedulable(pod: Mapping[str, Any]) -> bool:
     )
 
 
+def read_backoff(raw: Any) -> dict[str, dict[str, float]]:
+    """Each group's backoff record from the owner ConfigMap: failures in a row, `until` (epoch
+    seconds) and `at` (the last failure). Anything unreadable counts as no backoff."""
+    try:
+        doc = json.loads(str(raw or "{}"))
+    except ValueError:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for g, rec in doc.items() if isinstance(doc, dict) else ():
+        try:
+            vals = {k: float(rec[k]) for k in ("failures", "until", "at")}
+        except (KeyError, TypeError, ValueError):
+            continue
+        if all(math.isfinite(v) for v in vals.values()):
+            vals["failures"] = min(max(vals["failures"], 0), MAX_FAILURES)
+            out[str(g)] = vals
+    return out
+
+
+def backoff_delay(failures: int, base_s: float, cap_s: float) -> float:
+    return float(min(cap_s, base_s * 2 ** (min(max(failures, 1), MAX_FAILURES) - 1)))
+
+
 class AutoscaleController:
     def __init__(
-        self, kube: KubeClient, config: AutoscaleConfig, leading: Callable[[], str] | None = None
+        self,
+        kube: KubeClient,
+        config: AutoscaleConfig,
+        leading: Callable[[], str] | None = None,
+        events: EventRecorder | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube, self.config = kube, config
         self.leading = leading  # "" when this extender may write (LeaseFence.problem); None: always
+        self.events = events or EventRecorder(kube, socket.gethostname(), "gpupack-extender")
+        self.metrics = AutoscaleMetrics(registry)
+        self.clock = clock
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self._owner: dict[str, str] | None = None
         self._unplaceable: set[str] = set()  # logged when it changes, not every pass
+        # uid of a pending pod -> the reason it was told it fits no group (one Event per pod);
+        # pruned every pass to the unbound gpupack pods that exist
+        self.told: dict[str, str] = {}
 
     # --- the loop -------------------------------------------------------------------------------
     def start(self) -> AutoscaleController:
@@ -127,8 +225,8 @@ class AutoscaleController:
         nodes = self.kube.list_all(core.list_node)
         bound = self.kube.list_all(core.list_pod_for_all_namespaces, field_selector=ASSIGNED_PODS)
         sel = f"spec.schedulerName={self.config.scheduler_name},spec.nodeName="
-        waiting = [p for p in self.kube.list_all(core.list_pod_for_all_namespaces, field_selector=sel)
-                   if _unschedulable(p)]  # fmt: skip
+        unbound = self.kube.list_all(core.list_pod_for_all_namespaces, field_selector=sel)
+        waiting = [p for p in unbound if _unschedulable(p)]
         holders = self.kube.list_all(
             core.list_namespaced_pod, self.config.namespace, label_selector=LABEL_PLACEHOLDER
         )
@@ -142,36 +240,65 @@ class AutoscaleController:
                 del state.nodes[name]  # no inventory (yet): it takes no gpupack pod
         members: dict[str, int] = {}
         upcoming: dict[str, int] = {}
-        for n in nodes:
+        newest: dict[str, float] = {}  # group -> its newest node's creation (ends a backoff)
+        seen: dict[str, dict[str, Any]] = {}  # group -> a Ready node of it (its allocatable)
+        for n in sorted(nodes, key=lambda n: str((n.get("metadata") or {}).get("name"))):
             meta = n.get("metadata") or {}
             g = (meta.get("labels") or {}).get(label)
             if g is None or meta.get("deletionTimestamp"):
                 continue
             members[g] = members.get(g, 0) + 1
+            newest[g] = max(newest.get(g, 0.0), _epoch(meta.get("creationTimestamp")) or 0.0)
+            if _ready(n):
+                seen.setdefault(g, n)
             if meta.get("name") not in state.nodes:
                 upcoming[g] = upcoming.get(g, 0) + 1
-        sized = []
+        sized: list[NodeGroup] = []
         slots: dict[str, int] = {}
         for group, node_slots, max_size in groups:
             slots[group.name] = node_slots
             left = None if max_size is None else max(0, max_size - members.get(group.name, 0))
-            sized.append(replace(group, max_new=left))
-        pending = self._requests(waiting)
-        plan = plan_scale_up(state, pending, sized, upcoming)
+            sized.append(replace(with_node_allocatable(group, seen.get(group.name)), max_new=left))
+        facts = {str((n.get("metadata") or {}).get("name")): node_facts(n) for n in usable}
+        facts = {k: v for k, v in facts.items() if k in state.nodes}
+        pending, terms, refused = self._requests(waiting)
+        plan = plan_scale_up(state, pending, sized, upcoming, terms, facts)
+        plan.unplaceable.update(refused)
         out = PassResult(wanted=dict(plan.nodes), unplaceable=plan.unplaceable)
-        self._reconcile(plan.nodes, holders, slots, out)
+        owner = self._owner_cm()
+        backoff = read_backoff((owner.get("data") or {}).get(BACKOFF_KEY))
+        changed = self._failures(holders, backoff, slots, newest, out)
+        now = self.clock()
+        wanted = dict(plan.nodes)
+        for g, rec in backoff.items():
+            if rec["until"] > now:
+                out.backing_off[g] = rec["until"] - now
+                wanted.pop(g, None)
+        for g in slots:
+            self.metrics.backoff.labels(g).set(round(out.backing_off.get(g, 0.0), 1))
+        if changed:
+            self._save_backoff(backoff, set(slots))
+        live = [p for p in holders if (p.get("metadata") or {}).get("name") not in out.failed]
+        self._reconcile(wanted, live, slots, plan.host, out)
+        self._tell(unbound, waiting, plan.unplaceable)
         out.pinned = pinned_nodes(state)
         self._mark(nodes, state.nodes.keys(), out.pinned)
         news = set(plan.unplaceable) != self._unplaceable
         self._unplaceable = set(plan.unplaceable)
-        if out.created or out.deleted or news:
-            log.info("autoscale: %d pod(s) waiting, upcoming %s, placeholders wanted %s (+%d -%d), %d fit no group: %s",
-                     len(pending), upcoming, plan.nodes, out.created, out.deleted, len(plan.unplaceable),
-                     "; ".join(f"{k}: {v}" for k, v in list(plan.unplaceable.items())[:3]))  # fmt: skip
+        self.metrics.unplaceable.set(len(plan.unplaceable))
+        if out.created or out.deleted or news or changed:
+            log.info("autoscale: %d pod(s) waiting, upcoming %s, placeholders wanted %s (+%d -%d), backing off %s, %d fit no group: %s",
+                     len(pending), upcoming, wanted, out.created, out.deleted, sorted(out.backing_off),
+                     len(plan.unplaceable), "; ".join(f"{k}: {v}" for k, v in list(plan.unplaceable.items())[:3]))  # fmt: skip
+        self.metrics.passes.inc()
         return out
 
-    def _requests(self, pods: list[dict[str, Any]]) -> list[PodRequest]:
-        out = []
+    def _requests(
+        self, pods: list[dict[str, Any]]
+    ) -> tuple[list[PodRequest], dict[str, PodTerms], dict[str, str]]:
+        """The pending pods' GPU requests and node terms; pods whose spec cannot be read go to the
+        third map (pod key -> why), to be told so and placed nowhere."""
+        out, terms, refused = [], {}, {}
         labels: dict[str, dict[str, str]] = {}  # a namespace's label sets its pods' default class
         for p in pods:
             ns = str((p.get("metadata") or {}).get("namespace") or "default")
@@ -187,32 +314,129 @@ class AutoscaleController:
             try:
                 r = parse_pod(p, labels[ns])
             except (RequestError, ContractError) as e:
-                log.debug("autoscale: skipping a pod: %s", e)
+                key = f"{ns}/{(p.get('metadata') or {}).get('name')}"
+                refused[key] = f"cannot place: {e}"[:500]
                 continue
             if r.needs_gpu:
                 out.append(r)
-        return out
+                terms[r.key] = pod_terms(p.get("spec"))
+        return out, terms, refused
 
-    # --- placeholders ---------------------------------------------------------------------------
-    def _owner_ref(self) -> dict[str, str]:
-        if self._owner is None:
-            core, ns = self.kube.core, self.config.namespace
+    # --- what the pods are told -----------------------------------------------------------------
+    def _tell(
+        self, unbound: list[dict[str, Any]], waiting: list[dict[str, Any]], unplaceable: Mapping[str, str]
+    ) -> None:
+        """One Event on each pod no group can take, with each group's first reason. What was told
+        is kept only for pods that are still unbound, so the map never outgrows the pods."""
+        live = {str((p.get("metadata") or {}).get("uid")) for p in unbound}
+        for uid in [u for u in self.told if u not in live]:
+            del self.told[uid]
+        for p in waiting:
+            meta = p.get("metadata") or {}
+            key, uid = f"{meta.get('namespace')}/{meta.get('name')}", str(meta.get("uid"))
+            why = unplaceable.get(key)
+            if why is None or uid in self.told:
+                continue
+            self.told[uid] = why
+            msg = f"no node group can take this pod, so none is added for it: {why}"
+            self.events.pod(
+                str(meta.get("namespace")), str(meta.get("name")), uid, REASON_NO_GROUP, msg, True
+            )
+
+    # --- failed scale-ups -----------------------------------------------------------------------
+    def _failures(
+        self,
+        holders: list[dict[str, Any]],
+        backoff: dict[str, dict[str, float]],
+        slots: Mapping[str, int],
+        newest: Mapping[str, float],
+        out: PassResult,
+    ) -> bool:
+        """Placeholders the autoscaler will not (or did not) add a node for: each is deleted and
+        backs its group off. A node of the group made after a group's last failure ends its
+        backoff. Returns whether `backoff` changed."""
+        changed = False
+        for g in list(backoff):
+            if g not in slots or newest.get(g, 0.0) > backoff[g]["at"]:
+                del backoff[g]  # the group grew since: the autoscaler can add its nodes again
+                changed = True
+        live = {
+            str(p["metadata"].get("uid")): p for p in holders if not p["metadata"].get("deletionTimestamp")
+        }
+        if not live:
+            return changed
+        said: dict[str, str] = {}
+        try:
+            for e in self.kube.list_all(
+                self.kube.core.list_namespaced_event,
+                self.config.namespace,
+                field_selector=f"reason={CA_NO_SCALE_UP}",
+            ):
+                uid = str((e.get("involvedObject") or {}).get("uid"))
+                if uid in live:
+                    said[uid] = str(e.get("message") or CA_NO_SCALE_UP)[:300]
+        except ApiException as e:
+            log.warning("autoscale: cannot read the autoscaler's events: %s", api_reason(e))
+        now = self.clock()
+        for uid, p in live.items():
+            meta = p["metadata"]
+            age = now - (_epoch(meta.get("creationTimestamp")) or now)
+            why = said.get(uid)
+            if why is None and age > self.config.scale_up_timeout_s:
+                why = f"no node came in {int(age)} s"
+            if why is None:
+                continue
+            group = str(meta["labels"][LABEL_PLACEHOLDER])
+            rec = backoff.get(group, {"failures": 0.0})
+            n = int(min(rec["failures"] + 1, MAX_FAILURES))
+            delay = backoff_delay(n, self.config.backoff_s, self.config.backoff_max_s)
+            backoff[group] = {"failures": float(n), "until": now + delay, "at": now}
+            changed = True
+            out.failed[str(meta["name"])] = why
+            self.metrics.failures.labels(group).inc()
+            msg = f"group {group}: the autoscaler added no node for this placeholder ({why}); no placeholder of the group for {delay:g} s (failure {n} in a row)"
+            log.warning("autoscale: %s", msg)
+            self.events.pod(self.config.namespace, str(meta["name"]), uid, REASON_BACKOFF, msg, True)
             try:
-                cm = self.kube.json(core.read_namespaced_config_map, OWNER_CONFIGMAP, ns)
+                self.kube.json(self.kube.core.delete_namespaced_pod, meta["name"], self.config.namespace,
+                               grace_period_seconds=0)  # fmt: skip
+                out.deleted += 1
             except ApiException as e:
                 if e.status != 404:
-                    raise
-                body = {"metadata": {"name": OWNER_CONFIGMAP, "namespace": ns},
-                        "data": {"about": "owner of gpupack's placeholder pods; deleting it deletes them"}}  # fmt: skip
-                cm = self.kube.json(core.create_namespaced_config_map, ns, body)
-            self._owner = {"name": OWNER_CONFIGMAP, "uid": str(cm["metadata"]["uid"])}
-        return self._owner
+                    log.warning("autoscale: cannot delete placeholder %s: %s", meta["name"], api_reason(e))
+        return changed
+
+    def _save_backoff(self, backoff: Mapping[str, Mapping[str, float]], groups: set[str]) -> None:
+        doc = {g: dict(rec) for g, rec in sorted(backoff.items()) if g in groups}
+        body = {"data": {BACKOFF_KEY: json.dumps(doc, sort_keys=True)}}
+        try:
+            self.kube.merge_patch(self.kube.core.patch_namespaced_config_map, OWNER_CONFIGMAP,
+                                  self.config.namespace, body)  # fmt: skip
+        except ApiException as e:
+            log.warning("autoscale: cannot record the backoff: %s", api_reason(e))
+
+    # --- placeholders ---------------------------------------------------------------------------
+    def _owner_cm(self) -> dict[str, Any]:
+        """The placeholders' owner ConfigMap (made on first use), read every pass: it holds the
+        groups' backoffs, which another replica may have written since."""
+        core, ns = self.kube.core, self.config.namespace
+        try:
+            cm = self.kube.json(core.read_namespaced_config_map, OWNER_CONFIGMAP, ns)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            body = {"metadata": {"name": OWNER_CONFIGMAP, "namespace": ns},
+                    "data": {"about": "owner of gpupack's placeholder pods; deleting it deletes them"}}  # fmt: skip
+            cm = self.kube.json(core.create_namespaced_config_map, ns, body)
+        self._owner = {"name": OWNER_CONFIGMAP, "uid": str(cm["metadata"]["uid"])}
+        return cm
 
     def _reconcile(
         self,
         wanted: Mapping[str, int],
         holders: list[dict[str, Any]],
         slots: Mapping[str, int],
+        host: Mapping[str, tuple[int, int]],
         out: PassResult,
     ) -> None:
         core, ns = self.kube.core, self.config.namespace
@@ -221,9 +445,14 @@ class AutoscaleController:
             if not (p.get("metadata") or {}).get("deletionTimestamp"):
                 by_group.setdefault(p["metadata"]["labels"][LABEL_PLACEHOLDER], []).append(p)
         for group in sorted(set(wanted) | set(by_group)):
+            need = host.get(group, (0, 0))
             have = sorted(by_group.get(group, []), key=lambda p: p["metadata"].get("creationTimestamp") or "")
+            # one asking less host CPU or memory than the planned pods would let the autoscaler
+            # add a node its own view says cannot hold them: it is made again, asking enough
+            small = [p for p in have if any(a < b for a, b in zip(placeholder_host(p), need, strict=True))]
+            have = [p for p in have if p not in small]
             want = wanted.get(group, 0) if group in slots else 0
-            for p in have[want:]:  # the newest go first: the autoscaler may be acting on the oldest
+            for p in have[want:] + small:  # the newest go first: the autoscaler may be acting on the oldest
                 try:
                     self.kube.json(
                         core.delete_namespaced_pod, p["metadata"]["name"], ns, grace_period_seconds=0
@@ -239,8 +468,9 @@ class AutoscaleController:
             for p in have[:want]:
                 if not _unschedulable(p):  # e.g. created just before a restart
                     self._mark_unschedulable(p["metadata"]["name"])
-            for _ in range(want - len(have)):
-                body = placeholder_pod(group, slots[group], self.config.group_label, ns, self._owner_ref())
+            for _ in range(want - len(have[:want])):
+                assert self._owner is not None  # read by _owner_cm earlier in the pass
+                body = placeholder_pod(group, slots[group], self.config.group_label, ns, self._owner, need)
                 made = self.kube.json(core.create_namespaced_pod, ns, body)
                 self._mark_unschedulable(made["metadata"]["name"])
                 out.created += 1
@@ -290,17 +520,43 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="namespace of the placeholder pods (default: $POD_NAMESPACE, else gpupack-system)",
     )
     p.add_argument("--autoscale-interval-s", type=float, default=10.0, help="time between passes")
+    p.add_argument(
+        "--autoscale-backoff-s",
+        type=float,
+        default=60.0,
+        help="a node group's first pause after the autoscaler added no node for its placeholder; "
+        "doubled for each failure in a row",
+    )
+    p.add_argument("--autoscale-backoff-max-s", type=float, default=1800.0, help="the longest such pause")
+    p.add_argument(
+        "--autoscale-scale-up-timeout-s",
+        type=float,
+        default=1200.0,
+        help="a placeholder older than this had no node: a failed scale-up (keep it above the "
+        "autoscaler's --max-node-provision-time)",
+    )
 
 
 def start_from_args(
-    args: argparse.Namespace, api: client.ApiClient, leading: Callable[[], str] | None
+    args: argparse.Namespace,
+    api: client.ApiClient,
+    leading: Callable[[], str] | None,
+    registry: CollectorRegistry | None = None,
+    events: EventRecorder | None = None,
 ) -> None:
     if not args.autoscale_templates:
         return
     if "/" not in args.autoscale_templates:
         raise ValueError("--autoscale-templates must be NAMESPACE/NAME")
+    for flag in ("interval_s", "backoff_s", "backoff_max_s", "scale_up_timeout_s"):
+        v = getattr(args, f"autoscale_{flag}")
+        if not (math.isfinite(v) and 0 < v <= 7 * 86400):
+            raise ValueError(
+                f"--autoscale-{flag.replace('_', '-')} must be a number of seconds in (0, 604800]"
+            )
     cfg = AutoscaleConfig(args.autoscale_templates, args.autoscale_namespace, args.autoscale_group_label,
-                          args.scheduler_name, args.autoscale_interval_s)  # fmt: skip
-    AutoscaleController(KubeClient(api, timeout_s=10.0), cfg, leading).start()
+                          args.scheduler_name, args.autoscale_interval_s, args.autoscale_backoff_s,
+                          args.autoscale_backoff_max_s, args.autoscale_scale_up_timeout_s)  # fmt: skip
+    AutoscaleController(KubeClient(api, timeout_s=10.0), cfg, leading, events, registry).start()
     log.info("autoscale controller on: templates %s, group label %s, placeholders in %s",
              cfg.templates, cfg.group_label, cfg.namespace)  # fmt: skip

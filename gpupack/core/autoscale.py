@@ -16,11 +16,12 @@ Both pack first-fit-decreasing with :func:`gpupack.core.fit.fit` over plain data
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .fit import Fit, fit
 from .model import GPU, ClusterState, Node, PodRequest
+from .node_rules import NodeFacts, PodTerms, ceil_mib, refusal
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class NodeGroup:
     """A node group of the autoscaler as gpupack needs to know it: what one new node holds.
 
     `max_new` is how many nodes the group may still gain (its max size less the nodes it has);
-    None when unknown (no limit is applied)."""
+    None when unknown (no limit is applied). `facts`: the template's labels, taints and allocatable
+    host resources, which a pod's rules and requests are judged against (unknown: not checked)."""
 
     name: str
     model: str
@@ -38,25 +40,32 @@ class NodeGroup:
     sm_count: int = 0
     cpu_milli: int = 0  # host CPU and RAM of a node; 0 = not counted (the controller's case)
     ram_mib: int = 0
+    facts: NodeFacts = NodeFacts()
 
     def template(self, name: str) -> Node:
         """An empty node of this group, as its device plugin would publish it."""
+        cpu = self.cpu_milli or self.facts.cpu_milli or 0
+        ram = self.ram_mib or (self.facts.mem_bytes or 0) >> 20
         return Node(
             name,
             [GPU(f"{name}-gpu-{i}", i, self.model, self.mem_mib, self.sm_count) for i in range(self.gpus)],
-            self.cpu_milli,
-            self.ram_mib,
+            cpu,
+            ram,
         )
 
 
 @dataclass
 class ScaleUp:
     """`nodes`: group -> nodes to add. `placed`: pod key -> the node it would go to (an existing
-    one, or `<group>/new-<i>`). `unplaceable`: pod key -> why no node, existing or new, can hold it."""
+    one, or `<group>/new-<i>`). `unplaceable`: pod key -> why no node, existing or new, can hold it.
+    `host`: group -> the most host CPU (milli) and memory (MiB) the pods planned on one of its new
+    nodes ask together (what a placeholder carries, so that the autoscaler's own simulation of
+    the template agrees that the node would hold them)."""
 
     nodes: dict[str, int] = field(default_factory=dict)
     placed: dict[str, str] = field(default_factory=dict)
     unplaceable: dict[str, str] = field(default_factory=dict)
+    host: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def size_key(pod: PodRequest) -> tuple[int, int, int]:
@@ -66,8 +75,15 @@ def size_key(pod: PodRequest) -> tuple[int, int, int]:
     return (-whole, -sum(c.gpus * (c.mem_mib or 0) for c in cs), -sum(c.gpus * (c.milli or 0) for c in cs))
 
 
-def _first_fit(state: ClusterState, names: Iterable[str], pod: PodRequest) -> Fit | None:
+def _first_fit(
+    state: ClusterState,
+    names: Iterable[str],
+    pod: PodRequest,
+    admits: Callable[[str], bool] | None = None,
+) -> Fit | None:
     for name in names:
+        if admits is not None and not admits(name):
+            continue
         f = fit(state.nodes[name], pod)
         if isinstance(f, Fit):
             state.place(pod, f.placement, f.charged)
@@ -80,6 +96,8 @@ def plan_scale_up(
     pending: Sequence[PodRequest],
     groups: Sequence[NodeGroup],
     upcoming: Mapping[str, int] | None = None,
+    terms: Mapping[str, PodTerms] | None = None,
+    facts: Mapping[str, NodeFacts] | None = None,
 ) -> ScaleUp:
     """The nodes to add so that every pending pod has a place, first-fit decreasing.
 
@@ -88,44 +106,82 @@ def plan_scale_up(
     inventory published): they count as empty nodes of their group, so a pass made while the
     autoscaler's nodes come up asks for no more. Each pod goes to the first existing node it fits,
     else the first new node it fits, else a new node of the first group (in `groups` order) whose
-    empty node fits it and that may still grow."""
+    empty node fits it and that may still grow.
+
+    `terms`: pod key -> its selector, required node affinity, tolerations and host requests
+    (`node_rules.pod_terms`); a pod without goes wherever its GPUs fit. Such a pod goes only to
+    nodes whose labels and taints it passes and whose allocatable CPU, memory and pod count hold
+    it with the pods planned there before it: a group's new and upcoming nodes are judged by the
+    group's `facts`, an existing node by `facts[name]` (absent: by its GPUs only)."""
     work = state.clone()
     out = ScaleUp()
+    terms = terms or {}
+    facts = facts or {}
     by_name = {g.name: g for g in groups}
     existing = list(work.nodes)
     new: list[str] = []
+    group_of: dict[str, NodeGroup] = {}  # a new or upcoming node -> its group
+    count: dict[str, int] = {}  # a new or upcoming node -> pods planned there
     for gname, n in sorted((upcoming or {}).items()):
         g = by_name.get(gname)
         for i in range(n if g is not None else 0):
             name = f"{gname}/upcoming-{i}"
             work.add_node(g.template(name))  # type: ignore[union-attr]  # g checked above
             existing.append(name)
+            group_of[name] = g  # type: ignore[assignment]
     added: dict[str, int] = {}
     for pod in sorted(pending, key=lambda p: (size_key(p), p.key)):
-        f = _first_fit(work, existing, pod) or _first_fit(work, new, pod)
+        pt = terms.get(pod.key)
+        admits = None
+        if pt is not None:
+            if pt.problem:
+                out.unplaceable[pod.key] = pt.problem
+                continue
+            pod = dataclasses.replace(pod, cpu_milli=pt.needs.cpu_milli, ram_mib=ceil_mib(pt.needs.mem_bytes))
+
+            def admits(name: str, pt: PodTerms = pt) -> bool:
+                g = group_of.get(name)
+                if g is None:
+                    nf = facts.get(name)
+                    return nf is None or refusal(pt, nf, "node") is None
+                left = g.facts.pods is None or count.get(name, 0) + pt.needs.pods <= g.facts.pods
+                return left and refusal(pt, g.facts) is None
+
+        f = _first_fit(work, existing, pod, admits) or _first_fit(work, new, pod, admits)
         if f is not None:
             out.placed[pod.key] = f.placement.node
+            count[f.placement.node] = count.get(f.placement.node, 0) + 1
             continue
         reasons = []
         for g in groups:
             if g.max_new is not None and added.get(g.name, 0) >= g.max_new:
-                reasons.append(f"{g.name}: at its maximum size")
+                reasons.append(f"group {g.name}: at its maximum size")
+                continue
+            why = refusal(pt, g.facts) if pt is not None else None
+            if why:
+                reasons.append(f"group {g.name}: {why}")
                 continue
             name = f"{g.name}/new-{added.get(g.name, 0)}"
             node = g.template(name)
             f0 = fit(node, pod)
             if not isinstance(f0, Fit):
-                reasons.append(f"{g.name}: {f0.reason}")
+                reasons.append(f"group {g.name}: {f0.reason}")
                 continue
             work.add_node(node)
             work.place(pod, f0.placement, f0.charged)
             new.append(name)
+            group_of[name] = g
+            count[name] = 1
             added[g.name] = added.get(g.name, 0) + 1
             out.placed[pod.key] = name
             break
         else:
             out.unplaceable[pod.key] = "; ".join(reasons) or "no node group"
     out.nodes = {g: n for g, n in added.items() if n}
+    for name in new:
+        node, g = work.nodes[name], group_of[name]
+        cpu, ram = out.host.get(g.name, (0, 0))
+        out.host[g.name] = (max(cpu, node.cpu_used), max(ram, node.ram_used))
     return out
 
 

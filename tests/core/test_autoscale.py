@@ -4,6 +4,7 @@ autoscaler must keep; properties over generated fleets and pods, and the issue's
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from gpupack.core.autoscale import NodeGroup, moves_off, pinned_nodes, plan_scale_up, size_key
 from gpupack.core.fit import Fit, fit
 from gpupack.core.model import ClusterState, ContainerRequest, PodRequest, invariant_violations
+from gpupack.core.node_rules import NodeFacts, pod_terms
 
 H100, A100 = "NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-40GB"
 GROUPS = (NodeGroup("h100", H100, 8, 81920, max_new=6), NodeGroup("a100", A100, 4, 40960, max_new=3))
@@ -187,3 +189,83 @@ def test_pinned_is_exactly_the_nodes_whose_pods_cannot_all_move(running, n_h, n_
                 s.place(p, f.placement, f.charged)
             assert invariant_violations(s) == []
             assert all(state.nodes[moves[p.key]].gpus and moves[p.key] in busy for p in pods)
+
+
+# --- a pod counts toward a group only if a node of that group would take it ------------------
+GIB = 1 << 30
+H100_FACTS = NodeFacts({"gpupack.io/node-group": "h100", "gpu": "h100"}, ({"key": "gpu", "value": "h100", "effect": "NoSchedule"},),
+                       96000, 512 * GIB, 110)  # fmt: skip
+A100_FACTS = NodeFacts({"gpupack.io/node-group": "a100", "gpu": "a100"}, (), 64000, 256 * GIB, 110)
+RULED = (replace(GROUPS[0], facts=H100_FACTS), replace(GROUPS[1], facts=A100_FACTS))
+TOLERATE = [{"key": "gpu", "operator": "Exists"}]
+
+
+def spec(cpu: str = "1", mem: str = "1Gi", **kw) -> dict:
+    return {"containers": [{"name": "c", "resources": {"requests": {"cpu": cpu, "memory": mem}}}], **kw}
+
+
+def test_impossible_pods_add_no_node_and_each_groups_first_reason_is_given():
+    pods = [whole("imp/cpu-0", 8), whole("imp/cpu-1", 8), whole("imp/sel", 8)]
+    terms = {
+        "imp/cpu-0": pod_terms(spec("1000", tolerations=TOLERATE)),
+        "imp/cpu-1": pod_terms(spec("1000", tolerations=TOLERATE)),
+        "imp/sel": pod_terms(spec(nodeSelector={"pool": "nowhere"}, tolerations=TOLERATE)),
+    }
+    plan = plan_scale_up(fleet(), pods, RULED, terms=terms)
+    assert plan.nodes == {} and set(plan.unplaceable) == set(terms)
+    assert plan.unplaceable["imp/cpu-0"] == (
+        "group h100: needs 1000 CPUs, a node has 96 CPUs; group a100: needs 1000 CPUs, a node has 64 CPUs"
+    )
+    assert plan.unplaceable["imp/sel"].startswith(
+        "group h100: nodeSelector pool=nowhere not in template labels"
+    )
+
+
+def test_a_pod_goes_to_the_group_its_rules_allow_and_no_other():
+    pods = [whole("ns/a", 4), whole("ns/h", 4)]
+    terms = {
+        "ns/a": pod_terms(spec(nodeSelector={"gpu": "a100"})),  # h100 is first but not its group
+        "ns/h": pod_terms(spec()),  # tolerates nothing: the h100 taint keeps it off h100
+    }
+    plan = plan_scale_up(fleet(), pods, RULED, terms=terms)
+    assert plan.nodes == {"a100": 2} and plan.placed["ns/a"].startswith("a100/")
+    plan = plan_scale_up(
+        fleet(), pods, RULED, terms={"ns/a": terms["ns/a"], "ns/h": pod_terms(spec(tolerations=TOLERATE))}
+    )
+    assert plan.nodes == {"a100": 1, "h100": 1}
+
+
+def test_host_resources_pack_per_new_node_and_the_placeholder_carries_the_most():
+    # eight 1-GPU pods of 40 CPUs each: GPUs would put all on one h100, CPUs (96) allow two a node
+    pods = [whole(f"ns/p{i}") for i in range(8)]
+    terms = {p.key: pod_terms(spec("40", "100Gi", tolerations=TOLERATE)) for p in pods}
+    plan = plan_scale_up(fleet(), pods, RULED[:1], terms=terms)
+    assert plan.nodes == {"h100": 4} and not plan.unplaceable
+    assert plan.host == {"h100": (80000, 200 * 1024)}
+    # without the pods' requests the GPUs alone decide: one node
+    assert plan_scale_up(fleet(), pods, RULED[:1]).nodes == {"h100": 1}
+
+
+def test_the_templates_pod_count_bounds_a_new_node():
+    groups = (replace(GROUPS[0], facts=replace(H100_FACTS, taints=(), pods=3)),)
+    pods = [share(f"ns/s{i}", 1000) for i in range(7)]
+    terms = {p.key: pod_terms({}) for p in pods}
+    assert plan_scale_up(fleet(), pods, groups, terms=terms).nodes == {"h100": 3}
+
+
+def test_upcoming_and_existing_nodes_are_judged_by_their_labels_and_taints_too():
+    pod = whole("ns/sel", 1)
+    terms = {"ns/sel": pod_terms(spec(nodeSelector={"gpu": "a100"}))}
+    # an upcoming h100 node has room, but the pod's selector keeps it off: an a100 node is added
+    assert plan_scale_up(fleet(), [pod], RULED, {"h100": 1}, terms).nodes == {"a100": 1}
+    # an existing node whose labels it fails is no place either; one whose labels match is
+    state = fleet(1)
+    assert plan_scale_up(state, [pod], RULED, None, terms, {"h0": H100_FACTS}).nodes == {"a100": 1}
+    assert plan_scale_up(state, [pod], RULED, None, terms, {"h0": replace(A100_FACTS, name="h0")}).nodes == {}
+
+
+def test_a_pod_whose_requests_cannot_be_read_is_placed_nowhere_with_the_reason():
+    plan = plan_scale_up(fleet(), [whole("ns/bad")], RULED, terms={"ns/bad": pod_terms(spec("lots"))})
+    assert plan.nodes == {} and plan.unplaceable["ns/bad"].startswith(
+        "cannot place: container 'c' cpu request"
+    )

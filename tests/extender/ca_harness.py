@@ -235,3 +235,34 @@ def share_pod(name: str, mem: int, sm: int | None = None, models: str | None = N
             "spec": {"schedulerName": "gpupack-scheduler", "terminationGracePeriodSeconds": 0,
                      "containers": [{"name": "c", "image": "registry.invalid/x:1",
                                      "resources": {"limits": limits, "requests": dict(limits)}}]}}  # fmt: skip
+
+
+def whole_pod(name: str, gpus: int, cpu: str | None = None, selector: dict[str, str] | None = None,
+              tolerations: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """A pod holding `gpus` whole GPUs, with host requests, a nodeSelector and tolerations."""
+    res: dict[str, Any] = {"limits": {RES_GPU: str(gpus)}, "requests": {RES_GPU: str(gpus)}}
+    if cpu is not None:
+        res["requests"]["cpu"] = cpu
+    spec: dict[str, Any] = {"schedulerName": "gpupack-scheduler", "terminationGracePeriodSeconds": 0,
+                            "containers": [{"name": "c", "image": "registry.invalid/x:1", "resources": res}]}  # fmt: skip
+    if selector:
+        spec["nodeSelector"] = selector
+    if tolerations:
+        spec["tolerations"] = tolerations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"gpupack.io/class": "online"}},
+            "spec": spec}  # fmt: skip
+
+
+def mark_unschedulable(core: client.CoreV1Api, namespace: str, name: str) -> None:
+    """What kube-scheduler writes on a pod it found no node for (for tests that run no scheduler)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "test",
+            "lastTransitionTime": now}  # fmt: skip
+    core.patch_namespaced_pod_status(name, namespace, {"status": {"conditions": [cond]}})
+
+
+def events(core: client.CoreV1Api, namespace: str, reason: str) -> list[dict[str, Any]]:
+    sel = f"reason={reason}"
+    return json.loads(core.list_namespaced_event(namespace, field_selector=sel, _preload_content=False).data)[
+        "items"
+    ]

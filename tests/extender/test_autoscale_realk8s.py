@@ -1,12 +1,16 @@
-"""Issue 28 against the real parts: control plane, kube-scheduler with gpupack's profile, the
-`gpupack extender` process with its autoscale controller, and the unmodified cluster-autoscaler
-1.29.5 (kwok provider). The kubelets are emulated (ca_harness.NewNodeKubelet for the nodes the
-autoscaler adds, the `kubelet` fixture for pods)."""
+"""The autoscale controller against the real parts: control plane, kube-scheduler with gpupack's
+profile, the `gpupack extender` process with its autoscale controller, and the unmodified
+cluster-autoscaler 1.29.5 (kwok provider). The kubelets are emulated (ca_harness.NewNodeKubelet
+for the nodes the autoscaler adds, the `kubelet` fixture for pods). The controller's own tests at
+the end run it in this process against the real API server, one pass at a time, on a clock of
+their own."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
@@ -18,17 +22,36 @@ from ca_harness import (
     Autoscaler,
     Group,
     NewNodeKubelet,
+    events,
     existing_node,
     kwok_nodes,
+    mark_unschedulable,
     share_pod,
+    whole_pod,
     write_configmaps,
 )
 from ext_helpers import annotations, create_pod, list_pods
 from kubernetes import client
 from processes import ExtenderProcess
+from prometheus_client import CollectorRegistry
 
-from extender.autoscale_groups import ANN_PINNED, ANN_SCALE_DOWN_DISABLED, LABEL_PLACEHOLDER
+from extender.autoscale import (
+    BACKOFF_KEY,
+    REASON_BACKOFF,
+    REASON_NO_GROUP,
+    AutoscaleConfig,
+    AutoscaleController,
+)
+from extender.autoscale_groups import (
+    ANN_PINNED,
+    ANN_SCALE_DOWN_DISABLED,
+    LABEL_PLACEHOLDER,
+    OWNER_CONFIGMAP,
+    placeholder_host,
+)
 from gpupack.contract import ANN_ASSIGNMENT, decode_assignment
+from gpupack.events import EventRecorder
+from gpupack.kubeclient import KubeClient
 
 pytestmark = pytest.mark.k8s
 until = realk8s.until
@@ -43,7 +66,8 @@ def stack(
     """start(groups) -> the running stack; everything it started is stopped after the test."""
     st = SimpleNamespace(procs=[], ca=None, ext=None)
 
-    def start(groups: list[Group], with_ca: bool = True, rbac: bool = False) -> SimpleNamespace:
+    def start(groups: list[Group], with_ca: bool = True, rbac: bool = False, flags: tuple[str, ...] = (),
+              templates: Callable[[str], str] | None = None) -> SimpleNamespace:  # fmt: skip
         sysns = f"gpupack-{sfx}"
         cluster.ensure_namespace(sysns, {"gpupack.io/webhook": "skip"})
         st.sysns = sysns
@@ -63,7 +87,7 @@ def stack(
             st.templates = f"{sysns}/gpupack-node-templates"
             ext_kc = cluster.service_account_kubeconfig(tmp_path / "sa.kubeconfig", sysns, "gpupack-extender")
         st.flags = ("--log-level", "info", "--autoscale-templates", st.templates, "--autoscale-namespace", sysns,
-                    "--autoscale-group-label", GROUP_LABEL, "--autoscale-interval-s", "1")  # fmt: skip
+                    "--autoscale-group-label", GROUP_LABEL, "--autoscale-interval-s", "1", *flags)  # fmt: skip
         st.ext = ExtenderProcess(ext_kc, tmp_path / "extender-0.log", *st.flags)
         st.ext.wait_ready()
         st.sched = cluster.start_scheduler(
@@ -74,6 +98,10 @@ def stack(
         st.kubeconfig, st.tmp, st.cluster, st.ns = kubeconfig, tmp_path, cluster, ns
         if with_ca:
             st.ca = Autoscaler(cluster, sysns, tmp_path / "ca.log", kubeconfig)
+        if templates is not None:  # gpupack's view of the groups, changed after the autoscaler read its own
+            tns, tname = st.templates.split("/")
+            text = cluster.core.read_namespaced_config_map(tname, tns).data["templates"]
+            cluster.core.patch_namespaced_config_map(tname, tns, {"data": {"templates": templates(text)}})
         return st
 
     yield start
@@ -257,3 +285,198 @@ def test_the_controller_works_with_exactly_the_shipped_rbac(stack, cluster):
     # the messages, not their timestamps (a line logged at hh:mm:ss,403 is no refusal)
     said = "\n".join(line.split(" ", 2)[-1] for line in st.ext.log.read_text().splitlines())
     assert "403" not in said and "Forbidden" not in said, diag(st)
+
+
+# --- pods no node group can take -------------------------------------------------------------
+IMPOSSIBLE = (  # two ask for 1,000 CPUs (a node has 64), one for a label no group carries
+    whole_pod("imp-cpu-0", 8, cpu="1000"),
+    whole_pod("imp-cpu-1", 8, cpu="1000"),
+    whole_pod("imp-sel", 8, selector={"pool": "nowhere"}),
+)
+
+
+def test_pods_no_group_can_take_add_no_node_with_the_real_autoscaler(stack, cluster):
+    st = stack([H100])
+    for p in IMPOSSIBLE:
+        create_pod(cluster.core, p, st.ns)
+
+    def told() -> bool:
+        return len({e["involvedObject"]["name"] for e in events(cluster.core, st.ns, REASON_NO_GROUP)}) == 3
+
+    until(told, 60, what="an Event on each impossible pod")
+    # the controller passes (1 s apart) and the autoscaler loops (2 s apart) several times over
+    # the pending pods; GPUPACK_AUTOSCALE_SOAK_S keeps watching longer (a manual check)
+    soak_loops = int(float(os.environ.get("GPUPACK_AUTOSCALE_SOAK_S", "0")) / 2)
+    passes = st.ext.metric("gpupack_autoscale_passes_total ") + 5
+    loops = st.ca.text().count("Starting main loop") + max(4, soak_loops)
+    until(lambda: st.ext.metric("gpupack_autoscale_passes_total ") >= passes, 60, what="five more passes")
+    until(
+        lambda: st.ca.text().count("Starting main loop") >= loops,
+        60 + 3 * soak_loops,
+        what="autoscaler loops",
+    )
+    assert not placeholders(st) and st.ca.scale_ups() == [] and kwok_nodes(cluster.core) == [], diag(st)
+    assert all(not p["spec"].get("nodeName") for p in list_pods(cluster.core, st.ns))
+    said = {e["involvedObject"]["name"]: e["message"] for e in events(cluster.core, st.ns, REASON_NO_GROUP)}
+    assert "group h100: needs 1000 CPUs, a node has 64 CPUs" in said["imp-cpu-0"], said
+    assert "group h100: nodeSelector pool=nowhere not in template labels" in said["imp-sel"], said
+    assert len(events(cluster.core, st.ns, REASON_NO_GROUP)) == 3  # once per pod, not once per pass
+    assert "No expansion options" in st.ca.text()  # the autoscaler saw the pods and found no group either
+
+
+def test_a_scale_up_the_real_autoscaler_refuses_backs_off_instead_of_looping(stack, cluster):
+    # gpupack's templates say 96 CPUs a node, the autoscaler's (read at its start) 64: the placeholder
+    # carries the pod's 80 CPUs, so the autoscaler's own simulation refuses it (NotTriggerScaleUp)
+    st = stack(
+        [H100], flags=("--autoscale-backoff-s", "3"), templates=lambda t: t.replace("cpu: '64'", "cpu: '96'")
+    )
+    create_pod(cluster.core, whole_pod("cpu80", 8, cpu="80"), st.ns)
+
+    def backoffs() -> list[str]:
+        said = [e["message"] for e in events(cluster.core, st.sysns, REASON_BACKOFF)]
+        return sorted(said, key=lambda m: int(m.rsplit("(failure ", 1)[1].split()[0]))
+
+    until(lambda: len(backoffs()) >= 3, 90, what="three failed scale-ups")
+    said = backoffs()
+    assert "for 3 s (failure 1 in a row)" in said[0] and "for 6 s (failure 2" in said[1], said
+    assert all("didn't trigger scale-up" in m for m in said), said  # the autoscaler's own reason
+    assert "for 12 s (failure 3" in said[2], said
+    assert st.ca.scale_ups() == [] and kwok_nodes(cluster.core) == [], diag(st)
+    assert st.ext.metric('gpupack_autoscale_scale_up_failures_total{group="h100"}') >= 3
+
+
+# --- the controller, one pass at a time --------------------------------------------------------
+@pytest.fixture
+def controller(cluster: realk8s.ControlPlane, sfx: str) -> SimpleNamespace:
+    """make() -> a fresh controller (a restart) on the same namespace, templates and clock.
+    The clock starts an hour back, so a node made now is newer than any failure it records."""
+    sysns = f"gpupack-{sfx}"
+    cluster.ensure_namespace(sysns, {"gpupack.io/webhook": "skip"})
+    templates = write_configmaps(cluster.core, sysns, [H100])
+    kc = KubeClient(cluster.new_api_client(), timeout_s=10.0)
+    c = SimpleNamespace(sysns=sysns, now=time.time() - 3600, registry=None)
+    cfg = AutoscaleConfig(templates, sysns, GROUP_LABEL, interval_s=1, backoff_s=60, backoff_max_s=200,
+                          scale_up_timeout_s=300)  # fmt: skip
+
+    def make() -> AutoscaleController:
+        c.registry = CollectorRegistry()
+        rec = EventRecorder(kc, "test", "gpupack-extender")
+        return AutoscaleController(kc, cfg, events=rec, registry=c.registry, clock=lambda: c.now)
+
+    c.make = make
+    return c
+
+
+def live_placeholders(core: client.CoreV1Api, namespace: str) -> list[dict]:
+    return [p for p in list_pods(core, namespace)
+            if LABEL_PLACEHOLDER in p["metadata"].get("labels", {}) and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+
+
+def pending(cluster: realk8s.ControlPlane, ns: str, *pods: dict) -> None:
+    for p in pods:
+        create_pod(cluster.core, p, ns)
+        mark_unschedulable(cluster.core, ns, p["metadata"]["name"])
+
+
+def test_each_pod_no_group_can_take_is_told_once_and_forgotten_when_gone(controller, cluster, ns):
+    c = controller.make()
+    crowd = [whole_pod(f"sel-{i}", 1, selector={"pool": f"p{i}"}) for i in range(30)]
+    huge = whole_pod("huge-mem", 1)
+    huge["spec"]["containers"][0]["resources"]["requests"]["memory"] = "8E"  # as large as the API takes
+    pending(cluster, ns, *IMPOSSIBLE, *crowd, huge, whole_pod("fits", 8, cpu="8"))
+    r = c.run_pass()
+    assert r.unplaceable[f"{ns}/imp-cpu-0"] == "group h100: needs 1000 CPUs, a node has 64 CPUs"
+    assert r.unplaceable[f"{ns}/imp-sel"] == "group h100: nodeSelector pool=nowhere not in template labels"
+    assert (
+        r.unplaceable[f"{ns}/huge-mem"].startswith("group h100: needs 8")
+        and "of memory" in r.unplaceable[f"{ns}/huge-mem"]
+    )
+    assert len(r.unplaceable) == 34 and r.wanted == {"h100": 1}  # the pod that fits still gets its node
+    (ph,) = live_placeholders(cluster.core, controller.sysns)
+    assert placeholder_host(ph) == (8000, 0)  # the pod's CPU travels with it: the autoscaler judges it too
+    c.run_pass()
+    c.run_pass()
+    said = events(cluster.core, ns, REASON_NO_GROUP)
+    assert sorted(e["involvedObject"]["name"] for e in said) == sorted(
+        [p["metadata"]["name"] for p in (*IMPOSSIBLE, *crowd, huge)]
+    )  # one each, in three passes
+    assert len(c.told) == 34
+    for p in [*IMPOSSIBLE, *crowd, huge]:
+        cluster.core.delete_namespaced_pod(p["metadata"]["name"], ns, grace_period_seconds=0)
+    until(lambda: len(list_pods(cluster.core, ns)) == 1, 30, what="the told pods gone")
+    c.run_pass()
+    assert c.told == {}
+    assert controller.registry.get_sample_value("gpupack_autoscale_unplaceable_pods") == 0
+    assert controller.registry.get_sample_value("gpupack_autoscale_passes_total") == 4
+
+
+def ca_says_no(core: client.CoreV1Api, ph: dict) -> None:
+    """The cluster autoscaler's Event on a pending pod it will add no node for."""
+    m = ph["metadata"]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    core.create_namespaced_event(m["namespace"], {
+        "metadata": {"generateName": f"{m['name']}."}, "reason": "NotTriggerScaleUp", "type": "Normal",
+        "message": "pod didn't trigger scale-up: 1 Insufficient cpu", "source": {"component": "cluster-autoscaler"},
+        "involvedObject": {"kind": "Pod", "name": m["name"], "namespace": m["namespace"], "uid": m["uid"]},
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1})  # fmt: skip
+
+
+def backoff_record(cluster: realk8s.ControlPlane, namespace: str) -> dict:
+    cm = cluster.core.read_namespaced_config_map(OWNER_CONFIGMAP, namespace)
+    return json.loads((cm.data or {}).get(BACKOFF_KEY) or "{}")
+
+
+def test_a_refused_or_never_met_scale_up_backs_its_group_off_and_the_backoff_survives_a_restart(
+    controller, cluster, ns
+):
+    sysns = controller.sysns
+    c = controller.make()
+    pending(cluster, ns, whole_pod("big", 8))
+    assert c.run_pass().created == 1
+    (ph,) = live_placeholders(cluster.core, sysns)
+    ca_says_no(cluster.core, ph)
+    r = c.run_pass()
+    assert (
+        list(r.failed) == [ph["metadata"]["name"]] and "Insufficient cpu" in r.failed[ph["metadata"]["name"]]
+    )
+    assert r.backing_off["h100"] == pytest.approx(60) and r.created == 0
+    assert not live_placeholders(cluster.core, sysns)
+    assert backoff_record(cluster, sysns)["h100"]["failures"] == 1
+    assert (
+        controller.registry.get_sample_value("gpupack_autoscale_scale_up_failures_total", {"group": "h100"})
+        == 1
+    )
+    assert controller.registry.get_sample_value("gpupack_autoscale_backoff_seconds", {"group": "h100"}) == 60
+    (ev,) = events(cluster.core, sysns, REASON_BACKOFF)
+    assert "no placeholder of the group for 60 s" in ev["message"]
+    assert c.run_pass().created == 0  # not ordered again while backing off
+    controller.now += 61
+    assert c.run_pass().created == 1
+    (ph,) = live_placeholders(cluster.core, sysns)
+    ca_says_no(cluster.core, ph)
+    assert c.run_pass().backing_off["h100"] == pytest.approx(120)  # doubled
+    # a restart reads the backoff back from the API
+    c = controller.make()
+    r = c.run_pass()
+    assert r.created == 0 and r.backing_off["h100"] == pytest.approx(120)
+    # a node of the group made since the last failure ends the backoff (it counts as coming here)
+    cluster.make_node(f"h100-new-{ns[-6:]}", labels={GROUP_LABEL: "h100"})
+    r = c.run_pass()
+    assert backoff_record(cluster, sysns) == {} and not r.backing_off and r.wanted == {}
+    cluster.core.delete_node(f"h100-new-{ns[-6:]}")
+    # a placeholder whose node never comes fails too, once it is older than the timeout
+    controller.now = time.time()
+    until(
+        lambda: c.run_pass().created == 1 or live_placeholders(cluster.core, sysns), 30, what="a placeholder"
+    )
+    controller.now = time.time() + 301
+    r = c.run_pass()
+    (why,) = r.failed.values()
+    assert why.startswith("no node came in") and r.backing_off["h100"] == pytest.approx(60)
+    # the cap: failures in a row never pause a group longer than backoff_max_s
+    for _ in range(3):
+        controller.now += r.backing_off["h100"] + 1
+        assert c.run_pass().created == 1
+        ca_says_no(cluster.core, live_placeholders(cluster.core, sysns)[0])
+        r = c.run_pass()
+    assert r.backing_off["h100"] == pytest.approx(200)
