@@ -296,7 +296,9 @@ def _extender_factory(
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
                       args.preemption_interval_s, marks=marks).start()  # fmt: skip
-        autoscale.start_from_args(args, api, None if fence is None else fence.problem)
+        autoscale.start_from_args(
+            args, api, None if fence is None else fence.problem, metrics.registry, events
+        )
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
                  policy.name, args.policy_seed, args.filter_keep_best,
                  args.workload_file or "learnt from the pods seen")  # fmt: skip
