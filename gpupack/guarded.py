@@ -334,6 +334,8 @@ class Listener:
             raise _Reject(413, f"request body larger than {lim.max_body} bytes")
         conn.body_since = time.monotonic()
         self._reserve(conn, length)  # before its body is read: 503 without reading it
+        if p.client_is_waiting_for_100_continue and (chunked or len(p.trailing_data[0]) < length):
+            conn.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (curl waits a second for it)
         if chunked:
             async with asyncio.timeout(lim.body_s):
                 body = await self._read_chunked(reader, conn, p)

@@ -172,3 +172,20 @@ def test_a_surprise_in_the_parser_is_a_400_not_a_dropped_connection(
         assert _talk(ports["plain"], b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 400")
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len([r for r in caplog.records if r.name == "gpupack.guarded"]) <= 1
+
+
+def test_a_client_that_expects_100_continue_is_told_to_send(ports: dict[str, int]) -> None:
+    SEEN.clear()
+    s = socket.create_connection(("127.0.0.1", ports["plain"]), timeout=5)
+    try:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(b"hi")
+        assert s.recv(4096).endswith(b"got hi")
+    finally:
+        s.close()
+    # refused before the body: no 100 Continue, only the refusal
+    answer = _talk(
+        ports["plain"], b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 101\r\n\r\n"
+    )
+    assert answer.startswith(b"HTTP/1.1 413")
