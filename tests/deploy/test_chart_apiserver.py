@@ -124,15 +124,15 @@ def _gpupack_admission(cluster: realk8s.ControlPlane) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("client_name", realhelm.CLIENTS)
-def test_template_applies_server_side(cluster, client_name, tmp_path):
+def test_template_applies_server_side(cluster, tmp_path):
     # `helm template` for this server (its version and admission-policy API) and a server-side dry
     # run of everything, the `helm test` hooks included: the server's own validation, defaulting,
-    # CEL compilation and Pod Security checks, with nothing left behind
+    # CEL compilation and Pod Security checks, with nothing left behind. (Helm 4 renders; Helm 3
+    # renders the same objects: tests/deploy/test_chart_matches_deploy.py.)
     ns = f"gpupack-tpl-{deploy_objects.suffix()}"
     cluster.ensure_namespace(ns, NS_LABELS)
     _clear_leftovers(cluster)
-    out = Helm(client_name, cluster, tmp_path)(
+    out = Helm("helm", cluster, tmp_path)(
         "template", "gpupack", str(CHART), "-n", ns, "--kube-version", _server_version(cluster),
         "--api-versions", f"{cluster.policy_api()}/ValidatingAdmissionPolicy",
     ).stdout  # fmt: skip
@@ -172,9 +172,15 @@ def test_install_refuses_a_misspelt_or_mistyped_value(cluster, client_name, tmp_
     assert _gpupack_admission(cluster) == []
 
 
-@pytest.mark.parametrize("client_name", realhelm.CLIENTS)
-def test_install_upgrade_rollback_uninstall(cluster, client_name, tmp_path):
-    h = Helm(client_name, cluster, tmp_path)
+@pytest.mark.parametrize(
+    ("installer", "upgrader"),
+    [("helm", "helm"), ("helm3", "helm3"), ("helm3", "helm")],
+    ids=["helm4", "helm3", "helm3-then-helm4"],
+)
+def test_install_upgrade_rollback_uninstall(cluster, installer, upgrader, tmp_path):
+    # the last: a release Helm 3 installed, upgraded, rolled back and uninstalled by Helm 4 (an
+    # operator moving to Helm 4 keeps the release)
+    h = Helm(installer, cluster, tmp_path)
     s = deploy_objects.suffix()
     ns, release, tenants = f"gpupack-chart-{s}", f"gpupack-{s}", f"tenant-{s}"
     _clear_leftovers(cluster)
@@ -228,6 +234,7 @@ def test_install_upgrade_rollback_uninstall(cluster, client_name, tmp_path):
     inject()
     assert cas() == {ca}
     first = _versions(cluster, objs)
+    h = Helm(upgrader, cluster, tmp_path)
 
     # --- upgrade: a defrag schedule and a scheduler profile knob; nothing else may change
     h("upgrade", release, str(CHART), "-n", ns, "--set", "defrag.schedule=0 3 * * *",
