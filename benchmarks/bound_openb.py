@@ -2,6 +2,7 @@
 
     python benchmarks/bound_openb.py [--trace default --trace ...] [--seeds 42-51] [--jobs 2]
                                      [--rows FILE] [--cpu-rule-windows K] [--json]
+    python benchmarks/bound_openb.py --table-from FILE [--json]
 
 Per trace (default: every pod list in the openb folder) and seed, at bin 100 (the replay's
 events whose arrived GPU request is 100-101% of capacity, docs/simulate.md "Replay rules"):
@@ -21,7 +22,8 @@ events whose arrived GPU request is 100-101% of capacity, docs/simulate.md "Repl
 Every figure is checked on every seed: the bound <= each policy's figure, and the bound at the
 100.5% prefix <= each offline packing. A violation is printed and makes the exit status 1.
 --rows FILE appends each trace and seed's figures as a JSON line as soon as they are known; the
-tasks run seed by seed, so a run cut short still has whole seeds.
+tasks run seed by seed, so a run cut short still has whole seeds, and --table-from FILE makes the
+table (and the checks) of the seeds that FILE has for every trace in it.
 """
 
 from __future__ import annotations
@@ -196,8 +198,17 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rows", help="append each trace and seed's figures here as JSON lines")
     ap.add_argument("--cpu-rule-windows", type=int, default=0, help="also the bound with the CPU-only rule")
+    ap.add_argument("--table-from", help="the table of the whole seeds in a --rows file; runs nothing")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.table_from:
+        rows = [json.loads(line) for line in Path(args.table_from).read_text().splitlines() if line.strip()]
+        names = sorted({r["trace"] for r in rows})
+        have = {s: {r["trace"] for r in rows if r["seed"] == s} for s in {r["seed"] for r in rows}}
+        seeds = sorted(s for s, ts in have.items() if len(ts) == len(names))
+        rows = [r for r in rows if r["seed"] in seeds]
+        windows = int(all("bound_cpu_rule" in r for r in rows) and bool(rows))
+        return report(rows, names, seeds, ",".join(map(str, seeds)), windows, args.json)
     d = openb_dir()
     if not (d / "openb_node_list_gpu_node.csv").is_file():
         print(f"skipped: openb trace not found at {d} (set GPUPACK_SHARED)")
@@ -217,17 +228,23 @@ def main() -> int:
     finally:
         if sink:
             sink.close()
+    return report(rows, names, seeds, args.seeds, args.cpu_rule_windows, args.json)
+
+
+def report(
+    rows: list[dict], names: list[str], seeds: list[int], label: str, windows: int, as_json: bool
+) -> int:
     bad = [v for r in rows for v in violations(r)]
-    cols = COLUMNS + (("bound_cpu_rule",) if args.cpu_rule_windows else ())
+    cols = COLUMNS + (("bound_cpu_rule",) if windows else ())
     out: dict[str, dict] = {}
     for t in names:
         rs = [r for r in rows if r["trace"] == t]
         out[t] = {k: round(float(np.mean([r[k] for r in rs])), 2) for k in cols}
         out[t]["per_seed"] = {str(r["seed"]): {k: round(r[k], 4) for k in cols} for r in rs}
-    if args.json:
+    if as_json:
         print(json.dumps({"seeds": seeds, "traces": out, "violations": bad}))
     else:
-        print(f"unallocated GPUs % at 100% arrival, mean of seeds {args.seeds}; gap = gpupack - bound")
+        print(f"unallocated GPUs % at 100% arrival, mean of seeds {label}; gap = gpupack - bound")
         print("| trace | " + " | ".join(cols) + " |")
         print("| --- " * (len(cols) + 1) + "|")
         for t, r in out.items():

@@ -25,7 +25,8 @@ What it relaxes (so the true optimum allocates less, and unallocated is higher):
 - Arrival order: any pod may be left out, as an offline optimum that holds an 810-milli share back
   for pods that fill a GPU would do; CPU-only pods, which allocate no GPU, are then all left out.
   cpu_only="replay" puts back the replay's rule for them (one is left out only when no node has
-  room for it when it arrives), per arrival window; on the openb traces that moved no bound.
+  room for it when it arrives), per arrival window; on cpu300 (seed 42, 4 and 8 windows) it moved
+  the bound by less than 0.01 points.
 """
 
 from __future__ import annotations
