@@ -481,10 +481,12 @@ def test_a_victim_with_an_endless_grace_period_stops_no_preemption(cluster, ns, 
     check_all_bound_no_overcommit(cluster, ns)
 
 
-def test_a_preemptor_that_cannot_run_anywhere_evicts_no_one(cluster, ns, sfx, sched, kubelet):
-    """A higher-priority GPU pod with a required pod affinity to a label no pod carries:
-    kube-scheduler says so ("didn't match pod affinity rules") and no eviction can change it, so
-    gpupack evicts no one over several passes, and says why in one Event."""
+@pytest.mark.parametrize("case", ["pod-affinity", "missing-claim"])
+def test_a_preemptor_that_cannot_run_anywhere_evicts_no_one(cluster, ns, sfx, sched, kubelet, case):
+    """A higher-priority GPU pod with a required pod affinity to a label no pod carries, or a
+    claim that does not exist: kube-scheduler says so ("didn't match pod affinity rules",
+    'persistentvolumeclaim "..." not found') and no eviction can change it, so gpupack evicts no
+    one over several passes, and says why in one Event."""
     gpu_node(cluster, f"gpu-a-{sfx}", n=1)
     create_pod(cluster.core, pod("off-0", "offline", OFFLINE, container("main", gpu=1)), ns)
     running(cluster, ns, ["off-0"], sched)
@@ -492,8 +494,11 @@ def test_a_preemptor_that_cannot_run_anywhere_evicts_no_one(cluster, ns, sfx, sc
         o: metric(sched, "gpupack_extender_preemptions_total", outcome=o) for o in ("infeasible", "evicted")
     }
     web = pod("web", "online", ONLINE, container("main", gpu=1))
-    web["spec"]["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": f"nobody-{sfx}"}}}]}}  # fmt: skip
+    if case == "pod-affinity":
+        web["spec"]["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": f"nobody-{sfx}"}}}]}}  # fmt: skip
+    else:
+        web["spec"]["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": "nowhere"}}]
     create_pod(cluster.core, web, ns)
     until(lambda: metric(sched, "gpupack_extender_preemptions_total", outcome="infeasible") >= before["infeasible"] + 5,
           30, "five passes refusing to preempt")  # fmt: skip
@@ -502,4 +507,4 @@ def test_a_preemptor_that_cannot_run_anywhere_evicts_no_one(cluster, ns, sfx, sc
     assert not pods["web"]["spec"].get("nodeName") and ANN_PREEMPTION not in annotations(pods["web"])
     assert metric(sched, "gpupack_extender_preemptions_total", outcome="evicted") == before["evicted"]
     said = [r for r in reasons(cluster, ns, "web") if r.startswith("NotPreempting:")]
-    assert len(said) == 1 and "pod affinity" in said[0], said
+    assert len(said) == 1 and ("pod affinity" if case == "pod-affinity" else "nowhere") in said[0], said
