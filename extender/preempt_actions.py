@@ -75,20 +75,21 @@ class Plan:
 
 
 class Reports:
-    """What was said once about each waiting pod (uid -> the reason), so that a pass every 2 s
-    logs and records an Event when a reason is new, not each time; pruned to the pods still
-    waiting. Thread-safe (the executor threads report too)."""
+    """What was said about each waiting pod (uid -> the kinds of report made), so that a pass
+    every 2 s logs and records an Event once per pod and kind, not each time; pruned to the pods
+    still waiting. Thread-safe (the executor threads report too)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._said: dict[str, str] = {}
+        self._said: dict[str, set[str]] = {}
 
-    def first(self, uid: str, reason: str) -> bool:
-        """True when this reason was not the last one reported for the pod."""
+    def first(self, uid: str, kind: str) -> bool:
+        """True when the pod had no report of this kind yet."""
         with self._lock:
-            if self._said.get(uid) == reason:
+            kinds = self._said.setdefault(uid, set())
+            if kind in kinds:
                 return False
-            self._said[uid] = reason
+            kinds.add(kind)
             return True
 
     def prune(self, live: set[str]) -> None:
@@ -136,8 +137,8 @@ class PreemptionActions:
         warning: bool = True,
         exc: BaseException | None = None,
     ) -> bool:
-        """Log (with `exc`'s traceback) and record an Event on the pod, once per reason; True
-        when it was new."""
+        """Log (with `exc`'s traceback) and record an Event on the pod, once per pod and kind of
+        report (`reason`); True when it was new."""
         meta = pod.get("metadata") or {}
         uid = pin.uid_of(pod)
         if not self.reports.first(uid, reason):

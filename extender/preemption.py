@@ -122,8 +122,7 @@ class Preempter:
         own = self._own_reservations(now)
         if not own and self.marks is not None and self.marks.none():
             self.skipped += 1
-            self.act.forget(set())  # nothing waits: nothing to remember
-            self.backoffs.prune(set())
+            self.act.forget(set())  # no pod marked, no hold: no retry to ask for, nothing said
             return done
         unbound = self.kube.unscheduled_pods(self.ext.config.scheduler_name, cached=True)
         # what is kept per pod lives as long as the pod waits
@@ -306,10 +305,10 @@ class Preempter:
         return 0
 
     def _refused(self, p: dict[str, Any], why: str) -> int:
-        """No eviction for `p`: it would not run where victims leave room (said once per reason)."""
+        """No eviction for `p`: it would not run where victims leave room (said once per pod)."""
         self.metrics.preemptions.labels("infeasible").inc()
         self.act.report(
-            p, f"infeasible: {why}", "NotPreempting",
+            p, "infeasible", "NotPreempting",
             f"gpupack will not preempt for this pod: evicting pods would not let it run ({why})"[:1000],
         )  # fmt: skip
         return 2
