@@ -23,7 +23,7 @@ import pytest
 import realhelm
 import realk8s
 import yaml
-from chart_objects import CHART, helm, key
+from chart_objects import CHART, DEPLOY, helm, key
 from kubernetes import client
 
 pytestmark = pytest.mark.skipif(realhelm.assets_dir() is None, reason=realhelm.HOW_TO_GET)
@@ -172,15 +172,27 @@ def test_install_refuses_a_misspelt_or_mistyped_value(cluster, client_name, tmp_
     assert _gpupack_admission(cluster) == []
 
 
-@pytest.mark.parametrize(
-    ("installer", "upgrader"),
-    [("helm", "helm"), ("helm3", "helm3"), ("helm3", "helm")],
-    ids=["helm4", "helm3", "helm3-then-helm4"],
-)
-def test_install_upgrade_rollback_uninstall(cluster, installer, upgrader, tmp_path):
-    # the last: a release Helm 3 installed, upgraded, rolled back and uninstalled by Helm 4 (an
-    # operator moving to Helm 4 keeps the release)
-    h = Helm(installer, cluster, tmp_path)
+def _upgrade_changes_only_what_changed(
+    h: Helm, release: str, ns: str, objs: list[dict[str, Any]], before: dict[tuple[str, str, str], str]
+) -> tuple[dict[tuple[str, str, str], str], set[tuple[str, str, str]]]:
+    """`helm upgrade` with a new defrag schedule and scheduler profile weight: exactly the three
+    objects those values are in change (generation or resourceVersion); (versions, changed)."""
+    h("upgrade", release, str(CHART), "-n", ns, "--set", "defrag.schedule=0 3 * * *",
+      "--set", "scheduler.profile.extender.weight=5")  # fmt: skip
+    after = _versions(h.cluster, objs)
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {
+        ("CronJob", ns, "gpupack-defrag"),
+        ("ConfigMap", ns, "gpupack-scheduler-config"),
+        ("Deployment", ns, "gpupack-scheduler"),  # its pods roll: kube-scheduler reads the profile at start
+    }, changed
+    assert _one(h.cluster, objs, "CronJob")["spec"]["schedule"] == "0 3 * * *"
+    return after, changed
+
+
+@pytest.mark.parametrize("client_name", realhelm.CLIENTS)
+def test_install_upgrade_rollback_uninstall(cluster, client_name, tmp_path):
+    h = Helm(client_name, cluster, tmp_path)
     s = deploy_objects.suffix()
     ns, release, tenants = f"gpupack-chart-{s}", f"gpupack-{s}", f"tenant-{s}"
     _clear_leftovers(cluster)
@@ -234,19 +246,9 @@ def test_install_upgrade_rollback_uninstall(cluster, installer, upgrader, tmp_pa
     inject()
     assert cas() == {ca}
     first = _versions(cluster, objs)
-    h = Helm(upgrader, cluster, tmp_path)
 
     # --- upgrade: a defrag schedule and a scheduler profile knob; nothing else may change
-    h("upgrade", release, str(CHART), "-n", ns, "--set", "defrag.schedule=0 3 * * *",
-      "--set", "scheduler.profile.extender.weight=5")  # fmt: skip
-    second = _versions(cluster, objs)
-    changed = {k for k in first if first[k] != second[k]}
-    assert changed == {
-        ("CronJob", ns, "gpupack-defrag"),
-        ("ConfigMap", ns, "gpupack-scheduler-config"),
-        ("Deployment", ns, "gpupack-scheduler"),  # its pods roll: kube-scheduler reads the profile at start
-    }, changed
-    assert _one(cluster, objs, "CronJob")["spec"]["schedule"] == "0 3 * * *"
+    second, changed = _upgrade_changes_only_what_changed(h, release, ns, objs, first)
     assert cas() == {ca}
 
     # --- rollback to the install: the same three change back, the CA stays
@@ -271,3 +273,46 @@ def test_install_upgrade_rollback_uninstall(cluster, installer, upgrader, tmp_pa
     )  # fmt: skip
     with contextlib.suppress(client.ApiException):
         cluster.core.delete_namespace(tenants)
+
+
+def test_helm_takes_over_a_kustomize_install_in_place(cluster, tmp_path):
+    # An operator moving from `kubectl apply -k deploy/` to the chart: mark what kustomize made as
+    # the release's (the two commands the operator guide gives), then `helm install` adopts it: no
+    # object is deleted and made again (same uid), nothing stops admitting or scheduling meanwhile
+    ns = deploy_objects.SHIPPED_NS
+    objs = [o for o in yaml.safe_load_all(cluster.kubectl("kustomize", str(DEPLOY))) if o]
+    objs = [o for o in cluster.for_this_server(objs) if o["kind"] != "Namespace"]
+    cluster.ensure_namespace(ns, NS_LABELS)
+    _clear_leftovers(cluster)
+    text = yaml.safe_dump_all(objs)
+    cluster.kubectl("apply", "-f", "-", input=text)  # what `kubectl apply -k deploy/` does
+    uids = {k: o["metadata"]["uid"] for k, o in _live(cluster, objs).items()}
+    assert len(uids) == len(objs)
+    cluster.kubectl("annotate", "-f", "-", "--overwrite", "meta.helm.sh/release-name=gpupack",
+                    f"meta.helm.sh/release-namespace={ns}", input=text)  # fmt: skip
+    cluster.kubectl("label", "-f", "-", "--overwrite", "app.kubernetes.io/managed-by=Helm", input=text)
+    h = Helm("helm", cluster, tmp_path)
+    # Helm 4 applies server-side: fields kubectl set (the scheduler configuration's text, the
+    # kube-scheduler image the chart picks for this cluster, structs the server filled in) conflict
+    # with its apply until it is told to take them over (without, the install fails naming them)
+    h("install", "gpupack", str(CHART), "-n", ns, "--force-conflicts")
+    after = _live(cluster, h.manifest("gpupack", ns))
+    assert {k: o["metadata"]["uid"] for k, o in after.items()} == uids
+    h("uninstall", "gpupack", "-n", ns, "--wait")
+    assert _live(cluster, objs) == {}
+    assert _gpupack_admission(cluster) == []
+
+
+def test_helm4_upgrades_and_uninstalls_a_helm3_release(cluster, tmp_path):
+    # an operator moving to Helm 4 keeps the release Helm 3 installed
+    s = deploy_objects.suffix()
+    ns, release = f"gpupack-chart-{s}", f"gpupack-{s}"
+    _clear_leftovers(cluster)
+    cluster.ensure_namespace(ns, NS_LABELS)
+    Helm("helm3", cluster, tmp_path)("install", release, str(CHART), "-n", ns)
+    h = Helm("helm", cluster, tmp_path)
+    objs = h.manifest(release, ns)
+    _upgrade_changes_only_what_changed(h, release, ns, objs, _versions(cluster, objs))
+    h("uninstall", release, "-n", ns, "--wait")
+    assert _live(cluster, objs) == {}
+    assert _gpupack_admission(cluster) == []
