@@ -45,10 +45,15 @@ def helm(
 
 
 def render(
-    client: str, *args: str, home: Path, release: str = "gpupack", namespace: str = SHIPPED_NS
+    client: str,
+    *args: str,
+    home: Path,
+    release: str = "gpupack",
+    namespace: str = SHIPPED_NS,
+    chart: Path = CHART,
 ) -> list[Obj]:
     """The objects `helm template` renders (test hooks included unless --skip-tests is passed)."""
-    out = helm(client, "template", release, str(CHART), "--namespace", namespace, *args, home=home).stdout
+    out = helm(client, "template", release, str(chart), "--namespace", namespace, *args, home=home).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 

@@ -36,6 +36,12 @@ def test_lint_strict_passes(client, tmp_path):
     assert "1 chart(s) linted, 0 chart(s) failed" in r.stdout, r.stdout
     # --strict turns warnings into failures; an [INFO] (no icon) is all that may be said
     assert "[WARNING]" not in r.stdout and "[ERROR]" not in r.stdout, r.stdout
+    # the packaged chart (what a release publishes) renders what the folder renders
+    helm(client, "package", str(CHART), "-d", str(tmp_path / "pkg"), home=tmp_path)
+    (tgz,) = (tmp_path / "pkg").glob("gpupack-*.tgz")
+    assert render(client, "--kube-version", "1.32.4", home=tmp_path, chart=tgz) == render(
+        client, "--kube-version", "1.32.4", home=tmp_path
+    )
 
 
 @pytest.mark.parametrize("client", realhelm.CLIENTS)
