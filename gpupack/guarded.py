@@ -305,10 +305,14 @@ class Listener:
             if not raw:
                 return None  # closed between requests
         conn.since = time.monotonic()
-        if raw:  # (empty data would tell h11 the connection closed)
-            p.receive_data(raw)
-        head = bytearray(raw)
+        pieces = [raw] if raw else []
         async with asyncio.timeout(lim.header_s):
+            if not raw:  # a new connection's first request: h11 has nothing to look at yet
+                raw = await reader.read(READ)
+                if not raw:
+                    return None  # closed before a request
+                pieces.append(raw)
+            p.receive_data(raw)
             while True:
                 ev = _next(p)
                 if isinstance(ev, h11.Request):
@@ -316,25 +320,23 @@ class Listener:
                 if ev is h11.NEED_DATA:
                     data = await reader.read(READ)
                     if not data:
-                        if head:
-                            raise ConnectionError("closed within a request head")
-                        return None  # closed before a request
-                    head += data
+                        raise ConnectionError("closed within a request head")
+                    pieces.append(data)
                     p.receive_data(data)
                     continue
-                if isinstance(ev, h11.ConnectionClosed):
-                    return None
                 raise _Reject(400, "malformed request")
         # h11 has taken the head: what it has not taken yet is the body and what follows it
-        head_end = len(head) - len(p.trailing_data[0])
+        head = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        rest = p.trailing_data[0]
+        head_end = len(head) - len(rest)
         if head_end > lim.max_header_bytes:  # h11 bounds only a head still incomplete
             raise _Reject(431, f"request head larger than {lim.max_header_bytes} bytes")
-        environ, length, chunked = self._environ(ev, bytes(head[:head_end]), conn.writer)
+        environ, length, chunked = self._environ(ev, head[:head_end], conn.writer)
         if length > lim.max_body:
             raise _Reject(413, f"request body larger than {lim.max_body} bytes")
         conn.body_since = time.monotonic()
         self._reserve(conn, length)  # before its body is read: 503 without reading it
-        if p.client_is_waiting_for_100_continue and (chunked or len(p.trailing_data[0]) < length):
+        if p.client_is_waiting_for_100_continue and (chunked or len(rest) < length):
             conn.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # (curl waits a second for it)
         if chunked:
             async with asyncio.timeout(lim.body_s):
@@ -343,7 +345,6 @@ class Listener:
         else:
             # h11 has framed it (one valid Content-Length): exactly that many bytes are read here
             # rather than through h11's Data events, a copy or two fewer of each body on the loop
-            rest = p.trailing_data[0]
             if len(rest) >= length:
                 body, conn.leftover = rest[:length], rest[length:]
             else:
@@ -411,7 +412,8 @@ class Listener:
             "wsgi.run_once": False, "wsgi.input_terminated": True,
         }  # fmt: skip
         length, chunked = 0, False
-        for name, value in req.headers:  # names lower-cased by h11
+        for raw_name, value in req.headers.raw_items():  # (faster than iterating the Sequence)
+            name = raw_name.lower()
             if b"_" in name:
                 if name.replace(b"_", b"-") in (b"content-length", b"transfer-encoding"):
                     raise _Reject(400, f"header {name.decode('latin-1')!r} is not a framing header")
