@@ -191,12 +191,27 @@ def test_switches_turn_their_objects_off(tmp_path):
     )
 
 
-def test_percentage_below_100_with_keep_best_is_refused(tmp_path):
-    r = helm("helm", "template", "gpupack", str(CHART), "--set", "scheduler.profile.percentageOfNodesToScore=50",
-             home=tmp_path, check=False)  # fmt: skip
-    assert r.returncode != 0 and "must be 100 while extender.filterKeepBest is 1" in r.stderr, r.stderr
-    render("helm", "--set", "scheduler.profile.percentageOfNodesToScore=50", "--set", "extender.filterKeepBest=0",
-           home=tmp_path)  # fmt: skip
+@pytest.mark.parametrize(
+    ("bad", "says", "fixed"),
+    [
+        # the extender passes the best of the nodes it is shown: all of them, or a sample's best
+        (["scheduler.profile.percentageOfNodesToScore=50"], "must be 100 while extender.filterKeepBest is 1",
+         ["extender.filterKeepBest=0"]),
+        # kube-scheduler would give up on a bind the extender still completes: 4 + 5 x 2 = 14 s
+        (["scheduler.profile.extender.httpTimeout=14s"], "must exceed the extender's worst bind",
+         ["extender.apiTimeoutSeconds=1.5"]),
+        (["extender.bindWaitSeconds=10"], "must exceed the extender's worst bind",
+         ["scheduler.profile.extender.httpTimeout=1m"]),
+        # a defrag run whose worst case outlasts its Job is stopped mid-run
+        (["defrag.budget.maxEvictions=12"], "must stay below activeDeadlineSeconds 3600",
+         ["defrag.activeDeadlineSeconds=4000"]),
+    ],
+)  # fmt: skip
+def test_values_that_contradict_each_other_are_refused(bad, says, fixed, tmp_path):
+    sets = [a for v in bad for a in ("--set", v)]
+    r = helm("helm", "template", "gpupack", str(CHART), *sets, home=tmp_path, check=False)
+    assert r.returncode != 0 and says in r.stderr, r.stderr
+    render("helm", *sets, *[a for v in fixed for a in ("--set", v)], home=tmp_path)
 
 
 def test_helm_test_pods_check_the_extender_and_the_webhook(tmp_path):
@@ -266,3 +281,15 @@ def test_every_option_renders_objects_that_validate(tmp_path):
     )
     (err,) = _validate(objs)
     assert "gpupack extender rejects its args" in err and "--no-such-flag" in err, err
+
+
+def test_fractions_given_with_set_are_taken(tmp_path):
+    # `--set x=0.3` hands the chart the text "0.3" (Helm types only whole numbers): accepted where a
+    # fraction is, and written into the flag as given
+    objs = render("helm", "--skip-tests", "--set", "defrag.budget.maxWorkloadShare=0.3",
+                  "--set", "extender.preemption.intervalSeconds=0.5", home=tmp_path)  # fmt: skip
+    assert "--max-workload-share=0.3" in _containers(objs, "CronJob", "gpupack-defrag")["defrag"]["args"]
+    assert (
+        "--preemption-interval-s=0.5"
+        in _containers(objs, "Deployment", "gpupack-scheduler")["extender"]["args"]
+    )

@@ -77,3 +77,16 @@ GPUPACK_LOG_* env entries of a gpupack container (none with the defaults).
   value: {{ .Values.logLevel | quote }}
 {{- end }}
 {{- end -}}
+
+{{/*
+Seconds of a Go duration ("15s", "1m30s"), as text (`| float64` to compute with it).
+*/}}
+{{- define "gpupack.durationSeconds" -}}
+{{- $total := 0.0 -}}
+{{- $units := dict "ns" 1e-9 "us" 1e-6 "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0 -}}
+{{- range regexFindAll "[0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h)" . -1 -}}
+{{- $n := regexFind "^[0-9.]+" . -}}
+{{- $total = addf $total (mulf ($n | float64) (get $units (trimPrefix $n .))) -}}
+{{- end -}}
+{{- $total -}}
+{{- end -}}
