@@ -316,3 +316,18 @@ def test_helm4_upgrades_and_uninstalls_a_helm3_release(cluster, tmp_path):
     h("uninstall", release, "-n", ns, "--wait")
     assert _live(cluster, objs) == {}
     assert _gpupack_admission(cluster) == []
+
+
+def test_notes_say_what_the_namespace_lacks(cluster, tmp_path):
+    # `helm install --create-namespace` (or a namespace made by hand) lacks the labels gpupack
+    # needs: the install's notes say which, with the command that adds them (read from the server)
+    ns = f"gpupack-bare-{deploy_objects.suffix()}"
+    cluster.ensure_namespace(ns, {"gpupack.io/webhook": "skip"})
+    out = Helm("helm", cluster, tmp_path)(
+        "install", "gpupack", str(CHART), "-n", ns, "--dry-run=server"
+    ).stdout
+    notes = out.split("\nNOTES:\n", 1)[1]
+    assert (
+        f"kubectl label namespace {ns} --overwrite pod-security.kubernetes.io/enforce=privileged "
+        "pod-security.kubernetes.io/warn=restricted\n" in notes
+    ), notes
