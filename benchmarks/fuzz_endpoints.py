@@ -13,7 +13,8 @@ opened to each port (webhook, metrics, verbs, and the metrics/health port of a r
 device-plugin` process over the tests' fake NVML, on a node of its own) and left idle, or trickle a byte of a request head
 a second; meanwhile a valid request to each port is timed (median and worst of --probes) and
 compared with the same requests without the crowd, measured just before in the same run. No
-port may be delayed by 1 s or more.
+port may be delayed by 1 s or more. Last, each HTTP/1.1 framing case RFC 9112 says to refuse
+(FRAMING) is sent to every port, and must be answered 4xx/5xx and its connection closed.
 
     python benchmarks/fuzz_endpoints.py                 # 12,000 bodies, crowds of 8, 100, 1000
     python benchmarks/fuzz_endpoints.py --bodies 20000 --seed 7 --json
@@ -30,6 +31,7 @@ import json
 import os
 import random
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -213,6 +215,54 @@ def crowds(counts: list[int], probes: int, urls: dict[str, str], http: requests.
     return results
 
 
+# HTTP/1.1 framing RFC 9112 says to refuse (or that a proxy in front could read differently): each is
+# sent on a connection of its own to every port, and must be answered 4xx/5xx and closed
+FRAMING = {
+    "two Content-Length": b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 40\r\n\r\nhello",
+    "Content_Length": b"POST /validate HTTP/1.1\r\nHost: x\r\nContent_Length: 5\r\n\r\nhello",
+    "Transfer_Encoding": b"POST /validate HTTP/1.1\r\nHost: x\r\nTransfer_Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "obs-fold": b"POST /validate HTTP/1.1\r\nHost: x\r\nX-A: a\r\n Content-Length: 5\r\n\r\nhello",
+    "space before colon": b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length : 5\r\n\r\nhello",
+    "bare LF in a value": b"POST /validate HTTP/1.1\r\nHost: x\r\nX-A: a\nContent-Length: 5\r\n\r\nhello",
+    "NUL in a value": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+    "CR in a value": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\rb\r\n\r\n",
+    "no Host": b"GET /healthz HTTP/1.1\r\n\r\n",
+    "Content-Length: \u00b2": "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"),
+    "5,000-digit length": b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+    "Content-Length and chunked": b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+}  # fmt: skip
+
+
+def framing(ports: dict[str, tuple[int, bool]]) -> dict[str, dict[str, str]]:
+    """Each FRAMING case to each port ((port, TLS)): the status it got, and "+open" where the
+    connection was not closed within 5 s after it."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    out: dict[str, dict[str, str]] = {}
+    for name, (port, tls) in ports.items():
+        out[name] = {}
+        for case, data in FRAMING.items():
+            s: socket.socket = socket.create_connection(("127.0.0.1", port), timeout=5)
+            answer, closed = b"", False
+            try:
+                if tls:
+                    s = ctx.wrap_socket(s)
+                s.sendall(data)
+                while chunk := s.recv(65536):
+                    answer += chunk
+                closed = True
+            except TimeoutError:  # left open
+                closed = False
+            except OSError:  # reset after the answer
+                closed = True
+            finally:
+                s.close()
+            status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.") else "none"
+            out[name][case] = status + ("" if closed else "+open")
+    return out
+
+
 def run(
     bodies: int, seed: int, workdir: Path, crowd_counts: list[int] | None = None, probes: int = 10
 ) -> dict[str, Any]:
@@ -284,6 +334,10 @@ def run(
         out["slower_than_100ms"] = sum(1 for st in per.values() for m in st["ms"] if m >= 100)
         out["max_ms"] = max((v["max_ms"] for v in out["endpoints"].values()), default=0.0)
         _wait_ok(http, f"http://127.0.0.1:{plugin_port}/healthz", workdir / "device-plugin.log")
+        out["framing"] = framing({"verbs": (ext.port, False), "webhook": (hook_port, True),
+                                  "metrics": (metrics_port, False), "plugin-metrics": (plugin_port, False)})  # fmt: skip
+        out["framing_accepted"] = sum(1 for port in out["framing"].values() for v in port.values()
+                                      if v[:1] not in ("4", "5") or v.endswith("+open"))  # fmt: skip
         out["crowds"] = crowds(crowd_counts or [], probes, {
             "validate": urls["validate"], "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
             "filter": urls["filter"], "plugin-metrics": f"http://127.0.0.1:{plugin_port}/metrics"}, http, rng)  # fmt: skip
@@ -356,7 +410,10 @@ def main() -> int:
             print(f"  {c['connections_per_port']:5d} {c['kind']:9s} connections to each port: " + "  ".join(
                 f"{e} {v['base_max_ms']:.1f} -> {v['crowd_max_ms']:.1f} ms (x{v['crowd_max_ms'] / max(v['base_max_ms'], 0.01):.1f})"
                 for e, v in c["ports"].items()))  # fmt: skip
-    ok = out["answers_5xx"] == 0 and out["slower_than_100ms"] == 0 and out["delayed_1s"] == 0
+        print(f"  framing cases answered other than 4xx/5xx and a close: {out['framing_accepted']} "
+              f"(of {len(FRAMING)} on each of {len(out['framing'])} ports)")  # fmt: skip
+    ok = (out["answers_5xx"] == 0 and out["slower_than_100ms"] == 0 and out["delayed_1s"] == 0
+          and out["framing_accepted"] == 0)  # fmt: skip
     return 0 if ok else 1
 
 
