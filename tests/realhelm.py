@@ -40,6 +40,12 @@ def assets_dir() -> Path | None:
     return next((c for c in candidates if (c / "SHA256SUMS").is_file() and (c / "bin").is_dir()), None)
 
 
+def required() -> bool:
+    """CI's switch for real binaries (GPUPACK_REQUIRE_K8S, set by .ci/run): a missing Helm is then
+    a failure, never a skip."""
+    return os.environ.get("GPUPACK_REQUIRE_K8S", "") not in ("", "0")
+
+
 def _checksums(assets: Path) -> dict[str, str]:
     out = {}
     for line in (assets / "SHA256SUMS").read_text().splitlines():

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import realhelm
 import yaml
 
@@ -27,6 +28,17 @@ HELM_LABELS = ("app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "he
 CONFIG_CHECKSUM = "checksum/config"
 
 Obj = dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def helm_assets() -> Path:
+    """The Helm binaries' folder; the test is skipped without it, or fails where CI requires it."""
+    assets = realhelm.assets_dir()
+    if assets is None:
+        if realhelm.required():
+            pytest.fail(f"GPUPACK_REQUIRE_K8S is set but {realhelm.HOW_TO_GET}")
+        pytest.skip(realhelm.HOW_TO_GET)
+    return assets
 
 
 def helm(

@@ -23,10 +23,17 @@ import pytest
 import realhelm
 import realk8s
 import yaml
-from chart_objects import CHART, DEPLOY, helm, key
+from chart_objects import (
+    CHART,
+    DEPLOY,
+    helm,
+    helm_assets,  # noqa: F401 (a fixture, used by pytestmark)
+    key,
+)
 from kubernetes import client
 
-pytestmark = pytest.mark.skipif(realhelm.assets_dir() is None, reason=realhelm.HOW_TO_GET)
+# without the Helm binaries: skipped, or failed where CI requires them
+pytestmark = pytest.mark.usefixtures("helm_assets")
 
 # what the operator guide has the operator label the namespace with before `helm install`
 NS_LABELS = {

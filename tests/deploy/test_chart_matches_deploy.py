@@ -16,9 +16,16 @@ import pytest
 import realhelm
 import realk8s
 import yaml
-from chart_objects import DEPLOY, deploy_scheduler_version, differences, render
+from chart_objects import (
+    DEPLOY,
+    deploy_scheduler_version,
+    differences,
+    helm_assets,  # noqa: F401 (a fixture, used by pytestmark)
+    render,
+)
 
-pytestmark = pytest.mark.skipif(realhelm.assets_dir() is None, reason=realhelm.HOW_TO_GET)
+# without the Helm binaries: skipped, or failed where CI requires them
+pytestmark = pytest.mark.usefixtures("helm_assets")
 
 
 @pytest.fixture(scope="module")
