@@ -184,7 +184,7 @@ def _upgrade_changes_only_what_changed(
 ) -> tuple[dict[tuple[str, str, str], str], set[tuple[str, str, str]]]:
     """`helm upgrade` with a new defrag schedule and scheduler profile weight: exactly the three
     objects those values are in change (generation or resourceVersion); (versions, changed)."""
-    h("upgrade", release, str(CHART), "-n", ns, "--set", "defrag.schedule=0 3 * * *",
+    h("upgrade", release, str(CHART), "-n", ns, "--reset-then-reuse-values", "--set", "defrag.schedule=0 3 * * *",
       "--set", "scheduler.profile.extender.weight=5")  # fmt: skip
     after = _versions(h.cluster, objs)
     changed = {k for k in before if before[k] != after[k]}
