@@ -97,6 +97,7 @@ class ClusterView:
 
     def on_node_gone(self, fn: Callable[[str], None]) -> None:
         """Call the bound method `fn` with a node's name once the node is deleted (lock held)."""
+        self._node_gone = [r for r in self._node_gone if r() is not None]
         self._node_gone.append(weakref.WeakMethod(fn))
 
     def node_gone(self, name: str) -> None:
