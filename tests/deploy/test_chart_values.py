@@ -299,3 +299,16 @@ def test_fractions_given_with_set_are_taken(tmp_path):
         "--preemption-interval-s=0.5"
         in _containers(objs, "Deployment", "gpupack-scheduler")["extender"]["args"]
     )
+
+
+def test_a_digest_pins_every_gpupack_container(tmp_path):
+    digest = "sha256:" + "ab" * 32
+    objs = render("helm", "--skip-tests", "--set", f"image.digest={digest}", home=tmp_path)
+    images = {
+        c["image"]
+        for kind, name in (("Deployment", "gpupack-scheduler"), ("DaemonSet", "gpupack-device-plugin"),
+                           ("CronJob", "gpupack-defrag"))
+        for c in _containers(objs, kind, name).values()
+        if c["name"] != "kube-scheduler"
+    }  # fmt: skip
+    assert images == {f"gpupack@{digest}"}
