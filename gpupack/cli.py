@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # a command without log flags of its own (simulate) logs as asked too; one with them sets up again
     logs.configure(logs.default_level(), logs.default_format())
+    logs.command = name  # the command's first log line names it (logs.announce)
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(args[1:]) or 0)
 

@@ -8,6 +8,9 @@ index. FIELDS are the names every component uses for the same thing.
 
 The flags' defaults come from $GPUPACK_LOG_LEVEL and $GPUPACK_LOG_FORMAT, so one environment
 variable in a manifest (or `gpupack --log-format json COMMAND`) sets them for any command.
+
+A process's first line names gpupack's version and what it runs (`setup` writes it whatever the
+level), so a log read after an upgrade says which release wrote it.
 """
 
 from __future__ import annotations
@@ -130,9 +133,48 @@ def configure(level: str = "info", fmt: str = "text", stream: TextIO | None = No
         logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else logging.ERROR)
 
 
+# the gpupack command this process runs, set by the `gpupack` dispatcher (gpupack/cli.py); a process
+# started as `python -m MODULE` (the webhook child, the certs init container) is named by its module
+command = ""
+
+
+def _process_name() -> str:
+    if command:
+        return command
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name:
+        from gpupack.cli import COMMANDS  # here: gpupack.cli imports this module
+
+        by_module = {module: cmd for cmd, (module, _) in COMMANDS.items()}
+        return by_module.get(name, name)
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def announce(args: argparse.Namespace) -> None:
+    """Write the version line: `gpupack VERSION COMMAND starting`, with version, command, role (the
+    extender's) and pid as fields. Handed to the handlers directly, so --log-level cannot hide it."""
+    from gpupack import __version__
+
+    name = _process_name()
+    fields: dict[str, Any] = {"version": __version__, "command": name}
+    if isinstance(getattr(args, "role", None), str):
+        fields["role"] = args.role
+    fields["pid"] = os.getpid()
+    logger = logging.getLogger("gpupack")
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, "gpupack %s %s starting",
+                               (__version__, name), None, extra={"fields": fields})  # fmt: skip
+    for handler in logging.getLogger().handlers:
+        handler.handle(record)
+
+
 def setup(args: argparse.Namespace, stream: TextIO | None = None) -> None:
-    """configure() from the flags add_log_flags added; warns once about a deprecated alias used."""
+    """configure() from the flags add_log_flags added; warns once about a deprecated alias used.
+    Logging to the process's stderr (no `stream`: a component starting), the first line is the
+    version line (announce); a caller that hands its own stream (a test, an embedding) gets none."""
     configure(args.log_level, args.log_format, stream)
+    if stream is None:
+        announce(args)
     for flag in getattr(args, "deprecated_flags", []):
         logging.getLogger("gpupack").warning("%s is deprecated; use --log-level debug", flag)
 

@@ -113,12 +113,14 @@ def test_environment_sets_the_defaults(monkeypatch):
 
 @pytest.mark.slow
 def test_global_options_before_the_command_reach_it():
-    # defrag with the old -v: its deprecation warning is the first thing it logs, in JSON as asked
+    # defrag with the old -v: after the version line, its deprecation warning is the first thing it
+    # logs, in JSON as asked
     r = subprocess.run(
         [sys.executable, "-m", "gpupack", "--log-format", "json", "defrag", "-v", "--kubeconfig", "/nonexistent"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    first = json.loads(r.stderr.splitlines()[0])
+    version, first = (json.loads(line) for line in r.stderr.splitlines()[:2])
+    assert version["command"] == "defrag" and "version" in version, r.stderr
     assert first["level"] == "warning" and "deprecated" in first["msg"], r.stderr
     r = subprocess.run(
         [sys.executable, "-m", "gpupack", "--log-format=xml", "status"],

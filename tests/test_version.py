@@ -1,16 +1,21 @@
 """One version source: git tags via setuptools-scm, whose fallback_version names the release the deploy
-manifests and the operator guide pin. Places that cannot read it are checked against it here."""
+manifests, the Helm chart and the operator guide pin. Places that cannot read it are checked against
+it here, and each component's first log line names the version."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 
 import gpupack
 from gpupack import cli
@@ -49,6 +54,25 @@ def test_deploy_manifests_pin_the_release_image() -> None:
     assert tags == dict.fromkeys(tags, RELEASE)
 
 
+def test_the_chart_installs_the_release() -> None:
+    """The chart's appVersion is the image tag it installs by default; its own version moves with it
+    (one number per release)."""
+    chart = yaml.safe_load((REPO / "charts" / "gpupack" / "Chart.yaml").read_text())
+    assert str(chart["appVersion"]) == RELEASE
+    assert str(chart["version"]) == RELEASE
+
+
+def test_a_build_of_this_tree_counts_from_the_release() -> None:
+    """setuptools-scm stamps the release itself on its tag, a dev version after it elsewhere: never an
+    older number than the one the manifests pin."""
+    scm = pytest.importorskip("setuptools_scm")
+    try:
+        v = Version(scm.get_version(root=str(REPO), fallback_version=RELEASE))
+    except LookupError:
+        pytest.skip("no git metadata")
+    assert str(v) == RELEASE or (v.is_devrelease and v > Version(RELEASE)), v
+
+
 def test_docs_name_the_release_image() -> None:
     text = (REPO / "docs" / "operator-guide.md").read_text()
     found = set(re.findall(r"gpupack:(\d+\.\d+\.\d+\S*)", text))
@@ -71,3 +95,27 @@ def test_the_newest_tag_is_the_release_the_manifests_pin() -> None:
     if p.returncode != 0:
         pytest.skip("no release tag in this clone (setuptools-scm counts from fallback_version)")
     assert p.stdout.strip().removeprefix("v") == RELEASE
+
+
+# each component's start, stopped by a bad option right after its logging is set up
+STARTS = {
+    "extender": [sys.executable, "-m", "gpupack.cli", "extender", "--threads", "0"],
+    "webhook child": [sys.executable, "-m", "extender.main", "--role", "webhook", "--threads", "0"],
+    "device-plugin": [sys.executable, "-m", "gpupack.cli", "device-plugin", "--nvml-config", "x"],
+    "defrag": [sys.executable, "-m", "gpupack.cli", "defrag", "--max-evictions", "-1"],
+    "certs": [sys.executable, "-m", "gpupack.certs", "--namespace", ""],
+}
+
+
+@pytest.mark.parametrize("component", STARTS)
+def test_each_components_first_log_line_names_the_version(component: str) -> None:
+    # at level error too: the level cannot hide the version line
+    env = {**os.environ, "GPUPACK_LOG_LEVEL": "error", "GPUPACK_LOG_FORMAT": "json"}
+    p = subprocess.run(STARTS[component], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0, p.stderr  # it stopped at the bad option, after logging was set up
+    first = json.loads(p.stderr.splitlines()[0])
+    want = {"extender": "extender", "webhook child": "extender"}.get(component, component)
+    assert first["msg"] == f"gpupack {gpupack.__version__} {want} starting", first
+    assert first["version"] == gpupack.__version__ and first["command"] == want
+    if component == "webhook child":
+        assert first["role"] == "webhook"
