@@ -157,7 +157,9 @@ def _unschedulable(pod: Mapping[str, Any]) -> bool:
 
 def read_backoff(raw: Any) -> dict[str, dict[str, float]]:
     """Each group's backoff record from the owner ConfigMap: failures in a row, `until` (epoch
-    seconds) and `at` (the last failure). Anything unreadable counts as no backoff."""
+    seconds), `at` (the last failure), and `cpu` (milli) / `mem` (MiB): when the autoscaler
+    refused a placeholder for too little CPU or memory, only placeholders asking that much or more
+    are held back (0: the whole group is). Anything unreadable counts as no backoff."""
     try:
         doc = json.loads(str(raw or "{}"))
     except ValueError:
@@ -166,12 +168,24 @@ def read_backoff(raw: Any) -> dict[str, dict[str, float]]:
     for g, rec in doc.items() if isinstance(doc, dict) else ():
         try:
             vals = {k: float(rec[k]) for k in ("failures", "until", "at")}
-        except (KeyError, TypeError, ValueError):
+            vals.update({k: max(0.0, float(rec.get(k, 0))) for k in ("cpu", "mem")})
+        except (KeyError, TypeError, ValueError, AttributeError):
             continue
         if all(math.isfinite(v) for v in vals.values()):
             vals["failures"] = min(max(vals["failures"], 0), MAX_FAILURES)
             out[str(g)] = vals
     return out
+
+
+def _capped(group: NodeGroup, cap: tuple[int, int] | None) -> NodeGroup:
+    """The group as the autoscaler has shown it to be: a node holds less than the CPU (milli) or
+    memory (MiB) it refused a placeholder for."""
+    if cap is None:
+        return group
+    f = group.facts
+    cpu = f.cpu_milli if not cap[0] else min(f.cpu_milli or cap[0], cap[0] - 1)
+    mem = f.mem_bytes if not cap[1] else min(f.mem_bytes or cap[1] << 20, (cap[1] << 20) - 1)
+    return replace(group, facts=replace(f, cpu_milli=cpu, mem_bytes=mem))
 
 
 def backoff_delay(failures: int, base_s: float, cap_s: float) -> float:
@@ -255,32 +269,39 @@ class AutoscaleController:
                 upcoming[g] = upcoming.get(g, 0) + 1
         sized: list[NodeGroup] = []
         slots: dict[str, int] = {}
-        for group, node_slots, max_size in groups:
+        for group, node_slots, _ in groups:
             slots[group.name] = node_slots
+        out = PassResult()
+        owner = self._owner_cm()
+        backoff = read_backoff((owner.get("data") or {}).get(BACKOFF_KEY))
+        changed = self._failures(holders, backoff, slots, newest, out)
+        now = self.clock()
+        caps: dict[str, tuple[int, int]] = {}  # group -> the CPU / memory its placeholders stay below
+        for g, rec in backoff.items():
+            if rec["until"] > now:
+                out.backing_off[g] = rec["until"] - now
+                if rec["cpu"] or rec["mem"]:
+                    caps[g] = (int(rec["cpu"]), int(rec["mem"]))
+        for g in slots:
+            self.metrics.backoff.labels(g).set(round(out.backing_off.get(g, 0.0), 1))
+        if changed:
+            self._save_backoff(backoff, set(slots))
+        for group, _, max_size in groups:
             left = None if max_size is None else max(0, max_size - members.get(group.name, 0))
-            sized.append(replace(with_node_allocatable(group, seen.get(group.name)), max_new=left))
+            sized.append(_capped(replace(with_node_allocatable(group, seen.get(group.name)), max_new=left),
+                                 caps.get(group.name)))  # fmt: skip
         facts = {str((n.get("metadata") or {}).get("name")): node_facts(n) for n in usable}
         facts = {k: v for k, v in facts.items() if k in state.nodes}
         pending, terms, refused = self._requests(waiting)
         plan = plan_scale_up(state, pending, sized, upcoming, terms, facts)
         plan.unplaceable.update(refused)
-        out = PassResult(wanted=dict(plan.nodes), unplaceable=plan.unplaceable)
-        owner = self._owner_cm()
-        backoff = read_backoff((owner.get("data") or {}).get(BACKOFF_KEY))
-        changed = self._failures(holders, backoff, slots, newest, out)
-        now = self.clock()
-        wanted = dict(plan.nodes)
-        for g, rec in backoff.items():
-            if rec["until"] > now:
-                out.backing_off[g] = rec["until"] - now
-                wanted.pop(g, None)
-        for g in slots:
-            self.metrics.backoff.labels(g).set(round(out.backing_off.get(g, 0.0), 1))
-        if changed:
-            self._save_backoff(backoff, set(slots))
+        out.wanted, out.unplaceable = dict(plan.nodes), plan.unplaceable
+        wanted = {g: n for g, n in plan.nodes.items() if g not in out.backing_off or g in caps}
         live = [p for p in holders if (p.get("metadata") or {}).get("name") not in out.failed]
-        self._reconcile(wanted, live, slots, plan.host, out)
-        self._tell(unbound, waiting, plan.unplaceable)
+        self._reconcile(wanted, live, slots, plan.host, out, caps)
+        note = "".join(f" (group {g}: the autoscaler refused a node for {c}m CPU / {m} MiB; tried again later)"
+                       for g, (c, m) in sorted(caps.items()))  # fmt: skip
+        self._tell(unbound, waiting, plan.unplaceable, note)
         out.pinned = pinned_nodes(state)
         self._mark(nodes, state.nodes.keys(), out.pinned)
         news = set(plan.unplaceable) != self._unplaceable
@@ -324,7 +345,11 @@ class AutoscaleController:
 
     # --- what the pods are told -----------------------------------------------------------------
     def _tell(
-        self, unbound: list[dict[str, Any]], waiting: list[dict[str, Any]], unplaceable: Mapping[str, str]
+        self,
+        unbound: list[dict[str, Any]],
+        waiting: list[dict[str, Any]],
+        unplaceable: Mapping[str, str],
+        note: str = "",
     ) -> None:
         """One Event on each pod no group can take, with each group's first reason. What was told
         is kept only for pods that are still unbound, so the map never outgrows the pods."""
@@ -338,7 +363,7 @@ class AutoscaleController:
             if why is None or uid in self.told:
                 continue
             self.told[uid] = why
-            msg = f"no node group can take this pod, so none is added for it: {why}"
+            msg = f"no node group can take this pod, so none is added for it: {why}{note}"
             self.events.pod(
                 str(meta.get("namespace")), str(meta.get("name")), uid, REASON_NO_GROUP, msg, True
             )
@@ -356,6 +381,7 @@ class AutoscaleController:
         backs its group off. A node of the group made after a group's last failure ends its
         backoff. Returns whether `backoff` changed."""
         changed = False
+        failed: set[str] = set()  # groups a failure was counted for in this pass
         for g in list(backoff):
             if g not in slots or newest.get(g, 0.0) > backoff[g]["at"]:
                 del backoff[g]  # the group grew since: the autoscaler can add its nodes again
@@ -387,16 +413,32 @@ class AutoscaleController:
             if why is None:
                 continue
             group = str(meta["labels"][LABEL_PLACEHOLDER])
-            rec = backoff.get(group, {"failures": 0.0})
-            n = int(min(rec["failures"] + 1, MAX_FAILURES))
-            delay = backoff_delay(n, self.config.backoff_s, self.config.backoff_max_s)
-            backoff[group] = {"failures": float(n), "until": now + delay, "at": now}
-            changed = True
             out.failed[str(meta["name"])] = why
-            self.metrics.failures.labels(group).inc()
-            msg = f"group {group}: the autoscaler added no node for this placeholder ({why}); no placeholder of the group for {delay:g} s (failure {n} in a row)"
-            log.warning("autoscale: %s", msg)
-            self.events.pod(self.config.namespace, str(meta["name"]), uid, REASON_BACKOFF, msg, True)
+            if group not in failed:  # the group's placeholders refused together count once
+                failed.add(group)
+                changed = True
+                self.metrics.failures.labels(group).inc()
+                # refused for the host CPU or memory the placeholder carries (one tenant's pod may
+                # ask that much): only placeholders asking as much are held back, not the group
+                cpu, mem = placeholder_host(p)
+                cpu = cpu if "Insufficient cpu" in why else 0
+                mem = mem if "Insufficient memory" in why else 0
+                n = int(min(backoff.get(group, {"failures": 0.0})["failures"] + 1, MAX_FAILURES))
+                delay = backoff_delay(n, self.config.backoff_s, self.config.backoff_max_s)
+                backoff[group] = {
+                    "failures": float(n),
+                    "until": now + delay,
+                    "at": now,
+                    "cpu": cpu,
+                    "mem": mem,
+                }
+                held = "no placeholder of the group"
+                if cpu or mem:
+                    held += f" asking {cpu}m CPU or more" if cpu else f" asking {mem} MiB of memory or more"
+                msg = (f"group {group}: the autoscaler added no node for this placeholder ({why}); {held} "
+                       f"for {delay:g} s (failure {n} in a row)")  # fmt: skip
+                log.warning("autoscale: %s", msg)
+                self.events.pod(self.config.namespace, str(meta["name"]), uid, REASON_BACKOFF, msg, True)
             try:
                 self.kube.json(self.kube.core.delete_namespaced_pod, meta["name"], self.config.namespace,
                                grace_period_seconds=0)  # fmt: skip
@@ -438,6 +480,7 @@ class AutoscaleController:
         slots: Mapping[str, int],
         host: Mapping[str, tuple[int, int]],
         out: PassResult,
+        caps: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         core, ns = self.kube.core, self.config.namespace
         by_group: dict[str, list[dict[str, Any]]] = {}
@@ -446,10 +489,16 @@ class AutoscaleController:
                 by_group.setdefault(p["metadata"]["labels"][LABEL_PLACEHOLDER], []).append(p)
         for group in sorted(set(wanted) | set(by_group)):
             need = host.get(group, (0, 0))
+            cap = (caps or {}).get(group, (0, 0))
             have = sorted(by_group.get(group, []), key=lambda p: p["metadata"].get("creationTimestamp") or "")
             # one asking less host CPU or memory than the planned pods would let the autoscaler
             # add a node its own view says cannot hold them: it is made again, asking enough
-            small = [p for p in have if any(a < b for a, b in zip(placeholder_host(p), need, strict=True))]
+            small = [
+                p
+                for p in have
+                if any(a < b for a, b in zip(placeholder_host(p), need, strict=True))
+                or any(0 < c <= a for a, c in zip(placeholder_host(p), cap, strict=True))  # refused such
+            ]
             have = [p for p in have if p not in small]
             want = wanted.get(group, 0) if group in slots else 0
             for p in have[want:] + small:  # the newest go first: the autoscaler may be acting on the oldest

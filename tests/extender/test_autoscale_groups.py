@@ -128,14 +128,19 @@ def test_a_placeholder_carries_the_host_requests_of_the_pods_planned_on_its_node
         ("[1, 2]", {}),
         (
             '{"h100": {"failures": 2, "until": 10, "at": 5}}',
-            {"h100": {"failures": 2.0, "until": 10.0, "at": 5.0}},
+            {"h100": {"failures": 2.0, "until": 10.0, "at": 5.0, "cpu": 0.0, "mem": 0.0}},
         ),
         (
             '{"h100": {"failures": 1e9, "until": 1, "at": 1}}',
-            {"h100": {"failures": 30.0, "until": 1.0, "at": 1.0}},
+            {"h100": {"failures": 30.0, "until": 1.0, "at": 1.0, "cpu": 0.0, "mem": 0.0}},
         ),
         ('{"h100": {"failures": "x", "until": 1, "at": 1}, "a": {"until": 1}, "b": 7}', {}),
         ('{"h100": {"failures": 1, "until": Infinity, "at": 1}}', {}),
+        (
+            '{"h": {"failures": 1, "until": 2, "at": 1, "cpu": 8000, "mem": -5}}',
+            {"h": {"failures": 1.0, "until": 2.0, "at": 1.0, "cpu": 8000.0, "mem": 0.0}},
+        ),
+        ('{"h": {"failures": 1, "until": 2, "at": 1, "cpu": "lots"}}', {}),
     ],
 )
 def test_a_backoff_record_that_cannot_be_read_is_no_backoff(raw, want):

@@ -324,12 +324,11 @@ def test_pods_no_group_can_take_add_no_node_with_the_real_autoscaler(stack, clus
     assert "No expansion options" in st.ca.text()  # the autoscaler saw the pods and found no group either
 
 
-def test_a_scale_up_the_real_autoscaler_refuses_backs_off_instead_of_looping(stack, cluster):
+def test_a_scale_up_the_real_autoscaler_refuses_backs_off_and_holds_back_only_what_it_refused(stack, cluster):
     # gpupack's templates say 96 CPUs a node, the autoscaler's (read at its start) 64: the placeholder
     # carries the pod's 80 CPUs, so the autoscaler's own simulation refuses it (NotTriggerScaleUp)
-    st = stack(
-        [H100], flags=("--autoscale-backoff-s", "3"), templates=lambda t: t.replace("cpu: '64'", "cpu: '96'")
-    )
+    flags = ("--autoscale-backoff-s", "3")
+    st = stack([H100], flags=flags, templates=lambda t: t.replace("cpu: '64'", "cpu: '96'"))
     create_pod(cluster.core, whole_pod("cpu80", 8, cpu="80"), st.ns)
 
     def backoffs() -> list[str]:
@@ -339,10 +338,23 @@ def test_a_scale_up_the_real_autoscaler_refuses_backs_off_instead_of_looping(sta
     until(lambda: len(backoffs()) >= 3, 90, what="three failed scale-ups")
     said = backoffs()
     assert "for 3 s (failure 1 in a row)" in said[0] and "for 6 s (failure 2" in said[1], said
-    assert all("didn't trigger scale-up" in m for m in said), said  # the autoscaler's own reason
     assert "for 12 s (failure 3" in said[2], said
+    assert all("didn't trigger scale-up" in m and "asking 80000m CPU or more" in m for m in said), said
     assert st.ca.scale_ups() == [] and kwok_nodes(cluster.core) == [], diag(st)
     assert st.ext.metric('gpupack_autoscale_scale_up_failures_total{group="h100"}') >= 3
+    # the refusal holds back what asks that much only: another tenant's pod in the group gets its node
+    # (a GPU share: the autoscaler alone would add no node for it)
+    create_pod(cluster.core, share_pod("light", 20000), st.ns)
+    until(lambda: (cluster.core.read_namespaced_pod("light", st.ns).spec.node_name or "").startswith("h100"),
+          90, what="the other pod bound on a new node")  # fmt: skip
+    # the 80-CPU pod is told why it waits (once), and with the new node's allocatable (64 CPUs, which
+    # gpupack reads as the autoscaler does) it gets no placeholder again
+    (told,) = until(lambda: events(cluster.core, st.ns, REASON_NO_GROUP), 30, what="the 80-CPU pod told")
+    assert told["involvedObject"]["name"] == "cpu80" and "group h100: needs 80 CPUs" in told["message"], told
+    passes = st.ext.metric("gpupack_autoscale_passes_total ") + 5
+    until(lambda: st.ext.metric("gpupack_autoscale_passes_total ") >= passes, 60, what="five more passes")
+    assert len(kwok_nodes(cluster.core)) == 1 and not placeholders(st), diag(st)
+    assert not cluster.core.read_namespaced_pod("cpu80", st.ns).spec.node_name
 
 
 # --- the controller, one pass at a time --------------------------------------------------------
