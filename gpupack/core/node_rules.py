@@ -117,8 +117,9 @@ def host_needs(spec: Mapping[str, Any]) -> HostNeeds:
     return HostNeeds(cpu, mem, 1)
 
 
-def pod_terms(spec: Any) -> PodTerms:
-    """Take a pod's spec apart for :func:`refusal`; never raises."""
+def pod_terms(spec: Any, host: bool = True) -> PodTerms:
+    """Take a pod's spec apart for :func:`refusal`; never raises. `host=False` leaves its host
+    requests unread (for a caller that asks only :func:`rule_refusal`)."""
     spec = _dict(spec)
     affinity = _dict(_dict(spec.get("affinity")).get("nodeAffinity"))
     required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution")
@@ -126,11 +127,12 @@ def pod_terms(spec: Any) -> PodTerms:
     if required is not None:
         terms = tuple(_dict(t) for t in _list(_dict(required).get("nodeSelectorTerms")))
     tolerations = tuple(_dict(t) for t in _list(spec.get("tolerations")))
+    needs, problem = HostNeeds(), None
     try:
-        needs = host_needs(spec)
-        problem = None
+        if host:
+            needs = host_needs(spec)
     except ContractError as e:
-        needs, problem = HostNeeds(), f"cannot place: {e}"
+        problem = f"cannot place: {e}"
     return PodTerms(_dict(spec.get("nodeSelector")), terms, tolerations, needs, problem)
 
 
@@ -207,19 +209,27 @@ def _taint_text(t: Mapping[str, Any]) -> str:
     return f"{_short(t.get('key'))}{'=' + _short(v) if v else ''}:{t.get('effect')}"
 
 
-def rule_refusal(pod: PodTerms, facts: NodeFacts, where: str = "template") -> str | None:
-    """Why the node's labels and taints keep the pod off it (the first reason), or None."""
-    if pod.problem:
-        return pod.problem
+def affinity_refusal(pod: PodTerms, facts: NodeFacts, where: str = "template") -> str | None:
+    """Why the pod's nodeSelector or required node affinity keeps it off the node, or None."""
     for k, v in pod.selector.items():
         if facts.labels.get(k) != v:
             return f"nodeSelector {_short(k)}={_short(v)} not in {where} labels"
     if pod.terms is not None and not any(term_holds(t, facts) for t in pod.terms):
         return f"required node affinity: none of its {len(pod.terms)} term(s) matches the {where} labels"
+    return None
+
+
+def taint_refusal(pod: PodTerms, facts: NodeFacts) -> str | None:
+    """The first of the node's NoSchedule/NoExecute taints the pod does not tolerate, or None."""
     for t in facts.taints:
         if t.get("effect") in BLOCKING_EFFECTS and not any(tolerates(tol, t) for tol in pod.tolerations):
             return f"taint {_taint_text(t)} not tolerated"
     return None
+
+
+def rule_refusal(pod: PodTerms, facts: NodeFacts, where: str = "template") -> str | None:
+    """Why the node's labels and taints keep the pod off it (the first reason), or None."""
+    return pod.problem or affinity_refusal(pod, facts, where) or taint_refusal(pod, facts)
 
 
 def _cpus(milli: int) -> str:

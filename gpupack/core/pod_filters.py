@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpupack.contract import selector_matches
+from gpupack.core import node_rules as nr
 
 Taint = tuple[str, str, str]  # key, value, effect
 # kube-scheduler's reasons (its plugins' messages), so an Event reads as `kubectl describe` would
@@ -130,80 +131,29 @@ def placed(pod: Mapping[str, Any]) -> Placed:
 # --- NodeAffinity and TaintToleration ---------------------------------------------------------
 
 
-def node_selected(pod: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
-    """The pod's nodeSelector allows a node with these labels."""
-    sel = _spec(pod).get("nodeSelector")
-    return not isinstance(sel, Mapping) or all(labels.get(k) == v for k, v in sel.items())
-
-
-def affinity_allows(pod: Mapping[str, Any], name: str, labels: Mapping[str, str]) -> bool:
-    """The pod's required node affinity allows the node: terms ORed, a term's requirements
-    ANDed, a term with no requirement matches nothing."""
-    aff = _spec(pod).get("affinity")
-    na = aff.get("nodeAffinity") if isinstance(aff, Mapping) else None
-    req = na.get("requiredDuringSchedulingIgnoredDuringExecution") if isinstance(na, Mapping) else None
-    terms = req.get("nodeSelectorTerms") if isinstance(req, Mapping) else None
-    if not terms:
-        return True
-    for t in _list(terms):
-        exprs = _list((t or {}).get("matchExpressions")) if isinstance(t, Mapping) else []
-        flds = _list((t or {}).get("matchFields")) if isinstance(t, Mapping) else []
-        if not exprs and not flds:
-            continue
-        if all(requirement(e, labels) for e in exprs) and all(
-            requirement(f, {"metadata.name": name}) for f in flds
-        ):
-            return True
-    return False
-
-
-def requirement(e: Any, labels: Mapping[str, str]) -> bool:
-    if not isinstance(e, Mapping):
-        return False
-    key, op, values = str(e.get("key")), e.get("operator"), [str(v) for v in _list(e.get("values"))]
-    if op == "In":
-        return key in labels and labels[key] in values
-    if op == "NotIn":
-        return key not in labels or labels[key] not in values
-    if op == "Exists":
-        return key in labels
-    if op == "DoesNotExist":
-        return key not in labels
-    if op in ("Gt", "Lt") and key in labels and len(values) == 1:
-        try:
-            have, want = int(labels[key]), int(values[0])
-        except ValueError:
-            return False
-        return have > want if op == "Gt" else have < want
-    return False
-
-
-def tolerated(pod: Mapping[str, Any], taints: Iterable[Taint]) -> bool:
-    tols = [t for t in _list(_spec(pod).get("tolerations")) if isinstance(t, Mapping)]
-    for key, value, effect in taints:
-        if effect not in ("NoSchedule", "NoExecute"):
-            continue  # PreferNoSchedule only weighs
-        if not any(tolerates(t, key, value, effect) for t in tols):
-            return False
-    return True
-
-
-def tolerates(t: Mapping[str, Any], key: str, value: str, effect: str) -> bool:
-    if t.get("effect") and t.get("effect") != effect:
-        return False
-    if t.get("operator") == "Exists":
-        return not t.get("key") or t.get("key") == key
-    return t.get("key") == key and str(t.get("value") or "") == value
-
-
 def node_allows(pod: Mapping[str, Any], node: NodeFacts) -> str | None:
     """None when NodeAffinity and TaintToleration let the pod onto the node, else the reason.
-    No pod leaving changes these."""
-    if not node_selected(pod, node.labels) or not affinity_allows(pod, node.name, node.labels):
+    No pod leaving changes these. The matching itself is node_rules' (the autoscale plan asks the
+    same of a group's template), so both judge a selector or toleration alike."""
+    terms = nr.pod_terms(_spec(pod), host=False)
+    if not _affinity_ok(terms, node):
         return NODE_AFFINITY
-    if not tolerated(pod, node.taints):
+    if not _tolerated(terms, node):
         return TAINT
     return None
+
+
+def _facts(node: NodeFacts) -> nr.NodeFacts:
+    taints = tuple({"key": k, "value": v, "effect": e} for k, v, e in node.taints)
+    return nr.NodeFacts(node.labels, taints, name=node.name)
+
+
+def _affinity_ok(terms: nr.PodTerms, node: NodeFacts) -> bool:
+    return nr.affinity_refusal(terms, _facts(node), "node") is None
+
+
+def _tolerated(terms: nr.PodTerms, node: NodeFacts) -> bool:
+    return nr.taint_refusal(terms, _facts(node)) is None
 
 
 # --- NodePorts --------------------------------------------------------------------------------
@@ -364,6 +314,7 @@ def topology_spread(
     if any(k not in node.labels for k in keys):
         return SPREAD_LABEL
     staying = [p for p in staying if not p.terminating and p.namespace == ns]
+    terms = nr.pod_terms(_spec(pod), host=False)
     for c, key in zip(cons, keys, strict=True):
         sel = c.get("labelSelector")
         sel = dict(sel) if isinstance(sel, Mapping) else None
@@ -375,11 +326,9 @@ def topology_spread(
         def eligible(n: NodeFacts, c: Mapping[str, Any] = c) -> bool:
             if any(k not in n.labels for k in keys):
                 return False
-            if c.get("nodeAffinityPolicy", "Honor") == "Honor" and not (
-                node_selected(pod, n.labels) and affinity_allows(pod, n.name, n.labels)
-            ):
+            if c.get("nodeAffinityPolicy", "Honor") == "Honor" and not _affinity_ok(terms, n):
                 return False
-            return c.get("nodeTaintsPolicy", "Ignore") != "Honor" or tolerated(pod, n.taints)
+            return c.get("nodeTaintsPolicy", "Ignore") != "Honor" or _tolerated(terms, n)
 
         domains = {n.labels[key]: 0 for n in nodes.values() if eligible(n)}
         for p in staying:
