@@ -11,15 +11,12 @@ Nothing here is product code: it lives in ``tests/`` and is never installed.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import lzma
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+import realk8s
 
 REPO = Path(__file__).resolve().parents[1]
 # the two clients users run today: Helm 4 and the last Helm 3 line
@@ -46,49 +43,13 @@ def required() -> bool:
     return os.environ.get("GPUPACK_REQUIRE_K8S", "") not in ("", "0")
 
 
-def _checksums(assets: Path) -> dict[str, str]:
-    out = {}
-    for line in (assets / "SHA256SUMS").read_text().splitlines():
-        if line.strip():
-            digest, name = line.split(None, 1)
-            out[name.strip().lstrip("*")] = digest
-    return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def binary(name: str, assets: Path | None = None) -> Path:
     """Path of an unpacked, checksum-verified Helm client (``helm`` or ``helm3``)."""
     assets = assets or assets_dir()
     if assets is None:
         raise FileNotFoundError(HOW_TO_GET)
-    sums = _checksums(assets)
-    if name not in sums:
-        raise FileNotFoundError(f"{name} is not listed in {assets / 'SHA256SUMS'}")
-    key = hashlib.sha256((assets / "SHA256SUMS").read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("GPUPACK_HELM_CACHE") or Path.home() / ".cache" / "gpupack" / "helm") / key
-    target = cache / name
-    if target.is_file() and os.access(target, os.X_OK):
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=f".{name}.")
-    try:
-        with os.fdopen(fd, "wb") as out, lzma.open(assets / "bin" / f"{name}.xz") as src:
-            shutil.copyfileobj(src, out, 1 << 20)
-        if _sha256(Path(tmp)) != sums[name]:
-            raise RuntimeError(f"checksum mismatch unpacking {name} from {assets}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)  # atomic: a concurrent run sees the whole file or none
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    return target
+    cache = Path(os.environ.get("GPUPACK_HELM_CACHE") or Path.home() / ".cache" / "gpupack" / "helm")
+    return realk8s.unpack(name, assets, cache)
 
 
 def version(name: str) -> tuple[int, int, int]:

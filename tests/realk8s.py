@@ -96,11 +96,19 @@ def binary(name: str, assets: Path | None = None) -> Path:
     assets = assets or assets_dir()
     if assets is None:
         raise FileNotFoundError(HOW_TO_GET)
+    return unpack(
+        name, assets, Path(os.environ.get("GPUPACK_K8S_CACHE") or Path.home() / ".cache" / "gpupack" / "k8s")
+    )
+
+
+def unpack(name: str, assets: Path, cache_root: Path) -> Path:
+    """`assets`/bin/`name`.xz unpacked under `cache_root` (a folder per SHA256SUMS, so another
+    version never reuses it) and checked against SHA256SUMS; shared with tests/realhelm.py."""
     sums = _checksums(assets)
     if name not in sums:
         raise FileNotFoundError(f"{name} is not listed in {assets / 'SHA256SUMS'}")
     key = hashlib.sha256((assets / "SHA256SUMS").read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("GPUPACK_K8S_CACHE") or Path.home() / ".cache" / "gpupack" / "k8s") / key
+    cache = cache_root / key
     target = cache / name
     if target.is_file() and os.access(target, os.X_OK):
         return target
