@@ -29,11 +29,9 @@ recomputed, never added to, and the backoffs are read back from the placeholders
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
 import socket
 import threading
 import time
@@ -42,7 +40,6 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -548,64 +545,3 @@ class AutoscaleController:
                          if name in pinned else "may be scaled down again")  # fmt: skip
             except ApiException as e:
                 log.warning("autoscale: cannot mark node %s: %s", name, api_reason(e))
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    """`gpupack extender`'s flags for this controller (off unless --autoscale-templates is given)."""
-    p.add_argument(
-        "--autoscale-templates",
-        default="",
-        help="NAMESPACE/NAME of the ConfigMap whose key `templates` lists the cluster autoscaler's "
-        "node-group templates (a kind: List of Nodes); turns on the autoscale controller",
-    )
-    p.add_argument(
-        "--autoscale-group-label",
-        default="gpupack.io/node-group",
-        help="node label whose value is the node group (on the templates and the group's nodes)",
-    )
-    p.add_argument(
-        "--autoscale-namespace",
-        default=os.environ.get("POD_NAMESPACE", "gpupack-system"),
-        help="namespace of the placeholder pods (default: $POD_NAMESPACE, else gpupack-system)",
-    )
-    p.add_argument("--autoscale-interval-s", type=float, default=10.0, help="time between passes")
-    p.add_argument(
-        "--autoscale-backoff-s",
-        type=float,
-        default=60.0,
-        help="a node group's first pause after the autoscaler added no node for its placeholder; "
-        "doubled for each failure in a row",
-    )
-    p.add_argument("--autoscale-backoff-max-s", type=float, default=1800.0, help="the longest such pause")
-    p.add_argument(
-        "--autoscale-scale-up-timeout-s",
-        type=float,
-        default=1200.0,
-        help="a placeholder older than this had no node: a failed scale-up (keep it above the "
-        "autoscaler's --max-node-provision-time)",
-    )
-
-
-def start_from_args(
-    args: argparse.Namespace,
-    api: client.ApiClient,
-    leading: Callable[[], str] | None,
-    registry: CollectorRegistry | None = None,
-    events: EventRecorder | None = None,
-) -> None:
-    if not args.autoscale_templates:
-        return
-    if "/" not in args.autoscale_templates:
-        raise ValueError("--autoscale-templates must be NAMESPACE/NAME")
-    for flag in ("interval_s", "backoff_s", "backoff_max_s", "scale_up_timeout_s"):
-        v = getattr(args, f"autoscale_{flag}")
-        if not (math.isfinite(v) and 0 < v <= 7 * 86400):
-            raise ValueError(
-                f"--autoscale-{flag.replace('_', '-')} must be a number of seconds in (0, 604800]"
-            )
-    cfg = AutoscaleConfig(args.autoscale_templates, args.autoscale_namespace, args.autoscale_group_label,
-                          args.scheduler_name, args.autoscale_interval_s, args.autoscale_backoff_s,
-                          args.autoscale_backoff_max_s, args.autoscale_scale_up_timeout_s)  # fmt: skip
-    AutoscaleController(KubeClient(api, timeout_s=10.0), cfg, leading, events, registry).start()
-    log.info("autoscale controller on: templates %s, group label %s, placeholders in %s",
-             cfg.templates, cfg.group_label, cfg.namespace)  # fmt: skip

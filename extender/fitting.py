@@ -42,7 +42,7 @@ class Fitter:
         self._states: VersionedTable[int | None] = VersionedTable()
         self._state_ids: dict[Key, int] = {}
         self._state_seq = itertools.count()
-        view.on_node_gone(self.node_gone)
+        view.gone_hooks.add(self.node_gone)
 
     def node_gone(self, name: str) -> None:
         """Node `name` was deleted: its entries go from every kept shape's table (view lock held)."""

@@ -45,6 +45,7 @@ from .settling import Settler
 from .stale import StaleCleaner
 from .upkeep import Upkeep
 from .view import ClusterView
+from .view_upkeep import view_sizes
 from .warming import ShapeWarmer
 from .wire import BindArgs, ExtenderArgs, PodRequestError
 
@@ -115,10 +116,10 @@ class Extender:
 
     def tracked_sizes(self) -> dict[str, int]:
         """How many entries every map, set and queue this extender keeps holds, by name: the
-        view's (ClusterView.tracked_sizes) and its caches'. Those kept per pod fall back when the
+        view's (view_upkeep.view_sizes) and its caches'. Those kept per pod fall back when the
         pods go; those kept per pod shape are capped (answers.CACHE_SHAPES, the learnt mix's
         gpupack.core.workload.LEARNT_SHAPES_MAX). The `gpupack_extender_tracked_entries` gauge."""
-        out = self.view.tracked_sizes()
+        out = view_sizes(self.view)
         with self.view.lock:
             out.update(self.fitter.tracked_sizes())
             out.update(self.scorer.tracked_sizes())

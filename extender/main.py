@@ -25,8 +25,9 @@ from gpupack import logs
 from gpupack.contract import SCHEDULER_NAME
 from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
 from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy, policy_spec
+from gpupack.kubeclient import KubeConfigError
 
-from . import autoscale
+from . import autoscale_flags
 from .app import DEFAULT_MAX_BODY, WEBHOOK_MAX_BODY
 from .config import ExtenderConfig
 
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest AdmissionReview accepted (default 3.5 MiB: an object and its old version at etcd's "
         "1.5 MiB cap, and the review around them)",
     )
-    autoscale.add_flags(p)
+    autoscale_flags.add_flags(p)
     logs.add_log_flags(p)
     p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
     return p
@@ -296,7 +297,7 @@ def _extender_factory(
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
                       args.preemption_interval_s, marks=marks).start()  # fmt: skip
-        autoscale.start_from_args(
+        autoscale_flags.start_from_args(
             args, api, None if fence is None else fence.problem, metrics.registry, events
         )
         log.info("extender policy=%s seed=%d filter-keep-best=%d workload=%s; syncing with the API server",
@@ -342,11 +343,6 @@ def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.setup(args)
-    if args.unbound_grace_s is not None:
-        log.warning(
-            "--unbound-grace-s is deprecated and ignored: no pod holds an assignment unbound any more"
-        )
     try:
         make_policy(args)  # in the arbiter: a bad flag or file is one line and status 2, not a dead worker
         extender_config(args)
@@ -367,7 +363,21 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.isfile(f):
                 print(f"gpupack extender: {f}: no such file", file=sys.stderr)
                 return 2
+    # logging (and its version line) once the flags are known good: a bad flag is one line
+    logs.setup(args)
+    if args.unbound_grace_s is not None:
+        log.warning(
+            "--unbound-grace-s is deprecated and ignored: no pod holds an assignment unbound any more"
+        )
+    try:
+        return _serve(args, argv)
+    except KubeConfigError as e:  # a kubeconfig or in-cluster account that does not load: one line
+        print(f"gpupack extender: {e}", file=sys.stderr)
+        return 2
 
+
+def _serve(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The listeners of `--role` (and the supervised webhook child with role all), until SIGTERM."""
     if args.role == "webhook":
         # open to the network (the API server calls it): served so that slow or idle connections
         # cannot stall admission (guarded.py)

@@ -33,16 +33,17 @@ from typing import Any
 from gpupack import handoff
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.model import FULL, Node
-from gpupack.core.pod_filters import AFFINITY, NodeFacts
+from gpupack.core.pod_filters import AFFINITY
 from gpupack.core.preemption import Choice, Preemptor, Victim, choose, without
 from gpupack.events import EventRecorder
 from gpupack.kubeclient import ApiException, KubeClient, api_reason
 
 from . import preempt_feasibility as pf
 from . import preempt_inputs as pin
+from . import preempt_snapshot as snap
 from . import reservations as resv
 from .framework import Extender
-from .hostuse import NO_HOST_USE, ram_mib
+from .hostuse import NO_HOST_USE
 from .kube import NamespaceUnreadable
 from .lease import LeaseFence
 from .node_resources import HostedPodRequest
@@ -119,7 +120,7 @@ class Preempter:
         if not self.view.synced.is_set() or (self.fence is not None and self.fence.problem()):
             return done
         now, started = self.ext.clock(), time.monotonic()
-        own = self._own_reservations(now)
+        own = snap.own_reservations(self.view, now)
         if not own and self.marks is not None and self.marks.none():
             self.skipped += 1
             self.act.forget(set())  # no pod marked, no hold: no retry to ask for, nothing said
@@ -181,7 +182,9 @@ class Preempter:
         pdbs = self.kc.list_all(self.kc.policy.list_pod_disruption_budget_for_all_namespaces)
         allowed = pin.budget_allows(pdbs)
         track = self.view.track_host
-        nodes, gpu_nodes, constraints, classes, host, room, leaving = self._nodes(now, taken, running)
+        nodes, gpu_nodes, constraints, classes, host, room, leaving = snap.pass_nodes(
+            self.view, now, taken, running
+        )
         pool = pin.victims_of(running, classes, pdbs, taken, host_only=track)
         pool = {
             k: replace(v, cpu_milli=host[k][0], ram_mib=host[k][1]) if k in host else v
@@ -193,7 +196,7 @@ class Preempter:
                 (t[0].get("metadata") or {}).get("creationTimestamp") or "",
             )
         )
-        place = PodsInPlace(running, self._node_facts(), self._ns_labels)
+        place = PodsInPlace(running, snap.node_facts(self.view), self._ns_labels)
         pass_ = _Pass(nodes, gpu_nodes, constraints, room, leaving, pool, allowed, by_key, place, now)
         for p, req in todo:
             outcome = self._isolated(p, partial(self._plan, p, req, pass_), error=-1)
@@ -281,7 +284,7 @@ class Preempter:
             self.metrics.preemptions.labels("fits").inc()
             if choice.node in room:
                 room[choice.node] -= 1
-            if choice.node in leaving and not self._fits_now(choice.node, pre, ps.now):
+            if choice.node in leaving and not snap.fits_now(self.view, choice.node, pre, ps.now):
                 # only once they are gone (another preemptor's victims): held for it as for
                 # its own, so no lower-priority pod takes it meanwhile
                 r = self._reservation(p, pre, choice, nodes[choice.node], ps.by_key, ps.now)
@@ -343,10 +346,6 @@ class Preempter:
         )  # fmt: skip
         return 1
 
-    def _node_facts(self) -> dict[str, NodeFacts]:
-        with self.view.lock:
-            return {n: NodeFacts(n, info.labels, info.taints) for n, info in self.view.nodes.items()}
-
     def _ns_labels(self, ns: str) -> dict[str, str] | None:
         try:
             return self.kube.namespace_labels(ns)
@@ -373,87 +372,6 @@ class Preempter:
         # a pod needing no GPU waits for CPU, memory or a pod slot: those are counted only with
         # the view's host tracking (kube-scheduler's NodeResourcesFit filter off)
         return req if req.needs_gpu or self.view.track_host else None
-
-    def _own_reservations(self, now: datetime) -> dict[str, list[Reservation]]:
-        with self.view.lock:
-            out: dict[str, list[Reservation]] = {}
-            for name, info in self.view.nodes.items():
-                # consumed ones too: the hold of a pod bound there is removed like any other
-                mine = [
-                    r
-                    for r in resv.active(info.reservations, now)
-                    if r.owner_kind == "Pod" and r.id.startswith(pin.PREEMPT_PREFIX)
-                ]
-                if mine:
-                    out[name] = mine
-            return out
-
-    def _nodes(
-        self, now: datetime, taken: set[str], running: list[dict[str, Any]]
-    ) -> tuple[
-        dict[str, Node],
-        set[str],
-        dict[str, frozenset[tuple[str, str, str]]],
-        dict[str, str],
-        dict[str, tuple[int, int]],
-        dict[str, int],
-        set[str],
-    ]:
-        """Copies of the view's schedulable nodes as they will be: the pods already on their way
-        out (`taken` victims, pods being deleted) gone, their host room too, and every active
-        reservation held; the nodes a GPU pod can start on (the device plugin registered); each
-        node's taints; the class each pod holds its GPUs for; the host CPU (milli) and memory
-        (MiB) each pod frees when it goes; and, with host tracking, the pods each node can still
-        take; the nodes pods are leaving. Counting the leavers as gone lets a second preemptor use the room a first one's
-        victims leave beyond its hold (two 40 GB shares on one GPU: one GPU's victims, not two)."""
-        leaving: dict[str, set[str]] = {}
-        for p in running:
-            where = str((p.get("spec") or {}).get("nodeName") or "")
-            k = pin.key_of(p)
-            if where and (k in taken or (p.get("metadata") or {}).get("deletionTimestamp")):
-                leaving.setdefault(where, set()).add(k)
-        with self.view.lock:
-            track = self.view.track_host
-            for k, gp in self.view.pods.items():
-                if k in taken or gp.deleting:
-                    leaving.setdefault(gp.node, set()).add(k)
-            host: dict[str, tuple[int, int]] = {}
-            if track:
-                for k, hp in self.view.host.pods.items():
-                    host[k] = (hp.use.cpu_milli, ram_mib(hp.use.mem_bytes))
-            for k, gp in self.view.pods.items():
-                host.setdefault(k, (gp.host.cpu_milli, ram_mib(gp.host.mem_bytes)))
-            freed = {k: Victim(k, cpu_milli=c, ram_mib=m) for k, (c, m) in host.items()}
-            nodes: dict[str, Node] = {}
-            gpu_nodes: set[str] = set()
-            taints: dict[str, frozenset[tuple[str, str, str]]] = {}
-            room: dict[str, int] = {}
-            for name, node in self.view.state.nodes.items():
-                info = self.view.nodes.get(name)
-                if info is None or info.unschedulable:
-                    continue
-                if info.slots > 0 and node.gpus:
-                    gpu_nodes.add(name)
-                elif not track:
-                    continue  # no device plugin there: no GPU pod can start on it
-                gone = leaving.get(name, set())
-                base = without(node, gone, freed) if gone else node
-                nodes[name] = resv.hold(base, self.view.active_reservations(name, now))
-                taints[name] = info.taints
-                if track and info.pods_allowed > 0:
-                    held = sum(r.host_pods for r in self.view.active_reservations(name, now))
-                    room[name] = info.pods_allowed - info.pod_count + len(gone) - held
-            classes = {k: p.assignment.pod_class for k, p in self.view.pods.items()}
-            return nodes, gpu_nodes, taints, classes, host, room, {n for n, ks in leaving.items() if ks}
-
-    def _fits_now(self, name: str, pre: Preemptor, now: datetime) -> bool:
-        """Whether `pre` fits on the node as the view has it, the pods on their way out still there."""
-        with self.view.lock:
-            node = self.view.state.nodes.get(name)
-            if node is None:
-                return False
-            held = resv.hold(node, self.view.active_reservations(name, now))
-        return choose([held], pre, {}) is not None
 
     def _reservation(
         self,

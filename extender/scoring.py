@@ -73,7 +73,7 @@ class Scorer:
         # the last best()'s nodes scored and whether a stale order served (the slow-filter log)
         self.last_scored = 0
         self.last_stale = False
-        view.on_node_gone(self.node_gone)
+        view.gone_hooks.add(self.node_gone)
 
     def node_gone(self, name: str) -> None:
         """Node `name` was deleted: its scores go from every kept (shape, epoch) (view lock held).

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from datetime import datetime
@@ -55,6 +54,7 @@ from .records import (
     init_names,
     pod_slots,
 )
+from .view_upkeep import NodeGoneHooks
 
 log = logging.getLogger("gpupack.extender.view")
 
@@ -89,16 +89,9 @@ class ClusterView:
         self.host = HostLedger(self)  # host resources in use per node (with track_host)
         self.locks = BindLocks(self)  # pending handoffs, binds in progress, expected binds, doubts
         self.node_book = NodeBook(self)  # Node objects into `nodes` and `state.nodes`
-        # Told (view lock held) of each node deleted, so that what the answer caches keep per node
-        # goes with it: a long-lived pod shape's tables would otherwise keep an entry for every
-        # node an autoscaled cluster ever had. Weak: an Extender built on this view and dropped
-        # (a test's probe) is not kept alive by it.
-        self._node_gone: list[weakref.WeakMethod[Callable[[str], None]]] = []
-
-    def on_node_gone(self, fn: Callable[[str], None]) -> None:
-        """Call the bound method `fn` with a node's name once the node is deleted (lock held)."""
-        self._node_gone = [r for r in self._node_gone if r() is not None]
-        self._node_gone.append(weakref.WeakMethod(fn))
+        # told (view lock held) of each node deleted, so that what the answer caches keep per
+        # node goes with it (view_upkeep.py)
+        self.gone_hooks = NodeGoneHooks()
 
     def node_gone(self, name: str) -> None:
         """A node was deleted: what is kept of it anywhere goes. View lock held."""
@@ -108,32 +101,7 @@ class ClusterView:
             self.slot_use.pop(name, None)  # pods still charged there keep theirs (the node may return)
         if not self.consumed.get(name):
             self.consumed.pop(name, None)
-        alive = []
-        for ref in self._node_gone:
-            fn = ref()
-            if fn is not None:
-                fn(name)
-                alive.append(ref)
-        self._node_gone = alive
-
-    def tracked_sizes(self) -> dict[str, int]:
-        """How many entries each map and set the view keeps holds (a nested map counts its inner
-        entries too): what must fall back when pods and nodes go. For tests, and the
-        `gpupack_extender_tracked_entries` gauge. Takes the lock."""
-        with self.lock:
-            return {
-                "view.nodes": len(self.nodes),
-                "view.pods": len(self.pods),
-                "view.state.nodes": len(self.state.nodes),
-                "view.state.pods": len(self.state.pods),
-                "view.slot_use": len(self.slot_use) + sum(map(len, self.slot_use.values())),
-                "view.consumed": len(self.consumed) + sum(map(len, self.consumed.values())),
-                "view.problems": len(self.problems),
-                "view.reserved": len(self.reserved),
-                "view.journal": len(self.journal.entries),  # capped (journal.JOURNAL_MAX)
-                **self.host.tracked_sizes(),
-                **self.locks.tracked_sizes(),
-            }
+        self.gone_hooks.fire(name)
 
     # --- nodes ---------------------------------------------------------------------------------
     def problem(self, kind: str, obj: str, msg: str) -> None:
@@ -251,7 +219,7 @@ class ClusterView:
         ann = meta.get("annotations") or {}
         raw = ann.get(ANN_ASSIGNMENT)
         if raw is None and not deleted and phase not in TERMINAL:
-            raw = self._from_record(key, obj, ann)
+            raw = charge_from_record(self, key, obj, ann)
         a = None
         if raw is not None and not deleted and phase not in TERMINAL:
             with self.lock:
@@ -319,26 +287,6 @@ class ClusterView:
             self.charge(info)
             self.locks.index_pending(info)
             self.changed.notify_all()
-
-    def _from_record(self, key: str, obj: dict[str, Any], ann: dict[str, Any]) -> str | None:
-        """A bound pod without its assignment (removed by an account trusted to write it): the
-        shares its containers were handed, from the device plugin's allocation record, as an
-        assignment to charge (None: no record of them). So the share outlives the removal across
-        restarts too. The record is checked like an assignment (this pod's UID, its node), and only
-        gpupack's accounts may write it (docs/contract.md §7)."""
-        rec = ann.get(ANN_ALLOCATED)
-        if rec is None or not (obj.get("spec") or {}).get("nodeName"):
-            return None
-        try:
-            held = decode_allocation(rec, key)
-        except ContractError as e:
-            self.problem("corrupt-assignment", f"pod/{key}", str(e))
-            return None
-        if held is None or not held.containers:
-            return None  # an older plugin's record names containers only
-        self.problem("stripped-assignment", f"pod/{key}", f"pod {key} lost its {ANN_ASSIGNMENT} annotation "
-                     f"while running; its share is charged from its {ANN_ALLOCATED} record")  # fmt: skip
-        return held.to_json()
 
     def _holds(self, old: PodInfo | None, uid: str, raw: str) -> TypeGuard[PodInfo]:
         """Whether `old` is this pod (`uid`) with the assignment `raw` charged. View lock held."""
@@ -510,3 +458,24 @@ class ClusterView:
     def snapshot_pods_on(self, node: str) -> list[PodInfo]:
         with self.lock:
             return [replace(p) for p in self.pods.values() if p.node == node]
+
+
+def charge_from_record(view: ClusterView, key: str, obj: dict[str, Any], ann: dict[str, Any]) -> str | None:
+    """A bound pod without its assignment (removed by an account trusted to write it): the
+    shares its containers were handed, from the device plugin's allocation record, as an
+    assignment to charge (None: no record of them). So the share outlives the removal across
+    restarts too. The record is checked like an assignment (this pod's UID, its node), and only
+    gpupack's accounts may write it (docs/contract.md §7)."""
+    rec = ann.get(ANN_ALLOCATED)
+    if rec is None or not (obj.get("spec") or {}).get("nodeName"):
+        return None
+    try:
+        held = decode_allocation(rec, key)
+    except ContractError as e:
+        view.problem("corrupt-assignment", f"pod/{key}", str(e))
+        return None
+    if held is None or not held.containers:
+        return None  # an older plugin's record names containers only
+    view.problem("stripped-assignment", f"pod/{key}", f"pod {key} lost its {ANN_ASSIGNMENT} annotation "
+                 f"while running; its share is charged from its {ANN_ALLOCATED} record")  # fmt: skip
+    return held.to_json()

@@ -97,10 +97,22 @@ def test_the_newest_tag_is_the_release_the_manifests_pin() -> None:
     assert p.stdout.strip().removeprefix("v") == RELEASE
 
 
-# each component's start, stopped by a bad option right after its logging is set up
+# each component's start, stopped right after its logging is set up (by a bad option, or for the
+# extender, whose flags are checked before logging so that a bad one is one line, a kubeconfig
+# that does not load)
+NO_KUBECONFIG = ["--kubeconfig", "/nonexistent", "--port", "0", "--metrics-port", "0"]
 STARTS = {
-    "extender": [sys.executable, "-m", "gpupack.cli", "extender", "--threads", "0"],
-    "webhook child": [sys.executable, "-m", "extender.main", "--role", "webhook", "--threads", "0"],
+    "extender": [sys.executable, "-m", "gpupack.cli", "extender", "--webhook-port", "0", *NO_KUBECONFIG],
+    "webhook child": [
+        sys.executable,
+        "-m",
+        "extender.main",
+        "--role",
+        "webhook",
+        "--webhook-port",
+        "0",
+        *NO_KUBECONFIG,
+    ],  # fmt: skip
     "device-plugin": [sys.executable, "-m", "gpupack.cli", "device-plugin", "--nvml-config", "x"],
     "defrag": [sys.executable, "-m", "gpupack.cli", "defrag", "--max-evictions", "-1"],
     "certs": [sys.executable, "-m", "gpupack.certs", "--namespace", ""],

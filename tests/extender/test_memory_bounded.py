@@ -33,6 +33,7 @@ from extender.kube import Kube, api_client
 from extender.records import init_names, pod_slots
 from extender.sync import Sync
 from extender.view import ClusterView
+from extender.view_upkeep import view_sizes
 from extender.warming import QUEUE_MAX, TOLD_MAX, pending_watcher
 from extender.wire import BindArgs, parse_extender_args
 from gpupack import handoff
@@ -441,7 +442,7 @@ def test_pods_created_and_deleted_through_the_api_server_leave_the_tracked_state
 
         _in_threads(bind, to_bind)
         until(lambda: len(view.pods) == third, WAIT_S, "the bound GPU pods charged from the watch")
-        until(lambda: view.tracked_sizes()["host.pods"] >= 2 * third, WAIT_S, "every bound pod watched")
+        until(lambda: view_sizes(view)["host.pods"] >= 2 * third, WAIT_S, "every bound pod watched")
         during = ext.tracked_sizes()
         assert during["view.problems"] == before["view.problems"]  # every assignment charged cleanly
         t1 = time.perf_counter()
