@@ -328,7 +328,7 @@ class PreemptionActions:
     def evict(self, v: dict[str, Any], for_key: str, priority: int = 0, node: str = "") -> None:
         """Evict `v` through the Eviction API. A budget that refuses it is waited out (each pass
         tries again while the room is held), even when every choice had to break a budget: the
-        extender holds no right to delete pods (issue 31), so a budget is never overridden."""
+        extender holds no right to delete pods (its RBAC), so a budget is never overridden."""
         meta = v.get("metadata") or {}
         ns, name, uid = meta.get("namespace") or "default", str(meta.get("name")), pin.uid_of(v)
         try:

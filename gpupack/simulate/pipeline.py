@@ -4,7 +4,7 @@ The default replay (:mod:`gpupack.simulate.replay`) lets the policy place every 
 knowing each node's CPU and memory and given the trace's workload. A cluster differs where it must:
 
 - **CPU-only pods may not reach the extender.** A profile that lists gpupack's resources as the
-  extender's `managedResources` (before issue 12) has kube-scheduler call it only for pods
+  extender's `managedResources` (as the profile once did) has kube-scheduler call it only for pods
   requesting one of them; every other pod is placed by kube-scheduler's default score plugins
   (NodeResourcesFit LeastAllocated over cpu and memory, NodeResourcesBalancedAllocation; the others
   score every node alike here: no taints, affinities, images or spread constraints), ties broken
