@@ -104,7 +104,7 @@ def make_nvml(args: argparse.Namespace) -> NvmlFacade:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logs.setup(args)
+    logs.setup(args, starting=not args.discover)
     try:
         nvml = make_nvml(args)
         init_nvml(nvml)

@@ -109,7 +109,7 @@ def render(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.setup(args)
+    logs.setup(args, starting=False)
     try:
         from kubernetes.client.rest import ApiException
         from kubernetes.config import ConfigException

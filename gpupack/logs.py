@@ -168,12 +168,14 @@ def announce(args: argparse.Namespace) -> None:
         handler.handle(record)
 
 
-def setup(args: argparse.Namespace, stream: TextIO | None = None) -> None:
+def setup(args: argparse.Namespace, stream: TextIO | None = None, starting: bool = True) -> None:
     """configure() from the flags add_log_flags added; warns once about a deprecated alias used.
     Logging to the process's stderr (no `stream`: a component starting), the first line is the
-    version line (announce); a caller that hands its own stream (a test, an embedding) gets none."""
+    version line (announce); a caller that hands its own stream (a test, an embedding) gets none,
+    nor does a one-shot command that serves nothing (`starting=False`: `gpupack status`, the
+    device plugin's `--discover`), whose output is its answer."""
     configure(args.log_level, args.log_format, stream)
-    if stream is None:
+    if stream is None and starting:
         announce(args)
     for flag in getattr(args, "deprecated_flags", []):
         logging.getLogger("gpupack").warning("%s is deprecated; use --log-level debug", flag)

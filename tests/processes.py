@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,15 @@ from typing import Any
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# a component's first line on stderr (gpupack/logs.py announce), before any error it reports
+VERSION_LINE = re.compile(r"gpupack \S+ \S+ starting")
+
+
+def error_lines(stderr: str) -> list[str]:
+    """`stderr`'s lines less the component's version line: what an error said."""
+    return [line for line in stderr.splitlines() if line.strip() and not VERSION_LINE.search(line)]
 
 
 def free_port() -> int:
