@@ -5,9 +5,8 @@
 # Base image pinned by exact tag. Pin it by digest too where your registry policy asks for it:
 #   docker buildx imagetools inspect python:3.11.11-slim-bookworm   (then PYTHON_IMAGE=...@sha256:...)
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
-# The version is the git tag; the build context has no .git, so pass it in:
-#   docker build --build-arg GPUPACK_VERSION="$(git describe --tags | sed 's/^v//')" .
-# Left empty, the image is the release pyproject.toml names (tool.setuptools_scm.fallback_version).
+# The version is the release pyproject.toml names ([project] version); GPUPACK_VERSION only labels
+# the image (org.opencontainers.image.version), e.g. --build-arg GPUPACK_VERSION=0.2.0.
 ARG GPUPACK_VERSION=""
 
 # --- build: install gpupack and its dependencies into a virtualenv --------------------------------
@@ -27,8 +26,7 @@ RUN mkdir -p gpupack deviceplugin extender \
 COPY gpupack ./gpupack
 COPY deviceplugin ./deviceplugin
 COPY extender ./extender
-RUN if [ -n "$GPUPACK_VERSION" ]; then export SETUPTOOLS_SCM_PRETEND_VERSION_FOR_GPUPACK="$GPUPACK_VERSION"; fi \
- && /opt/gpupack/bin/pip install --no-deps . \
+RUN /opt/gpupack/bin/pip install --no-deps . \
  && /opt/gpupack/bin/gpupack --version \
  && /opt/gpupack/bin/python -m gpupack.certs --help >/dev/null
 # No packaging tools at run time, in the virtualenv or in the base interpreter.

@@ -3,7 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 try:
-    # Stamped at install time from the git tag (setuptools-scm); pyproject.toml says how.
+    # The installed distribution's version: pyproject.toml's [project] version.
     __version__: str = version("gpupack")
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"

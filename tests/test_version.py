@@ -1,5 +1,5 @@
-"""One version source: git tags via setuptools-scm, whose fallback_version names the release the deploy
-manifests, the Helm chart and the operator guide pin. Places that cannot read it are checked against
+"""One version source: `version` in pyproject.toml, the release the deploy manifests, the Helm chart
+and the operator guide pin. Places that cannot read it are checked against
 it here, and each component's first log line names the version."""
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from packaging.version import Version
 
 import gpupack
 from gpupack import cli
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-RELEASE = PYPROJECT["tool"]["setuptools_scm"]["fallback_version"]
+RELEASE = PYPROJECT["project"]["version"]
 KUSTOMIZATIONS = sorted(REPO.glob("deploy/**/kustomization.yaml"))
 
 
-def test_the_version_is_not_written_in_pyproject_or_code() -> None:
-    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+def test_the_version_is_written_once_in_pyproject_and_never_in_code() -> None:
+    assert "version" not in PYPROJECT["project"].get("dynamic", [])
+    assert re.fullmatch(r"\d+\.\d+\.\d+", RELEASE), RELEASE
     literal = re.compile(r"__version__\s*(:\s*str\s*)?=\s*['\"]\d+\.\d+")
     offenders = [
         str(p.relative_to(REPO))
@@ -62,15 +62,11 @@ def test_the_chart_installs_the_release() -> None:
     assert str(chart["version"]) == RELEASE
 
 
-def test_a_build_of_this_tree_counts_from_the_release() -> None:
-    """setuptools-scm stamps the release itself on its tag, a dev version after it elsewhere: never an
-    older number than the one the manifests pin."""
-    scm = pytest.importorskip("setuptools_scm")
-    try:
-        v = Version(scm.get_version(root=str(REPO), fallback_version=RELEASE))
-    except LookupError:
-        pytest.skip("no git metadata")
-    assert str(v) == RELEASE or (v.is_devrelease and v > Version(RELEASE)), v
+def test_dash_dash_version_names_the_chart_app_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a user reads from `gpupack --version` is the release the chart installs."""
+    chart = yaml.safe_load((REPO / "charts" / "gpupack" / "Chart.yaml").read_text())
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"gpupack {chart['appVersion']}"
 
 
 def test_docs_name_the_release_image() -> None:
@@ -78,23 +74,6 @@ def test_docs_name_the_release_image() -> None:
     found = set(re.findall(r"gpupack:(\d+\.\d+\.\d+\S*)", text))
     found |= set(re.findall(r"newTag: (\d+\.\d+\.\d+\S*)", text))
     assert found <= {RELEASE}, f"operator guide names {found}, the release is {RELEASE}"
-
-
-def test_the_newest_tag_is_the_release_the_manifests_pin() -> None:
-    """Cutting a release means tagging it and moving fallback_version and the manifests with it."""
-    try:
-        p = subprocess.run(
-            ["git", "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except FileNotFoundError:
-        pytest.skip("no git")
-    if p.returncode != 0:
-        pytest.skip("no release tag in this clone (setuptools-scm counts from fallback_version)")
-    assert p.stdout.strip().removeprefix("v") == RELEASE
 
 
 # each component's start, stopped right after its logging is set up (by a bad option, or for the

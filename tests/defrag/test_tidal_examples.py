@@ -13,7 +13,7 @@ from extender.defrag.cli import build_parser
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "deploy" / "examples"
 # the release the manifests pin (tests/test_version.py holds every kustomization to it)
-RELEASE = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools_scm"]["fallback_version"]
+RELEASE = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
 def pinned_image(kustomization: Path) -> str:
