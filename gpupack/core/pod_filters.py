@@ -135,25 +135,18 @@ def node_allows(pod: Mapping[str, Any], node: NodeFacts) -> str | None:
     """None when NodeAffinity and TaintToleration let the pod onto the node, else the reason.
     No pod leaving changes these. The matching itself is node_rules' (the autoscale plan asks the
     same of a group's template), so both judge a selector or toleration alike."""
-    terms = nr.pod_terms(_spec(pod), host=False)
-    if not _affinity_ok(terms, node):
+    terms, facts = nr.pod_terms(_spec(pod), host=False), _facts(node)
+    if nr.affinity_refusal(terms, facts, "node") is not None:
         return NODE_AFFINITY
-    if not _tolerated(terms, node):
+    if nr.taint_refusal(terms, facts) is not None:
         return TAINT
     return None
 
 
 def _facts(node: NodeFacts) -> nr.NodeFacts:
+    """The node as node_rules reads it (taints as the API's dicts)."""
     taints = tuple({"key": k, "value": v, "effect": e} for k, v, e in node.taints)
     return nr.NodeFacts(node.labels, taints, name=node.name)
-
-
-def _affinity_ok(terms: nr.PodTerms, node: NodeFacts) -> bool:
-    return nr.affinity_refusal(terms, _facts(node), "node") is None
-
-
-def _tolerated(terms: nr.PodTerms, node: NodeFacts) -> bool:
-    return nr.taint_refusal(terms, _facts(node)) is None
 
 
 # --- NodePorts --------------------------------------------------------------------------------
@@ -326,9 +319,13 @@ def topology_spread(
         def eligible(n: NodeFacts, c: Mapping[str, Any] = c) -> bool:
             if any(k not in n.labels for k in keys):
                 return False
-            if c.get("nodeAffinityPolicy", "Honor") == "Honor" and not _affinity_ok(terms, n):
+            facts = _facts(n)
+            if (
+                c.get("nodeAffinityPolicy", "Honor") == "Honor"
+                and nr.affinity_refusal(terms, facts) is not None
+            ):
                 return False
-            return c.get("nodeTaintsPolicy", "Ignore") != "Honor" or _tolerated(terms, n)
+            return c.get("nodeTaintsPolicy", "Ignore") != "Honor" or nr.taint_refusal(terms, facts) is None
 
         domains = {n.labels[key]: 0 for n in nodes.values() if eligible(n)}
         for p in staying:
