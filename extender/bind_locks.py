@@ -7,14 +7,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from gpupack import handoff
 
 from .records import PodInfo
-
-if TYPE_CHECKING:
-    from .view import ClusterView
+from .view_shared import ViewShared
 
 # `expected` is swept of expired entries when it grows past this many (see BindLocks.expect).
 EXPECTED_SWEEP = 256
@@ -23,7 +20,7 @@ EXPECTED_SWEEP = 256
 class BindLocks:
     """Part of the cluster view (ClusterView.locks); its lock guards it."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ViewShared) -> None:
         self.view = view
         # node -> keys of its pods whose handoff is pending; only nodes that have one (an empty set is
         # dropped), so its size is the number of pending handoffs, not of nodes that ever had one

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpupack.core.model import PlacementError
 
 from .hostuse import MIB, NO_HOST_USE, HostPod, HostUse, grew, host_plus, pod_host_request, ram_mib
 from .records import TERMINAL
-
-if TYPE_CHECKING:
-    from .view import ClusterView
+from .view_shared import ViewShared
 
 
 class HostLedger:
     """Part of the cluster view (ClusterView.host); its lock guards it."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ViewShared) -> None:
         self.view = view
         # Assigned pods of the whole cluster (a second, field-selected watch): pod key -> HostPod.
         # A gpupack pod not in it yet (assumed, or its Binding not echoed) is charged from its

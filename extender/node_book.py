@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpupack.contract import (
     ANN_INVENTORY,
@@ -26,16 +26,14 @@ from .records import (
     node_ready,
     room_grew,
 )
-
-if TYPE_CHECKING:
-    from .view import ClusterView
+from .view_shared import ViewShared
 
 
 class NodeBook:
     """Part of the cluster view (ClusterView.node_book); its lock guards it. The records it keeps
     are the view's `nodes`, and the core's Nodes its `state.nodes`."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ViewShared) -> None:
         self.view = view
 
     def apply(self, obj: dict[str, Any]) -> None:
