@@ -26,8 +26,13 @@ BestFit), the simulator's pipeline mode (gpupack.simulate.pipeline, configured f
 profile and the extender flags in effect) and the real cluster, computed from the pods' assignment
 annotations; and how many placements (node, GPUs) differ from each simulation.
 
+`--mode dra`: the same nodes and arrival order through DRA with kube-scheduler's own allocator and
+no extender (benchmarks/replay_dra.py; needs v1.36 assets); `--mode both` runs the device-plugin
+replay and then that one, each on a control plane of its own.
+
     nice -n 10 python benchmarks/replay_realk8s.py                       # 150 nodes, default, seed 42
     python benchmarks/replay_realk8s.py --nodes 20 --seed 1 --policy fgd --json
+    GPUPACK_K8S_ASSETS=../shared/k8s-1.36 python benchmarks/replay_realk8s.py --mode dra --seed 43
 """
 
 from __future__ import annotations
@@ -394,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="pause after each pod, so the extender's watch has seen it bound and its handoff end")  # fmt: skip
     ap.add_argument("--pod-timeout", type=float, default=60.0)
     ap.add_argument("--sim-only", action="store_true", help="skip the real cluster")
+    ap.add_argument("--mode", choices=("device-plugin", "dra", "both"), default="device-plugin",
+                    help="the real cluster: gpupack's extender and device-plugin resources, DRA with "
+                         "the in-tree allocator alone (v1.36), or both one after the other")  # fmt: skip
+    ap.add_argument("--dra-gap-ms", type=float, default=0.0,
+                    help="pause after each pod in the DRA replay (no extender watch to catch up)")  # fmt: skip
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--what-if", action="append", default=[], metavar="FIELD=VALUE",
                     help="also run the pipeline model with this PipelineConfig field changed (repeatable; "
@@ -428,7 +438,14 @@ def main(argv: list[str] | None = None) -> int:
                 k, v = kv.split("=", 1)
                 changed[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
             what_if = (changed, replay_mode("pipeline", sl, sub, args.policy, args.seed, order, **changed))
-        real, info = (None, {}) if args.sim_only else run_real(args, sl, sub, order, st, workdir)
+        dp = not args.sim_only and args.mode != "dra"
+        real, info = run_real(args, sl, sub, order, st, workdir) if dp else (None, {})
+        dra_real, dra_info = (None, {})
+        if not args.sim_only and args.mode != "device-plugin":
+            import replay_dra
+
+            dra_real, dra_info = replay_dra.run(sl, sub, order, workdir, args.dra_gap_ms, args.pod_timeout,
+                                                args.progress)  # fmt: skip
 
     out: dict[str, Any] = {
         "nodes": len(sl), "gpus": int(sl.gpus.sum()), "trace": args.trace, "seed": args.seed, "policy": args.policy,
@@ -490,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
             round(100 * (fgd - real.unallocated_pct_at_100) / fgd, 1) if fgd else None
         )
         out.update(info)
+    if dra_real is not None:
+        out["unallocated_pct_at_100"]["real_dra_in_tree"] = round(dra_real.unallocated_pct_at_100, 2)
+        out["placed"]["real_dra_in_tree"] = dra_real.placed
+        out["differ_real_dra_vs_sim_default"] = differ(dra_real, sim)
+        out["dra"] = {**dra_info, "seconds_per_pod": round(dra_info["replay_s"] / max(1, len(order)), 3)}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -514,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"real - sim ({args.policy}): {out['real_vs_sim_same_policy_points']:+.2f} points; "
                   f"real below sim FGD by {out['real_below_sim_fgd_pct']}%; "
                   f"setup {info['setup_s']}s, replay {info['replay_s']}s")  # fmt: skip
+        if dra_real is not None:
+            print(f"DRA, in-tree allocator alone: {out['dra']} ; placements differing from sim default "
+                  f"{tuple(out['differ_real_dra_vs_sim_default'].values())}")  # fmt: skip
     return 0
 
 
