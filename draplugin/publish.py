@@ -20,6 +20,7 @@ from kubernetes import client, watch
 
 from deviceplugin.health import DeviceState
 from draplugin import slices
+from draplugin.claims import parse_quantity
 from gpupack import kubeclient
 
 log = logging.getLogger("gpupack.draplugin.publish")
@@ -29,12 +30,27 @@ WATCH_S = 300
 
 
 def _devices(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The devices as published, less what the server adds (a taint's timeAdded)."""
+    """The devices as published, less what the server changes: a taint's timeAdded it adds, and
+    quantities it writes in canonical form (81920Mi comes back as 80Gi), compared by value."""
     devs = copy.deepcopy((body.get("spec") or {}).get("devices") or [])
     for d in devs:
         for t in d.get("taints") or []:
             t.pop("timeAdded", None)
+        for cap in (d.get("capacity") or {}).values():
+            cap["value"] = _q(cap.get("value"))
+            policy = cap.get("requestPolicy") or {}
+            if "default" in policy:
+                policy["default"] = _q(policy["default"])
+            for k, v in list((policy.get("validRange") or {}).items()):
+                policy["validRange"][k] = _q(v)
     return list(devs)
+
+
+def _q(v: Any) -> str:
+    try:
+        return str(parse_quantity(v).normalize())
+    except ValueError:
+        return str(v)
 
 
 class SlicePublisher:
