@@ -26,6 +26,7 @@ RUN mkdir -p gpupack deviceplugin extender \
 COPY gpupack ./gpupack
 COPY deviceplugin ./deviceplugin
 COPY extender ./extender
+COPY draplugin ./draplugin
 RUN /opt/gpupack/bin/pip install --no-deps . \
  && /opt/gpupack/bin/gpupack --version \
  && /opt/gpupack/bin/python -m gpupack.certs --help >/dev/null
