@@ -81,6 +81,20 @@ def test_cpu_only_rule_keeps_early_cpu_pods():
     assert max_allocated(types, [windows[0] + windows[1]], cpu_only="replay") == pytest.approx(1000)
 
 
+def test_a_cpu_only_pod_left_out_blocks_later_pods_that_ask_as_much():
+    # One node, one GPU, CPU 10. Two CPU-only pods of 6 arrive first: the first is placed, the
+    # second finds no room and is left out, so no node has 6 CPU free from then on and the GPU pod
+    # of CPU 6 that arrives later can never fit (exact: 0). Pooled fractionally without that, 5 CPU
+    # of CPU-only pods makes "no room" and the GPU pod gets 5/6 of the rest.
+    cpu_pod, gpu_pod = pod(0, num=0, cpu=6), pod(1000, cpu=6)
+    windows = [Counter({cpu_pod: 2}), Counter({gpu_pod: 1})]
+    assert max_allocated([node(cpu=10)], windows, cpu_only="replay") == pytest.approx(0)
+    # A later pod that asks for less CPU than the one left out still fits where room is left.
+    small = pod(1000, cpu=4)
+    windows = [Counter({cpu_pod: 2}), Counter({small: 1})]
+    assert max_allocated([node(cpu=10)], windows, cpu_only="replay") == pytest.approx(1000)
+
+
 # --- against an exact optimum on tiny instances --------------------------------------------------
 
 
