@@ -52,7 +52,7 @@ from ca_harness import (  # noqa: E402
 from ext_helpers import DevicePluginEmulator, list_pods  # noqa: E402
 from processes import ExtenderProcess  # noqa: E402
 
-from extender.autoscale_groups import LABEL_PLACEHOLDER  # noqa: E402
+from extender.controllers.autoscale_groups import LABEL_PLACEHOLDER  # noqa: E402
 from gpupack.core.autoscale import NodeGroup, plan_scale_up  # noqa: E402
 from gpupack.core.model import ClusterState, ContainerRequest, PodRequest  # noqa: E402
 

@@ -338,12 +338,12 @@ def bench_inproc(
     cost apart from the GIL contention with bind and watch threads that the HTTP run includes.
     `drop`: each filter is asked about every node but `drop` random ones, as when kube-scheduler's
     own filters leave out nodes (their CPU taken, say) that change from pod to pod."""
-    from extender.app import _encode
-    from extender.binding import assignment_from_fit
-    from extender.config import ExtenderConfig
-    from extender.framework import Extender as Ext
-    from extender.view import ClusterView
-    from extender.wire import parse_extender_args
+    from extender.api.wire import parse_extender_args
+    from extender.serve.app import _encode
+    from extender.state.view import ClusterView
+    from extender.verbs.binding import assignment_from_fit
+    from extender.verbs.config import ExtenderConfig
+    from extender.verbs.framework import Extender as Ext
     from gpupack.core.policies import get_policy
 
     rng = random.Random(seed)
@@ -395,8 +395,8 @@ def bench_inproc(
 
 def prioritized(ext: Any, p: dict[str, Any], ok: list[str]) -> tuple[list[str], list[int], float]:
     """Prioritize over the nodes that passed: (hosts, scores, seconds it took, encoding included)."""
-    from extender.app import _encode_scores
-    from extender.wire import parse_extender_args
+    from extender.api.wire import parse_extender_args
+    from extender.serve.app import _encode_scores
 
     body = json.dumps({"Pod": p, "NodeNames": ok, "Nodes": None}).encode()
     t0 = time.perf_counter()

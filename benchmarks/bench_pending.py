@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
 from ext_helpers import container, node_obj, pod_obj  # noqa: E402
 
-from extender.binding import assignment_from_fit  # noqa: E402
-from extender.config import ExtenderConfig  # noqa: E402
-from extender.framework import Extender  # noqa: E402
-from extender.view import ClusterView  # noqa: E402
-from extender.wire import ExtenderArgs  # noqa: E402
+from extender.api.wire import ExtenderArgs  # noqa: E402
+from extender.state.view import ClusterView  # noqa: E402
+from extender.verbs.binding import assignment_from_fit  # noqa: E402
+from extender.verbs.config import ExtenderConfig  # noqa: E402
+from extender.verbs.framework import Extender  # noqa: E402
 from gpupack.core.policies import get_policy  # noqa: E402
 
 NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)

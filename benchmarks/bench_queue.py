@@ -39,13 +39,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "extender")
 from bench_scheduler import gpu_pod  # noqa: E402
 from ext_helpers import node_obj  # noqa: E402
 
-from extender.answers import shape_of  # noqa: E402
-from extender.binding import assignment_from_fit  # noqa: E402
-from extender.config import ExtenderConfig  # noqa: E402
-from extender.framework import Extender  # noqa: E402
-from extender.records import pod_slots  # noqa: E402
-from extender.view import ClusterView  # noqa: E402
-from extender.wire import ExtenderArgs  # noqa: E402
+from extender.api.wire import ExtenderArgs  # noqa: E402
+from extender.state.records import pod_slots  # noqa: E402
+from extender.state.view import ClusterView  # noqa: E402
+from extender.verbs.answers import shape_of  # noqa: E402
+from extender.verbs.binding import assignment_from_fit  # noqa: E402
+from extender.verbs.config import ExtenderConfig  # noqa: E402
+from extender.verbs.framework import Extender  # noqa: E402
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, HANDOFF_PENDING  # noqa: E402
 from gpupack.core.learning import OBSERVE_FLUSH_S  # noqa: E402
 from gpupack.core.policies import get_policy  # noqa: E402

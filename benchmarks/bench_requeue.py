@@ -46,7 +46,7 @@ from processes import ExtenderProcess  # noqa: E402
 
 BIG_MIB = 60000  # more than the small node's 40 GiB GPU, less than an H100
 A100_40_MIB = 40960
-NO_REQUEUER = "import extender.requeue as _r\n_r.Requeuer.start = lambda self: self\n"
+NO_REQUEUER = "import extender.controllers.requeue as _r\n_r.Requeuer.start = lambda self: self\n"
 
 
 def parked(core: Any, ns: str, name: str, timeout: float = 60.0) -> None:

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             text = ext.http.get(ext.url + "/metrics", timeout=60).text
             m = re.search(r"^gpupack_cluster_pods (\S+)$", text, re.M)
             res["charged_gpu_pods"] = int(float(m.group(1))) if m else None
-            # the extender's full garbage collections over its whole life (extender/collector.py)
+            # the extender's full garbage collections over its whole life (extender/verbs/collector.py)
             # and its CPU seconds: a collection holds the GIL for as long as it walks the heap
             res["gc_full"] = gc_full(text)
             res["extender_cpu_s"] = round(cpu_of(ext.proc.pid), 1)

@@ -8,10 +8,10 @@ MODIFIED event changing nothing gpupack counts), a node whose GPU inventory chan
 plugin restarting), a node deleted and added back (the autoscaler), and a filter (keep_best 1);
 then per pod shape (bench_scheduler.py's burst draws, 40 shapes): the first filter of each (every
 node fitted), the memory a kept shape's answers take, each shape's next filter after the policy
-learned (every node scored again); the same with the shape warmer (extender/warming.py): its CPU
+learned (every node scored again); the same with the shape warmer (extender/verbs/warming.py): its CPU
 per shape, the filter after it, the filter after the policy learned (the old order serving) and
 the warmer's rescoring per shape; each shape's first filter with the shipped --new-shape-budget-ms
-(extender/sampling.py), the nodes it looked at, and how the node it answered scores against the
+(extender/verbs/sampling.py), the nodes it looked at, and how the node it answered scores against the
 whole answer's; and a /metrics scrape (the per-GPU gauges), then the next one with no node
 changed (again_cpu_s). Times are this process's CPU time (on a shared machine wall time measures
 the neighbours).
@@ -42,12 +42,12 @@ from bench_scale import running_pods, with_uid  # noqa: E402
 from bench_scheduler import gpu_pod, shipped_extender_args  # noqa: E402
 from ext_helpers import container, node_obj, pod_obj  # noqa: E402
 
-from extender.answers import shape_of  # noqa: E402
-from extender.config import ExtenderConfig  # noqa: E402
-from extender.framework import Extender  # noqa: E402
-from extender.gpu_gauges import render  # noqa: E402
-from extender.view import ClusterView  # noqa: E402
-from extender.wire import ExtenderArgs  # noqa: E402
+from extender.api.wire import ExtenderArgs  # noqa: E402
+from extender.state.gpu_gauges import render  # noqa: E402
+from extender.state.view import ClusterView  # noqa: E402
+from extender.verbs.answers import shape_of  # noqa: E402
+from extender.verbs.config import ExtenderConfig  # noqa: E402
+from extender.verbs.framework import Extender  # noqa: E402
 from gpupack.contract import ANN_INVENTORY  # noqa: E402
 from gpupack.core.learning import OBSERVE_FLUSH_S  # noqa: E402
 from gpupack.core.policies import get_policy  # noqa: E402
@@ -196,7 +196,7 @@ def shape_costs(ext: Extender, view: ClusterView, names: list[str], seed: int) -
 
 
 def warmer_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]]) -> dict[str, Any]:
-    """The same shapes through the shape warmer (extender/warming.py) of another extender on the
+    """The same shapes through the shape warmer (extender/verbs/warming.py) of another extender on the
     same view (its caches empty): the warmer's CPU per shape, the filter after it, and after the
     policy learnt: the filter while the old order serves, then the warmer's rescoring per shape."""
     ext = Extender(view, get_policy("gpupack"), None, clock=lambda: NOW, config=ExtenderConfig(keep_best=1))
@@ -226,7 +226,7 @@ def warmer_costs(view: ClusterView, names: list[str], pods: list[dict[str, Any]]
 def sampled_costs(
     view: ClusterView, names: list[str], pods: list[dict[str, Any]], learnt: Any
 ) -> dict[str, Any]:
-    """Each shape's first filter with the shipped --new-shape-budget-ms (extender/sampling.py) in
+    """Each shape's first filter with the shipped --new-shape-budget-ms (extender/verbs/sampling.py) in
     an extender of its own (caches empty), and what the sample cost the pod: the node it answered
     against the whole answer's (another extender, no budget, same pods in the same order), and the
     policy's raw score of each (0..99; how much lower the sampled node scores). Both policies are

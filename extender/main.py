@@ -27,9 +27,9 @@ from gpupack.core.fgd import Workload, WorkloadError, workload_from_json
 from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_policy, policy_spec
 from gpupack.kubeclient import KubeConfigError
 
-from . import autoscale_flags
-from .app import DEFAULT_MAX_BODY, WEBHOOK_MAX_BODY
-from .config import ExtenderConfig
+from .controllers import autoscale_flags
+from .serve.app import DEFAULT_MAX_BODY, WEBHOOK_MAX_BODY
+from .verbs.config import ExtenderConfig
 
 log = logging.getLogger("gpupack.extender")
 SWITCH_INTERVAL_S = 0.0005
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a pod shape's filter, until its answer is whole, fits nodes for this long and answers the "
         "best of those (at least 100 looked at and one passing that no other pod's bind holds; the shape "
         "warmer fits the others off kube-scheduler's cycle), as kube-scheduler's percentageOfNodesToScore "
-        "samples; 0: every node (default; extender/sampling.py)",
+        "samples; 0: every node (default; extender/verbs/sampling.py)",
     )
     p.add_argument(
         "--workload-file",
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="compute pod shapes' answers before kube-scheduler asks (the shapes of pods waiting to be "
         "scheduled, and after the policy learnt the shapes asked about in the last minute), off its "
-        "serial cycle (default on; extender/warming.py)",
+        "serial cycle (default on; extender/verbs/warming.py)",
     )
     p.add_argument(
         "--preemption-interval-s",
@@ -239,15 +239,15 @@ def _extender_factory(
         from gpupack.events import EventRecorder
         from gpupack.kubeclient import KubeClient
 
-        from .app import create_extender_app, only_probes, probes_of
-        from .collector import IdleCollector
-        from .framework import Extender
-        from .kube import Kube, api_client
-        from .lease import LeaseFence
-        from .metrics import Metrics
-        from .requeue import Janitor, Requeuer
-        from .sync import Sync
-        from .view import ClusterView
+        from .api.kube import Kube, api_client
+        from .api.lease import LeaseFence
+        from .controllers.requeue import Janitor, Requeuer
+        from .serve.app import create_extender_app, only_probes, probes_of
+        from .state.metrics import Metrics
+        from .state.sync import Sync
+        from .state.view import ClusterView
+        from .verbs.collector import IdleCollector
+        from .verbs.framework import Extender
 
         # kube-scheduler's cycle is serial and waits on each filter answer. The thread answering it
         # wakes with the request's bytes but must win the GIL from binds and watch threads; at the
@@ -282,8 +282,8 @@ def _extender_factory(
         sync.start()
         marks = None
         if args.warm_shapes:
-            from .preempt_inputs import Unschedulable
-            from .warming import pending_watcher
+            from .state.preempt_inputs import Unschedulable
+            from .verbs.warming import pending_watcher
 
             ext.warmer.start(sync.stop)
             marks = Unschedulable() if args.preemption_interval_s > 0 else None
@@ -293,7 +293,7 @@ def _extender_factory(
             threading.Thread(target=pending.run, name="watch-pending-pods", daemon=True).start()
         Janitor(ext, args.sweep_interval_s, listening=listening).start()
         if args.preemption_interval_s > 0:
-            from .preemption import Preempter
+            from .controllers.preemption import Preempter
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
                       args.preemption_interval_s, marks=marks).start()  # fmt: skip
@@ -309,7 +309,7 @@ def _extender_factory(
             return app
         # the metrics port is open to the network: served apart from the verbs, with a budget of
         # its own, by a server that slow or idle connections cannot stall (guarded.py)
-        from .guarded import GuardedServer, metrics_limits
+        from .serve.guarded import GuardedServer, metrics_limits
 
         metrics_server = GuardedServer()
         metrics_server.add(only_probes(app), args.metrics_host, args.metrics_port,
@@ -323,12 +323,12 @@ def _extender_factory(
 
 def _webhook_factory(args: argparse.Namespace) -> Callable[[], Any]:
     def make() -> Any:
-        from .app import create_webhook_app
-        from .kube import Kube, api_client
-        from .metrics import Metrics
-        from .sync import Sync
-        from .view import ClusterView
-        from .webhook import WebhookConfig
+        from .api.kube import Kube, api_client
+        from .serve.app import create_webhook_app
+        from .serve.webhook import WebhookConfig
+        from .state.metrics import Metrics
+        from .state.sync import Sync
+        from .state.view import ClusterView
 
         metrics = Metrics()
         view = ClusterView(on_problem=lambda kind, msg: metrics.problems.labels(kind).inc())
@@ -381,8 +381,8 @@ def _serve(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.role == "webhook":
         # open to the network (the API server calls it): served so that slow or idle connections
         # cannot stall admission (guarded.py)
-        from .app import probes_of
-        from .guarded import GuardedServer, raise_fd_limit, tls_context, webhook_limits
+        from .serve.app import probes_of
+        from .serve.guarded import GuardedServer, raise_fd_limit, tls_context, webhook_limits
 
         raise_fd_limit()
         # the loop reads every connection's handshake, head and body and answers the probes itself:
@@ -397,7 +397,7 @@ def _serve(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     child = None
     if args.role == "all" and args.webhook_port:
-        from .webhook_child import WebhookChild
+        from .serve.webhook_child import WebhookChild
 
         # supervised: started again when it exits, and the liveness probe fails while it stays down
         child = WebhookChild(
@@ -405,8 +405,8 @@ def _serve(args: argparse.Namespace, argv: list[str] | None) -> int:
              "--role", "webhook"]
         )  # fmt: skip
         child.start()
-    from .app import probes_of
-    from .guarded import GRACEFUL_S, GuardedServer, raise_fd_limit, verbs_limits
+    from .serve.app import probes_of
+    from .serve.guarded import GRACEFUL_S, GuardedServer, raise_fd_limit, verbs_limits
 
     raise_fd_limit()
     try:

@@ -14,7 +14,7 @@ from typing import Any
 from gpupack import logs
 from gpupack.core.model import FULL
 
-from .view import ClusterView
+from .state.view import ClusterView
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         from kubernetes.config import ConfigException
         from urllib3.exceptions import HTTPError
 
-        from .kube import Kube, api_client
+        from .api.kube import Kube, api_client
 
         kube = Kube(api_client(args.kubeconfig))
         view = ClusterView()

@@ -19,7 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
     "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
     "status": ("extender.status_cli", "show per-node, per-GPU reservations from the cluster"),
-    "defrag": ("extender.defrag.cli", "plan (and with --apply, run) evict-and-repack defragmentation"),
+    "defrag": (
+        "extender.controllers.defrag.cli",
+        "plan (and with --apply, run) evict-and-repack defragmentation",
+    ),
     "certs": ("gpupack.certs", "create or renew the admission webhook's TLS certificate and caBundle"),
 }
 

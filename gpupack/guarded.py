@@ -1,7 +1,7 @@
 """A WSGI server that a few connections cannot stall: every listener of gpupack is served here
 (the extender's verbs on loopback, its admission webhook and metrics port, and the device plugin's
 metrics/health port, both open to the network), each with a budget of its own. Shared code: the
-components must not import each other, so it lives in gpupack/ (extender/guarded.py adds the
+components must not import each other, so it lives in gpupack/ (extender/serve/guarded.py adds the
 extender's budgets).
 
 A thread is given a request only once the whole request is in hand: the TLS handshake, the head

@@ -18,7 +18,7 @@ import pytest
 from gpupack import logs
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ["deviceplugin.main", "extender.defrag.cli", "extender.status_cli", "gpupack.certs"]
+COMMANDS = ["deviceplugin.main", "extender.controllers.defrag.cli", "extender.status_cli", "gpupack.certs"]
 
 
 @pytest.fixture

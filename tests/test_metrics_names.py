@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deviceplugin.health import DeviceState
 from deviceplugin.metrics import Metrics as PluginMetrics
-from extender.defrag.metrics import RunMetrics
-from extender.gpu_gauges import render
-from extender.metrics import Metrics as ExtenderMetrics
-from extender.view import ClusterView
+from extender.controllers.defrag.metrics import RunMetrics
+from extender.state.gpu_gauges import render
+from extender.state.metrics import Metrics as ExtenderMetrics
+from extender.state.view import ClusterView
 from gpupack.contract import ANN_INVENTORY, GPUInfo, NodeInventory
 
 REPO = Path(__file__).resolve().parents[1]

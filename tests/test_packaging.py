@@ -87,7 +87,9 @@ def test_the_components_run_without_the_simulate_extra() -> None:
     import sys
 
     mods = runtime_modules()
-    assert {"extender.main", "deviceplugin.main", "extender.defrag.cli", "gpupack.certs"} <= set(mods)
+    assert {"extender.main", "deviceplugin.main", "extender.controllers.defrag.cli", "gpupack.certs"} <= set(
+        mods
+    )
     code = (
         f"BLOCKED = {SIMULATE_EXTRA!r}"
         + BLOCK_EXTRA

@@ -1,4 +1,4 @@
-"""The admission webhook's app behind its real listener (extender/guarded.py's webhook_limits, TLS),
+"""The admission webhook's app behind its real listener (extender/serve/guarded.py's webhook_limits, TLS),
 in a process of its own, for tests that measure its memory (/proc/<pid>/status) and probes:
 `python tests/webhook_listener.py CERT KEY` prints the port, then serves until SIGTERM. The cluster
 view is marked synced with no nodes (the reviews need no cluster).
@@ -15,12 +15,12 @@ import ssl
 import sys
 import time
 
-from extender.app import WEBHOOK_MAX_BODY, create_webhook_app, probes_of
-from extender.guarded import GuardedServer, tls_context, webhook_limits
 from extender.main import SWITCH_INTERVAL_S
-from extender.metrics import Metrics
-from extender.view import ClusterView
-from extender.webhook import WebhookConfig
+from extender.serve.app import WEBHOOK_MAX_BODY, create_webhook_app, probes_of
+from extender.serve.guarded import GuardedServer, tls_context, webhook_limits
+from extender.serve.webhook import WebhookConfig
+from extender.state.metrics import Metrics
+from extender.state.view import ClusterView
 
 
 def probe(port: int, seconds: float) -> None:

@@ -284,9 +284,9 @@ def _disabled_filters(profile: dict[str, Any]) -> set[str]:
 def extender_routes() -> set[str]:
     """Routes the extender serves: its Flask apps' (read from the source, no app needs building)
     and the verbs its WSGI verb path answers in front of them (app.VERB_PATHS)."""
-    from extender.app import VERB_PATHS
+    from extender.serve.app import VERB_PATHS
 
-    src = (REPO / "extender" / "app.py").read_text()
+    src = (REPO / "extender" / "serve" / "app.py").read_text()
     return set(re.findall(r"@app\.(?:post|get)\(\"(/[^\"]*)\"\)", src)) | set(VERB_PATHS)
 
 

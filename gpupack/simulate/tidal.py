@@ -171,7 +171,7 @@ class _Sim:
         ]
 
     def autoscale_up(self, step: int) -> None:
-        """CA scale-up as gpupack's autoscale controller drives it (extender/autoscale.py): the nodes
+        """CA scale-up as gpupack's autoscale controller drives it (extender/controllers/autoscale.py): the nodes
         `gpupack.core.autoscale.plan_scale_up` asks for the waiting pods, counting the nodes still
         booting as upcoming, as the real autoscaler counts them (tests/extender/
         test_autoscale_realk8s.py: no node is added twice for the same pods)."""

@@ -87,7 +87,7 @@ def test_only_the_last_seen_max_identities_are_remembered():
 
 
 def reference_observe(times: list[float], idents: list[str]) -> list[tuple[int, list[int]]]:
-    """Extender._observe as of 19fa632 (extender/framework.py), over a clock reading `times[i]` at
+    """Extender._observe as of 19fa632 (extender/verbs/framework.py), over a clock reading `times[i]` at
     the i-th offer: (offer index, pods learnt) per flush."""
     observed: dict[str, None] = {}
     unobserved: list[int] = []

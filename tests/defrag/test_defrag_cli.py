@@ -14,7 +14,7 @@ from defrag_cluster import LEASE, Fleet
 from faultproxy import FaultProxy
 from realk8s import until
 
-from extender.defrag.cli import main
+from extender.controllers.defrag.cli import main
 from gpupack.contract import ANN_RESERVATIONS, decode_reservations
 
 EVICTION = r"/pods/[^/]+/eviction$"

@@ -13,7 +13,7 @@ import pytest
 from defrag_cluster import Fleet, Scheduling, allocate, running_not_ready_status
 from realk8s import running_ready_status
 
-from extender.defrag.cli import main
+from extender.controllers.defrag.cli import main
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, ANN_RESERVATIONS, HANDOFF_DONE, decode_assignment
 
 

@@ -15,8 +15,8 @@ from defrag_cluster import Fleet, Scheduling, allocate, running_not_ready_status
 from kubernetes import client
 from realk8s import running_ready_status, until
 
-from extender.defrag.cli import main
-from extender.defrag.executor import CA_SCALE_DOWN_DISABLED, TAINT_KEY, TAINT_VALUE
+from extender.controllers.defrag.cli import main
+from extender.controllers.defrag.executor import CA_SCALE_DOWN_DISABLED, TAINT_KEY, TAINT_VALUE
 from gpupack.contract import ANN_ASSIGNMENT, SCHEDULER_NAME, decode_assignment
 
 HOLD = "gpupack.io/test-slow-termination"

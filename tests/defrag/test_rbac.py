@@ -18,7 +18,7 @@ from kubernetes import client
 from realk8s import until
 from test_defrag_cli import seed
 
-from extender.defrag.cli import main
+from extender.controllers.defrag.cli import main
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "defrag"
 RBAC = DEPLOY / "rbac.yaml"

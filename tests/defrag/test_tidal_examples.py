@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from extender.defrag.cli import build_parser
+from extender.controllers.defrag.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "deploy" / "examples"

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from extender.defrag.eligibility import Eligibility, why_not
-from extender.defrag.window import WindowError, parse_window
+from extender.controllers.defrag.eligibility import Eligibility, why_not
+from extender.controllers.defrag.window import WindowError, parse_window
 from gpupack.core.request import parse_pod
 
 

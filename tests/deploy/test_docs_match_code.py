@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from extender.gpu_gauges import FAMILIES
+from extender.state.gpu_gauges import FAMILIES
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = (REPO / "docs" / "operator-guide.md").read_text()
@@ -38,7 +38,7 @@ def code_metrics() -> set[str]:
             if kind in ("Counter", "CounterMetricFamily") and not name.endswith("_total"):
                 name += "_total"
             names.add(name)
-    # the per-GPU gauges are written by the extender itself (extender/gpu_gauges.py), not declared
+    # the per-GPU gauges are written by the extender itself (extender/state/gpu_gauges.py), not declared
     # through a prometheus_client class
     names.update(name for name, _ in FAMILIES)
     return names
@@ -66,7 +66,7 @@ def test_code_defines_metrics():
 def test_guide_names_only_real_metrics_and_all_of_them():
     defined = code_metrics()
     mentioned = set(METRIC.findall(GUIDE))
-    if not (REPO / "extender" / "defrag" / "metrics.py").exists():  # built in parallel; checked once present
+    if not (REPO / "extender" / "controllers" / "defrag" / "metrics.py").exists():  # built in parallel; checked once present
         mentioned = {m for m in mentioned if not m.startswith("gpupack_defrag_")}
     assert sorted(m for m in mentioned if not known(m, defined)) == []
     assert sorted(defined - {base(m) for m in mentioned} - mentioned) == []
@@ -104,12 +104,15 @@ def _section(heading: str) -> str:
         ("### `gpupack extender`", "extender.main"),
         ("### `gpupack device-plugin`", "deviceplugin.main"),
         ("### `python -m gpupack.certs`", "gpupack.certs"),
-        ("### `gpupack defrag`", "extender.defrag.cli"),
+        ("### `gpupack defrag`", "extender.controllers.defrag.cli"),
     ],
 )
 def test_guide_flag_tables_match_the_parsers(heading, module):
-    if module.startswith("extender.defrag") and not (REPO / "extender" / "defrag").is_dir():
-        pytest.skip("extender/defrag not present yet")
+    if (
+        module.startswith("extender.controllers.defrag")
+        and not (REPO / "extender" / "controllers" / "defrag").is_dir()
+    ):
+        pytest.skip("extender/controllers/defrag not present yet")
     parser = importlib.import_module(module).build_parser()
     have = _flags(parser)
     table_rows = [line for line in _section(heading).splitlines() if line.startswith("| `--")]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extender.webhook import uses_gpupack
+from extender.serve.webhook import uses_gpupack
 
 celpy = pytest.importorskip("celpy", reason="needs the test extra (cel-python)")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from extender.webhook import WebhookConfig, mutate, review, validate
-from extender.wire import WireError
+from extender.api.wire import WireError
+from extender.serve.webhook import WebhookConfig, mutate, review, validate
 
 
 def container(name: str, gpu: int | None = None, mem: int | str | None = None, sm: int | None = None) -> dict:

@@ -84,7 +84,7 @@ def test_late_pod_whose_handoff_failed_is_refused_and_the_next_pod_gets_its_gpu(
     late = dp.make_pod("late", containers=[("main", 1, 20000, 40)])
     nxt = dp.make_pod("next", containers=[("main", 1, 30000, 50)])
     a_late = dp.bind("late", gpus={"main": [0]})
-    # the janitor (extender/stale.py) after --stale-handoff-s: handoff failed, the node is free
+    # the janitor (extender/verbs/stale.py) after --stale-handoff-s: handoff failed, the node is free
     dp.core.patch_namespaced_pod("late", dp.ns, {"metadata": {"annotations": handoff.failed_annotations()}})
     a_next = dp.bind("next", gpus={"main": [1]})
     rc = dp.harness.run([harness_pod(late, expect_error=True), harness_pod(nxt)], plugin_cmd=dp.plugin_cmd())

@@ -351,7 +351,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def assume_on(ext: Any, pod: dict[str, Any], node: str, now: Any) -> bool:
     """Place `pod` on `node` in `ext`'s view as its bind would (fit, then assume), without the API
     server; False when it does not fit there."""
-    from extender.binding import assignment_from_fit
+    from extender.verbs.binding import assignment_from_fit
 
     view = ext.view
     req = ext.pod_request(pod)
@@ -369,7 +369,7 @@ def assume_on(ext: Any, pod: dict[str, Any], node: str, now: Any) -> bool:
 def workload_policy(view: Any, pods: list[dict[str, Any]]) -> Any:
     """A gpupack policy given the workload of `pods` (one pod of each shape): it learns nothing,
     so two extenders on `view` score alike."""
-    from extender.framework import Extender
+    from extender.verbs.framework import Extender
     from gpupack.core.fgd import Workload
     from gpupack.core.fgd import shape_of as fgd_shape
     from gpupack.core.gpupack_policy import GpupackPolicy

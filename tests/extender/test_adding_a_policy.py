@@ -12,10 +12,10 @@ import pytest
 from ext_helpers import container, node_obj, pod_obj
 from policy_tightest_node import SPEC, TightestNodePolicy
 
-from extender.framework import Extender
+from extender.api.wire import ExtenderArgs
 from extender.main import make_policy
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs
+from extender.state.view import ClusterView
+from extender.verbs.framework import Extender
 from gpupack.core import policies
 from gpupack.simulate import cli as simulate_cli
 from gpupack.simulate.openb import NodeList, PodList

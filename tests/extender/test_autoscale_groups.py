@@ -1,4 +1,4 @@
-"""extender.autoscale_groups: node-group templates read as gpupack needs them, and the placeholder pod
+"""extender.controllers.autoscale_groups: node-group templates read as gpupack needs them, and the placeholder pod
 that makes the autoscaler add exactly one node of a group."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from extender.autoscale import backoff_delay, read_backoff
-from extender.autoscale_groups import (
+from extender.controllers.autoscale import backoff_delay, read_backoff
+from extender.controllers.autoscale_groups import (
     ANN_KWOK_MAX,
     LABEL_PLACEHOLDER,
     placeholder_host,

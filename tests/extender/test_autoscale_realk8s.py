@@ -35,14 +35,14 @@ from kubernetes import client
 from processes import ExtenderProcess
 from prometheus_client import CollectorRegistry
 
-from extender.autoscale import (
+from extender.controllers.autoscale import (
     BACKOFF_KEY,
     REASON_BACKOFF,
     REASON_NO_GROUP,
     AutoscaleConfig,
     AutoscaleController,
 )
-from extender.autoscale_groups import (
+from extender.controllers.autoscale_groups import (
     ANN_PINNED,
     ANN_SCALE_DOWN_DISABLED,
     LABEL_PLACEHOLDER,

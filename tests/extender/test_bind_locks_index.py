@@ -16,14 +16,14 @@ from ext_helpers import container, node_obj, pod_obj
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extender import filtering
-from extender.bind_locks import BindLocks
-from extender.binding import assignment_from_fit
-from extender.config import ExtenderConfig
-from extender.framework import Extender
-from extender.records import PodInfo
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs
+from extender.api.wire import ExtenderArgs
+from extender.state.bind_locks import BindLocks
+from extender.state.records import PodInfo
+from extender.state.view import ClusterView
+from extender.verbs import filtering
+from extender.verbs.binding import assignment_from_fit
+from extender.verbs.config import ExtenderConfig
+from extender.verbs.framework import Extender
 from gpupack.contract import HANDOFF_DONE, HANDOFF_PENDING
 from gpupack.core.policies import get_policy
 

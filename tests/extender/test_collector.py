@@ -1,4 +1,4 @@
-"""What stands aside for filter and prioritize (extender/collector.py): full garbage collections
+"""What stands aside for filter and prioritize (extender/verbs/collector.py): full garbage collections
 (never while a verb is answered unless overdue), binds and watch events (they wait for it, a
 bounded time); and the verbs say when they run."""
 
@@ -14,14 +14,14 @@ import pytest
 import realk8s
 from ext_helpers import bind_body, container, create_pod, gpu_node, node_obj, pod_obj
 
-from extender.app import create_extender_app
-from extender.collector import DUE_YOUNG_COLLECTIONS, NEVER, YIELD_MAX_S, IdleCollector, VerbActivity
-from extender.framework import Extender
-from extender.kube import Kube, api_client
-from extender.metrics import Metrics
-from extender.sync import Sync
-from extender.view import ClusterView
-from extender.wire import parse_bind_args
+from extender.api.kube import Kube, api_client
+from extender.api.wire import parse_bind_args
+from extender.serve.app import create_extender_app
+from extender.state.metrics import Metrics
+from extender.state.sync import Sync
+from extender.state.view import ClusterView
+from extender.verbs.collector import DUE_YOUNG_COLLECTIONS, NEVER, YIELD_MAX_S, IdleCollector, VerbActivity
+from extender.verbs.framework import Extender
 from gpupack.core.policies import DEFAULT_POLICY, get_policy
 
 until = realk8s.until

@@ -10,10 +10,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from ext_helpers import assume_on, container, node_obj, pod_obj
 
-from extender.config import ExtenderConfig
-from extender.framework import Extender
-from extender.view import ClusterView
-from extender.wire import parse_extender_args
+from extender.api.wire import parse_extender_args
+from extender.state.view import ClusterView
+from extender.verbs.config import ExtenderConfig
+from extender.verbs.framework import Extender
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.fgd import Workload, shape_of
 from gpupack.core.gpupack_policy import GpupackPolicy
@@ -151,7 +151,7 @@ def test_a_node_filled_between_filter_and_prioritize_is_seen():
 
 
 def test_a_journal_trimmed_past_an_answer_starts_over(monkeypatch):
-    import extender.journal as journal_mod
+    import extender.state.journal as journal_mod
 
     monkeypatch.setattr(journal_mod, "JOURNAL_MAX", 8)
     view, policy, names = _setup(3)

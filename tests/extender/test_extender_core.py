@@ -6,11 +6,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from ext_helpers import H100_MIB, assigned, container, node_obj, payloads, pod_obj
 
-from extender.binding import assignment_from_fit
-from extender.framework import Extender
-from extender.hostuse import pod_host_request
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs, WireError
+from extender.api.wire import ExtenderArgs, WireError
+from extender.state.hostuse import pod_host_request
+from extender.state.view import ClusterView
+from extender.verbs.binding import assignment_from_fit
+from extender.verbs.framework import Extender
 from gpupack.contract import (
     GPUShare,
     Reservation,
@@ -44,7 +44,7 @@ def usage(view):
 
 @pytest.mark.parametrize("mode", ["nodecache-true", "nodecache-false"])
 def test_recorded_pods_filter_and_prioritize(mode):
-    from extender.wire import parse_extender_args
+    from extender.api.wire import parse_extender_args
 
     view, ext, _ = make([node_obj("gpu-node-a", 2), node_obj("gpu-node-b", 2)])
     for verb, body in payloads(mode):

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from ext_helpers import H100_MIB, container, node_obj, pod_obj
 
-from extender.binding import assignment_from_fit
-from extender.config import ExtenderConfig
-from extender.framework import Extender
-from extender.hostuse import HostUse, pod_host_request
+from extender.api.wire import ExtenderArgs
 from extender.main import build_parser, make_policy
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs
+from extender.state.hostuse import HostUse, pod_host_request
+from extender.state.view import ClusterView
+from extender.verbs.binding import assignment_from_fit
+from extender.verbs.config import ExtenderConfig
+from extender.verbs.framework import Extender
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE
 from gpupack.core.fgd import Shape, Workload, WorkloadError, workload_from_json, workload_to_json
 from gpupack.core.fit import Fit

@@ -29,7 +29,7 @@ from ext_helpers import (
 )
 from faultproxy import FaultProxy
 
-from extender.settling import ANN_BIND_FENCED
+from extender.verbs.settling import ANN_BIND_FENCED
 from gpupack.contract import (
     ANN_ALLOCATED,
     ANN_ASSIGNMENT,
@@ -319,7 +319,7 @@ def test_watch_resumes_and_relists_after_410(cluster, ns, sfx, start_extender, p
     probe = create_pod(cluster.core, pod_obj("probe", [container("c", 1, 10)]), ns)
     filt = lambda node=n1: ext.post("filter", {"Pod": probe, "NodeNames": [node]}).json()  # noqa: E731
 
-    from extender.kube import ASSIGNED_PODS
+    from extender.api.kube import ASSIGNED_PODS
 
     def lists(path):
         """The view's lists of `path`: not watches, and not the requeue pass's list of unbound pods,
@@ -413,7 +413,7 @@ def test_status_cli_json_and_table(cluster, ns, sfx, kubeconfig, start_extender)
 
 
 def test_lists_are_paged_and_complete(cluster, ns, sfx, proxy, tmp_path):
-    from extender.kube import ASSIGNED_PODS, Kube, api_client
+    from extender.api.kube import ASSIGNED_PODS, Kube, api_client
 
     for i in range(5):
         gpu_node(cluster, f"n{i}-{sfx}", 1)

@@ -27,11 +27,11 @@ from ext_helpers import (
 from kubernetes import client
 from processes import ExtenderProcess
 
-from extender.framework import Extender
-from extender.kube import Kube, api_client
-from extender.sync import Sync
-from extender.view import ClusterView
-from extender.wire import parse_bind_args
+from extender.api.kube import Kube, api_client
+from extender.api.wire import parse_bind_args
+from extender.state.sync import Sync
+from extender.state.view import ClusterView
+from extender.verbs.framework import Extender
 from gpupack.contract import (
     ANN_ASSIGNMENT,
     ANN_HANDOFF,

@@ -14,10 +14,10 @@ import pytest
 from ext_helpers import container, node_obj, pod_obj
 from kubernetes.client.rest import ApiException
 
-from extender.framework import Extender
-from extender.requeue import Janitor, Requeuer
-from extender.upkeep import ANN_REQUEUED
-from extender.view import ClusterView
+from extender.controllers.requeue import Janitor, Requeuer
+from extender.state.view import ClusterView
+from extender.verbs.framework import Extender
+from extender.verbs.upkeep import ANN_REQUEUED
 from gpupack import handoff
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, Assignment, GPUShare
 from gpupack.core.policies import DEFAULT_POLICY, get_policy

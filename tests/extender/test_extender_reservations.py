@@ -1,6 +1,6 @@
 from datetime import UTC, datetime, timedelta
 
-from extender import reservations as resv
+from extender.state import reservations as resv
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.fit import fit
 from gpupack.core.model import GPU, ContainerRequest, Node, PodRequest

@@ -21,7 +21,7 @@ from ext_helpers import DevicePluginEmulator, annotations, bind_body, create_pod
 from faultproxy import FaultProxy
 from test_extender_handoff_cases import _lease, filter_body, small
 
-from extender.lease import LEASE_REUSE_S
+from extender.api.lease import LEASE_REUSE_S
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, decode_assignment
 
 until = realk8s.until
@@ -184,7 +184,7 @@ def test_binds_reuse_a_recent_lease_read_but_read_it_afresh_before_each_binding_
 def test_binds_give_their_api_connection_back_so_the_next_call_opens_none(cluster, ns, sfx, tmp_path):
     """A Binding's answer is read to its end: its connection returns to the pool, and a stream of
     binds runs over one kept-alive connection instead of a new TLS handshake each."""
-    from extender.kube import Kube, api_client
+    from extender.api.kube import Kube, api_client
 
     node = f"gpu-conn-{sfx}"
     gpu_node(cluster, node, 1)

@@ -1,7 +1,7 @@
 import pytest
 from ext_helpers import payloads
 
-from extender.wire import WireError, filter_result, parse_bind_args, parse_extender_args
+from extender.api.wire import WireError, filter_result, parse_bind_args, parse_extender_args
 
 
 @pytest.mark.parametrize("mode", ["nodecache-true", "nodecache-false"])

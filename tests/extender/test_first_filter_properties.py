@@ -16,12 +16,12 @@ from ext_helpers import container, node_obj, pod_obj
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extender.answers import shape_of
-from extender.binding import assignment_from_fit
-from extender.config import ExtenderConfig
-from extender.framework import Extender
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs, filter_result
+from extender.api.wire import ExtenderArgs, filter_result
+from extender.state.view import ClusterView
+from extender.verbs.answers import shape_of
+from extender.verbs.binding import assignment_from_fit
+from extender.verbs.config import ExtenderConfig
+from extender.verbs.framework import Extender
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, RES_GPU, GPUShare, Reservation
 from gpupack.core.fit import Fit
 from gpupack.core.policies import get_policy

@@ -1,4 +1,4 @@
-"""The per-GPU gauges kept per node version (extender/gpu_gauges.py): what a scrape serves equals
+"""The per-GPU gauges kept per node version (extender/state/gpu_gauges.py): what a scrape serves equals
 what a collector with nothing kept writes for the same view, whatever happened between scrapes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extender.gpu_gauges import GpuGauges, _node_text, render
-from extender.metrics import Metrics
-from extender.view import ClusterView
+from extender.state.gpu_gauges import GpuGauges, _node_text, render
+from extender.state.metrics import Metrics
+from extender.state.view import ClusterView
 from gpupack.contract import GPUShare
 
 NODES = ("a", "b", "c")

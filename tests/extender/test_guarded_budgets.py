@@ -23,7 +23,7 @@ import pytest
 from processes import REPO
 from realk8s import until
 
-from extender.app import WEBHOOK_MAX_BODY
+from extender.serve.app import WEBHOOK_MAX_BODY
 from gpupack import certs
 from gpupack.guarded import GuardedServer, Limits, Listener, tls_context
 

@@ -20,11 +20,11 @@ import requests
 from ext_helpers import container, inventory, node_obj, pod_obj
 from processes import ExtenderProcess
 
-from extender.framework import Extender
-from extender.records import kubelet_contradiction
+from extender.api.wire import ExtenderArgs
+from extender.state.records import kubelet_contradiction
+from extender.state.view import ClusterView
 from extender.status_cli import collect
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs
+from extender.verbs.framework import Extender
 from gpupack.contract import ANN_INVENTORY, RES_GPU, SLOTS_PER_GPU, GPUInfo, NodeInventory
 from gpupack.core.policies import DEFAULT_POLICY, get_policy
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
-from extender.lease import LeaseFence
+from extender.api.lease import LeaseFence
 
 
 class HeldLease:

@@ -21,21 +21,21 @@ from ext_helpers import container, node_obj, pod_obj
 from kubernetes import client
 from realk8s import until
 
-from extender.answers import CACHE_SHAPES
-from extender.bind_locks import EXPECTED_SWEEP
-from extender.bind_pods import PodMemory
-from extender.binding import assignment_from_fit
-from extender.config import ExtenderConfig
-from extender.fitting import STATE_IDS_MAX
-from extender.framework import Extender
-from extender.journal import JOURNAL_MAX
-from extender.kube import Kube, api_client
-from extender.records import init_names, pod_slots
-from extender.sync import Sync
-from extender.view import ClusterView
-from extender.view_upkeep import view_sizes
-from extender.warming import QUEUE_MAX, TOLD_MAX, pending_watcher
-from extender.wire import BindArgs, parse_extender_args
+from extender.api.kube import Kube, api_client
+from extender.api.wire import BindArgs, parse_extender_args
+from extender.state.bind_locks import EXPECTED_SWEEP
+from extender.state.journal import JOURNAL_MAX
+from extender.state.records import init_names, pod_slots
+from extender.state.sync import Sync
+from extender.state.view import ClusterView
+from extender.state.view_upkeep import view_sizes
+from extender.verbs.answers import CACHE_SHAPES
+from extender.verbs.bind_pods import PodMemory
+from extender.verbs.binding import assignment_from_fit
+from extender.verbs.config import ExtenderConfig
+from extender.verbs.fitting import STATE_IDS_MAX
+from extender.verbs.framework import Extender
+from extender.verbs.warming import QUEUE_MAX, TOLD_MAX, pending_watcher
 from gpupack import handoff
 from gpupack.contract import (
     ANN_ASSIGNMENT,
@@ -333,7 +333,7 @@ def test_a_learnt_mix_keeps_its_popular_shapes_however_many_one_off_shapes_come(
 
 
 def test_the_sizes_are_exported_as_a_gauge() -> None:
-    from extender.gpu_gauges import render
+    from extender.state.gpu_gauges import render
 
     ext = _extender(nodes=1)
     text = render(ext.metrics.registry).decode()

@@ -11,9 +11,9 @@ from faultproxy import FaultProxy
 from kubernetes import client
 from realk8s import until
 
-from extender.kube import Kube, api_client
-from extender.sync import Sync
-from extender.view import ClusterView
+from extender.api.kube import Kube, api_client
+from extender.state.sync import Sync
+from extender.state.view import ClusterView
 from gpupack.contract import LABEL_CLASS
 
 NS_LIST = r"^/api/v1/namespaces$"  # the namespace list and watch

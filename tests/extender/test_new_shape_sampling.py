@@ -1,4 +1,4 @@
-"""A new pod shape's filter from the nodes fitted within a budget (extender/sampling.py): its answer
+"""A new pod shape's filter from the nodes fitted within a budget (extender/verbs/sampling.py): its answer
 is what a filter asked about those nodes only would answer (the policy's best of them, their
 reasons), never a node the pod does not fit; the nodes are looked at in the policy's tie order, so
 in a cluster of equal nodes it is the full answer; each sampled filter fits more nodes, and once
@@ -18,12 +18,12 @@ from ext_helpers import assume_on, container, node_obj, pod_obj, workload_policy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.config import ExtenderConfig
-from extender.framework import Extender
+from extender.api.wire import parse_extender_args
 from extender.main import ConfigError, build_parser, extender_config, main
-from extender.sampling import CHUNK, Sample
-from extender.view import ClusterView
-from extender.wire import parse_extender_args
+from extender.state.view import ClusterView
+from extender.verbs.config import ExtenderConfig
+from extender.verbs.framework import Extender
+from extender.verbs.sampling import CHUNK, Sample
 from gpupack.contract import GPUShare, Reservation
 from gpupack.core.gpupack_policy import GpupackPolicy
 

@@ -13,10 +13,10 @@ from ext_helpers import node_obj, pod_obj
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from extender.framework import Extender
-from extender.hostuse import pod_host_request
-from extender.view import ClusterView
-from extender.wire import ExtenderArgs
+from extender.api.wire import ExtenderArgs
+from extender.state.hostuse import pod_host_request
+from extender.state.view import ClusterView
+from extender.verbs.framework import Extender
 from gpupack.core.policies import get_policy
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

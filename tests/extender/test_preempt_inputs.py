@@ -1,4 +1,4 @@
-"""What the preemption controller reads from Kubernetes objects (extender/preempt_inputs.py): the
+"""What the preemption controller reads from Kubernetes objects (extender/state/preempt_inputs.py): the
 nodes a preemptor may run on, and which running pods may be its victims. Table tests."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from ext_helpers import node_obj
 from kubernetes import client
 
-from extender.framework import Extender
-from extender.preempt_inputs import MIRROR, Unschedulable, node_allows, victims_of
-from extender.preemption import Preempter
-from extender.view import ClusterView
+from extender.controllers.preemption import Preempter
+from extender.state.preempt_inputs import MIRROR, Unschedulable, node_allows, victims_of
+from extender.state.view import ClusterView
+from extender.verbs.framework import Extender
 from gpupack.core.policies import get_policy
 from gpupack.kubeclient import KubeClient
 

@@ -13,13 +13,20 @@ import pytest
 from ext_helpers import assigned, container, node_obj, pod_obj
 from kubernetes import client
 
-from extender import preempt_inputs as pin
-from extender.framework import Extender
-from extender.hostuse import HostUse
-from extender.preempt_backoff import ANN_BACKOFF, CAP_S, Backoff, backoff_of, delay_s, next_backoff
-from extender.preempt_feasibility import reasons, resources_short, scheduler_refuses
-from extender.preemption import Preempter
-from extender.view import ClusterView
+from extender.controllers.preempt_backoff import (
+    ANN_BACKOFF,
+    CAP_S,
+    Backoff,
+    backoff_of,
+    delay_s,
+    next_backoff,
+)
+from extender.controllers.preempt_feasibility import reasons, resources_short, scheduler_refuses
+from extender.controllers.preemption import Preempter
+from extender.state import preempt_inputs as pin
+from extender.state.hostuse import HostUse
+from extender.state.view import ClusterView
+from extender.verbs.framework import Extender
 from gpupack.contract import GPUShare
 from gpupack.core.policies import get_policy
 from gpupack.kubeclient import KubeClient

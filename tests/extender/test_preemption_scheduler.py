@@ -30,7 +30,7 @@ from kubernetes import client
 from processes import ExtenderProcess
 from test_extender_scheduler import check_no_overcommit, diag, gpu_use
 
-from extender.preempt_inputs import ANN_PREEMPTION, record_of
+from extender.state.preempt_inputs import ANN_PREEMPTION, record_of
 from gpupack.contract import ANN_HANDOFF, HANDOFF_DONE, decode_reservations
 
 until = realk8s.until

@@ -1,4 +1,4 @@
-"""The shape warmer (extender/warming.py) computes pod shapes' answers off kube-scheduler's cycle:
+"""The shape warmer (extender/verbs/warming.py) computes pod shapes' answers off kube-scheduler's cycle:
 what it leaves in the caches must answer exactly as an extender that starts from nothing, however
 the cluster changes between its chunks; after the policy learnt, a shape's old node order serves
 (never a node the pod does not fit) until the warmer has scored every node again, for a bounded
@@ -17,14 +17,14 @@ import realk8s
 from ext_helpers import assume_on, container, node_obj, pod_obj, workload_policy
 from realk8s import until
 
-from extender.answers import shape_of
-from extender.config import ExtenderConfig
-from extender.framework import Extender
-from extender.kube import Kube, api_client
-from extender.scoring import STALE_ORDER_MAX_S
-from extender.view import ClusterView
-from extender.warming import ShapeWarmer, pending_watcher
-from extender.wire import parse_extender_args
+from extender.api.kube import Kube, api_client
+from extender.api.wire import parse_extender_args
+from extender.state.view import ClusterView
+from extender.verbs.answers import shape_of
+from extender.verbs.config import ExtenderConfig
+from extender.verbs.framework import Extender
+from extender.verbs.scoring import STALE_ORDER_MAX_S
+from extender.verbs.warming import ShapeWarmer, pending_watcher
 from gpupack.core.gpupack_policy import GpupackPolicy
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
@@ -357,7 +357,7 @@ def test_warming_from_a_pod_already_placed_answers_as_for_any_pod_of_its_shape(k
 def test_a_slow_filter_is_logged_with_where_its_time_went(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import extender.filtering as filtering
+    import extender.verbs.filtering as filtering
 
     view, names = _view(6)
     ext = Extender(view, _workload_policy(view), None, ExtenderConfig(keep_best=1), clock=lambda: NOW)

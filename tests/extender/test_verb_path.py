@@ -1,4 +1,4 @@
-"""The verbs' one path (extender/app.py `verb_path`): however the body arrives (with a
+"""The verbs' one path (extender/serve/app.py `verb_path`): however the body arrives (with a
 Content-Length, chunked, too large, missing), the answer, its status, its metrics and the verb
 activity are the verb path's, and an unexpected error is a 500 answer, never an exception out of
 the app. Through Flask's test client: no server, no control plane."""
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from ext_helpers import container, node_obj, pod_obj
 
-from extender.app import create_extender_app
-from extender.framework import Extender
-from extender.metrics import Metrics
-from extender.view import ClusterView
+from extender.serve.app import create_extender_app
+from extender.state.metrics import Metrics
+from extender.state.view import ClusterView
+from extender.verbs.framework import Extender
 from gpupack.core.policies import DEFAULT_POLICY, get_policy
 
 MAX_BODY = 64 * 1024

@@ -11,7 +11,7 @@ import random
 
 from ext_helpers import node_obj
 
-from extender.view import ClusterView
+from extender.state.view import ClusterView
 from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, ANN_INVENTORY, HANDOFF_DONE, Assignment, GPUShare
 
 

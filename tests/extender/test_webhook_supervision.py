@@ -1,4 +1,4 @@
-"""The admission webhook's child process is supervised (extender/webhook_child.py): killed, it is
+"""The admission webhook's child process is supervised (extender/serve/webhook_child.py): killed, it is
 started again and answers; one that cannot stay up makes the parent's /healthz (the container's
 liveness probe) fail, so admission never stays down silently."""
 
@@ -14,11 +14,11 @@ import requests
 from processes import free_port
 from realk8s import until
 
-from extender.app import create_webhook_app, probes_of
-from extender.metrics import Metrics
-from extender.view import ClusterView
-from extender.webhook import WebhookConfig
-from extender.webhook_child import WebhookChild
+from extender.serve.app import create_webhook_app, probes_of
+from extender.serve.webhook import WebhookConfig
+from extender.serve.webhook_child import WebhookChild
+from extender.state.metrics import Metrics
+from extender.state.view import ClusterView
 from gpupack import certs
 
 

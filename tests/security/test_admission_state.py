@@ -360,7 +360,7 @@ def test_the_schedulers_account_writes_only_holds_and_scale_down_marks_on_nodes(
 def test_the_schedulers_account_creates_only_autoscale_placeholders(s: Setup):
     """deploy/autoscale lets the scheduler's account create pods in gpupack's namespace for its
     placeholders; the policy admits exactly their shape (no image, token or node of its choosing)."""
-    from extender.autoscale_groups import PLACEHOLDER_IMAGE, placeholder_pod
+    from extender.controllers.autoscale_groups import PLACEHOLDER_IMAGE, placeholder_pod
 
     rbac = client.RbacAuthorizationV1Api(s.cp.api_client())
     rbac.create_namespaced_role(s.sys_ns, {"metadata": {"name": "placeholders"},

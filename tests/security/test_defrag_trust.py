@@ -7,7 +7,7 @@ from __future__ import annotations
 import deploy_objects
 from realk8s import ControlPlane
 
-from extender.defrag.cli import _snapshot
+from extender.controllers.defrag.cli import _snapshot
 from gpupack.contract import (
     ANN_ASSIGNMENT,
     ANN_INVENTORY,
