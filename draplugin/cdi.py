@@ -190,3 +190,13 @@ def prepared(cdi_dir: str | Path) -> tuple[list[PreparedClaim], list[str]]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             bad.append(f"{p.name}: {type(e).__name__}: {e}")
     return out, bad
+
+
+def holds(cdi_dir: str | Path) -> dict[str, str]:
+    """Slice device name -> the class of the claims prepared on it ("mixed" when both are)."""
+    out: dict[str, str] = {}
+    for c in prepared(cdi_dir)[0]:
+        for d in c.devices:
+            seen = out.get(d.device)
+            out[d.device] = c.pod_class if seen in (None, c.pod_class) else "mixed"
+    return out

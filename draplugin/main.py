@@ -22,6 +22,7 @@ import threading
 
 from deviceplugin.discovery import NvmlUnavailable, discover, init_nvml
 from deviceplugin.main import NvmlModuleError, make_nvml
+from draplugin import cdi
 from draplugin.api import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from draplugin.cdi import DEFAULT_CDI_DIR
 from draplugin.claims import DEFAULT_OFFLINE_CLASSES
@@ -144,7 +145,10 @@ def main(argv: list[str]) -> int:
         enforcement=args.enforcement,
         offline_classes=frozenset(args.offline_class or DEFAULT_OFFLINE_CLASSES),
     )
-    publisher = SlicePublisher(kube, args.node_name, state, driver_version)
+    publisher = SlicePublisher(
+        kube, args.node_name, state, driver_version, holds=lambda: cdi.holds(args.cdi_dir)
+    )
+    driver.on_change = publisher.wake
     health = HealthWatcher(nvml, state, probe_interval_s=args.probe_interval)
     sockets = Sockets(driver, args.registry_dir, args.plugins_dir)
     done = threading.Event()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client, watch
@@ -29,7 +30,7 @@ RETRY_S = 2.0
 WATCH_S = 300
 
 
-def _devices(body: dict[str, Any]) -> list[dict[str, Any]]:
+def published_devices(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The devices as published, less what the server changes: a taint's timeAdded it adds, and
     quantities it writes in canonical form (81920Mi comes back as 80Gi), compared by value."""
     devs = copy.deepcopy((body.get("spec") or {}).get("devices") or [])
@@ -55,13 +56,19 @@ def _q(v: Any) -> str:
 
 class SlicePublisher:
     def __init__(
-        self, kube: kubeclient.KubeClient, node: str, state: DeviceState, driver_version: str = ""
+        self,
+        kube: kubeclient.KubeClient,
+        node: str,
+        state: DeviceState,
+        driver_version: str = "",
+        holds: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self.kube = kube
         self.api = client.ResourceV1Api(kube.api)
         self.node = node
         self.state = state
         self.driver_version = driver_version
+        self.holds = holds or dict
         self.name = slices.slice_name(node)
         self.syncs = 0  # writes made (tests read it)
         self._dirty = threading.Event()
@@ -73,15 +80,25 @@ class SlicePublisher:
         ]
         state.add_listener(self._dirty.set)
 
+    def wake(self) -> None:
+        """Something the slice shows changed (a claim prepared or unprepared): sync soon."""
+        self._dirty.set()
+
     def start(self) -> None:
         self._dirty.set()
         for t in self._threads:
             t.start()
 
     def stop(self) -> None:
+        pending = self._dirty.is_set()
         self._stop.set()
         self._dirty.set()
         self._threads[0].join(timeout=5)
+        if pending:  # e.g. the last unprepare before a SIGTERM: show it, once, best effort
+            try:
+                self.sync()
+            except (kubeclient.ApiException, KeyError, TypeError, ValueError) as e:
+                log.warning("last ResourceSlice sync before stopping failed: %r", e)
 
     def _node(self) -> str:
         if not self._node_uid:
@@ -100,13 +117,13 @@ class SlicePublisher:
         gen = int(((current or {}).get("spec") or {}).get("pool", {}).get("generation") or 0)
         desired = slices.resource_slice(
             self.node, self.state.gpus(), generation=max(gen, 1), node_uid=self._node(),
-            driver_version=self.driver_version,
+            driver_version=self.driver_version, holds=self.holds(),
         )  # fmt: skip
         if current is None:
             self.kube.json(self.api.create_resource_slice, desired)
             log.info("published ResourceSlice %s (%d GPUs)", self.name, len(desired["spec"]["devices"]))
         else:
-            same_devices = _devices(current) == _devices(desired)
+            same_devices = published_devices(current) == published_devices(desired)
             same_rest = (current["spec"].get("nodeName"), current["spec"].get("driver"), (current["metadata"].get("ownerReferences") or [{}])[0].get("uid")) == (
                 self.node, slices.DRIVER, self._node_uid
             )  # fmt: skip

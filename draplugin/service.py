@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,8 @@ class Driver:
     kube: kubeclient.KubeClient | None
     enforcement: str = handoff.ENFORCE_BOTH
     offline_classes: frozenset[str] = claims.DEFAULT_OFFLINE_CLASSES
+    # called after a claim was prepared or unprepared (the slice's `holds` attributes follow)
+    on_change: Callable[[], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def gpus(self) -> dict[str, Any]:
@@ -81,14 +83,19 @@ class Driver:
             if why:
                 raise claims.ClaimError(f"{what}: {why}")
             cdi.write(self.cdi_dir, planned)
+        if self.on_change:
+            self.on_change()
         return planned
 
     def unprepare_one(self, uid: str) -> bool:
         with self._lock:
-            return cdi.remove(self.cdi_dir, uid)
+            was = cdi.remove(self.cdi_dir, uid)
+        if was and self.on_change:
+            self.on_change()
+        return was
 
 
-def _servicer(pb2: Any, pb2_grpc: Any, version: str, driver: Driver) -> Any:
+def servicer(pb2: Any, pb2_grpc: Any, version: str, driver: Driver) -> Any:
     class DRA(pb2_grpc.DRAPluginServicer):  # type: ignore[misc]
         def NodePrepareResources(self, request: Any, context: Any) -> Any:
             resp = pb2.NodePrepareResourcesResponse()
@@ -176,9 +183,9 @@ class Health(dra_health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):  # type: i
 
 def add_services(server: grpc.Server, driver: Driver) -> None:
     dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(
-        _servicer(dra_v1_pb2, dra_v1_pb2_grpc, "v1", driver), server
+        servicer(dra_v1_pb2, dra_v1_pb2_grpc, "v1", driver), server
     )
     dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(
-        _servicer(dra_v1beta1_pb2, dra_v1beta1_pb2_grpc, "v1beta1", driver), server
+        servicer(dra_v1beta1_pb2, dra_v1beta1_pb2_grpc, "v1beta1", driver), server
     )
     dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(Health(driver), server)

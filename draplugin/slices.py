@@ -17,6 +17,11 @@ One slice per node, driver `gpu.gpupack.io`, pool = the node's name, one device 
   (tests/draplugin/test_dra_cluster.py): the server accepts min 0 and the scheduler fills a GPU
   with several claims until one capacity would exceed its value.
 - `allowMultipleAllocations: true` (consumable capacity, beta and on by default in 1.36).
+- attribute `holds` (string): the class of the claims prepared on the GPU ("" when none). The
+  DeviceClasses gpupack-online and gpupack-offline (deploy/dra/deviceclasses.yaml) select GPUs that
+  hold nothing or their own class: once a GPU's first claim is prepared, the allocator gives it only
+  claims of that class. Between an allocation and its prepare the attribute is not yet set; the
+  plugin's prepare refuses a claim of the other class on that GPU (draplugin.claims.conflict).
 
 An unhealthy GPU stays in the slice with `healthy: false` and a device taint
 `gpu.gpupack.io/unhealthy` with effect NoSchedule (device taints, beta in 1.36): the allocator
@@ -27,7 +32,7 @@ is what keeps new claims off it where a server drops the taint field).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpupack.contract import GPUInfo
@@ -38,6 +43,12 @@ UNHEALTHY_TAINT = f"{DRIVER}/unhealthy"
 MEMORY = "memory"
 SM = "sm"
 DEVICE_PREFIX = "gpu-"
+# which class of claims a GPU holds: "" (none), "online", "offline", or "mixed" (both, which the
+# plugin refuses to prepare; only a hand-made CDI file could cause it). The DeviceClasses select
+# `holds` "" or their own class, so the allocator keeps the classes apart on GPUs already in use.
+HOLDS = "holds"
+MIXED = "mixed"
+HOLDS_VALUES = frozenset({"", "online", "offline", MIXED})
 # attribute strings are limited to 64 characters by the API server
 _MAX_ATTR_STRING = 64
 
@@ -56,8 +67,8 @@ def _s(value: str) -> dict[str, str]:
     return {"string": value[:_MAX_ATTR_STRING]}
 
 
-def device(gpu: GPUInfo, driver_version: str = "") -> dict[str, Any]:
-    """One GPU as a resource.k8s.io/v1 Device."""
+def device(gpu: GPUInfo, driver_version: str = "", holds: str = "") -> dict[str, Any]:
+    """One GPU as a resource.k8s.io/v1 Device; `holds`: the class of the claims prepared on it."""
     attrs: dict[str, Any] = {
         "uuid": _s(gpu.uuid),
         "model": _s(gpu.model),
@@ -65,6 +76,7 @@ def device(gpu: GPUInfo, driver_version: str = "") -> dict[str, Any]:
         "smCount": {"int": gpu.sm_count},
         "numaNode": {"int": gpu.numa_node},
         "healthy": {"bool": gpu.healthy},
+        HOLDS: {"string": holds if holds in HOLDS_VALUES else MIXED},
     }
     if driver_version:
         attrs["driverVersion"] = _s(driver_version)
@@ -98,10 +110,13 @@ def resource_slice(
     generation: int = 1,
     node_uid: str = "",
     driver_version: str = "",
+    holds: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole ResourceSlice body for `node` (create or replace). `generation` is the pool's:
     bump it whenever the devices change so that consumers drop an older slice of the pool.
-    `node_uid` makes the Node the slice's owner (deleted with the node)."""
+    `node_uid` makes the Node the slice's owner (deleted with the node). `holds`: device name -> the
+    class of the claims prepared on it (absent: none)."""
+    held = holds or {}
     meta: dict[str, Any] = {"name": slice_name(node), "labels": {"app.kubernetes.io/managed-by": "gpupack"}}
     if node_uid:
         meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid}]
@@ -113,7 +128,10 @@ def resource_slice(
             "driver": DRIVER,
             "nodeName": node,
             "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-            "devices": [device(g, driver_version) for g in sorted(gpus, key=lambda g: g.index)],
+            "devices": [
+                device(g, driver_version, held.get(device_name(g.index), ""))
+                for g in sorted(gpus, key=lambda g: g.index)
+            ],
         },
     }
 

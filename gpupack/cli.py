@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "device-plugin": ("deviceplugin.main", "run the per-node kubelet device plugin (gRPC)"),
     "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
     "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
+    "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
     "status": ("extender.status_cli", "show per-node, per-GPU reservations from the cluster"),
     "defrag": (
         "extender.controllers.defrag.cli",

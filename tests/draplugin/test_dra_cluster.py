@@ -290,7 +290,34 @@ def test_shares_allocated_by_the_scheduler_prepared_by_the_kubelet(env: Env) -> 
             assert cenv["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
             assert cenv["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
     assert sorted(os.listdir(env.cdi)) == sorted(f"gpupack-{uid}.json" for uid, _ in want.values())
-    realk8s.until(env.slice, 30, "the slice published again after the kubelet's wipe")
+    s = realk8s.until(env.slice, 30, "the slice published again after the kubelet's wipe")
+    holds = {d["name"]: d["attributes"]["holds"]["string"] for d in s["spec"]["devices"]}
+    assert holds == {want["whole"][1]: "offline", want["s1"][1]: "online", want["s3"][1]: "online"}, holds
+
+    # online and offline apart by the allocator: a small offline share finds no GPU (the GPUs with
+    # room hold online claims), a small online share still packs beside the online ones
+    env.resource.create_namespaced_resource_claim_template(
+        NS, _template("small-off", "gpupack-offline", {"memory": "1Gi", "sm": "10"})
+    )
+    env.resource.create_namespaced_resource_claim_template(
+        NS, _template("small-on", "gpupack-online", {"memory": "1Gi", "sm": "10"})
+    )
+    k8s.core.create_namespaced_pod(NS, _pod("late-off", "small-off"))
+    k8s.core.create_namespaced_pod(NS, _pod("late-on", "small-on"))
+    realk8s.until(
+        lambda: k8s.core.read_namespaced_pod("late-on", NS).spec.node_name == NODE, 60, "late-on bound"
+    )
+    late = {
+        c.metadata.owner_references[0].name: c for c in env.resource.list_namespaced_resource_claim(NS).items
+    }
+    assert late["late-on"].status.allocation.devices.results[0].device in (want["s1"][1], want["s3"][1])
+
+    def off_unschedulable() -> bool:
+        conds = k8s.core.read_namespaced_pod("late-off", NS).status.conditions or []
+        return any(c.type == "PodScheduled" and c.status == "False" for c in conds)
+
+    realk8s.until(off_unschedulable, 60, "late-off kept off the GPUs holding online claims")
+    k8s.core.delete_namespaced_pod("late-off", NS, grace_period_seconds=0)
 
     # run 2: the same kubelet state, the plugin restarted, then every pod unprepared
     ev2 = env.harness(
@@ -309,6 +336,9 @@ def test_shares_allocated_by_the_scheduler_prepared_by_the_kubelet(env: Env) -> 
     assert sum(e["event"] == "unprepared" for e in ev2) == len(pods)
     assert os.listdir(env.cdi) == []
     assert len(env.node_slices()) == 1
+    # the plugin's last sync before it stopped: no GPU holds a class any more
+    s = env.slice()
+    assert s is not None and {d["attributes"]["holds"]["string"] for d in s["spec"]["devices"]} == {""}
 
 
 def test_deploy_dra_component_accepted_by_the_api_server(env: Env, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from deviceplugin.discovery import discover
 from deviceplugin.health import DeviceState
 from draplugin import cdi, claims
 from draplugin.api import dra_v1_pb2, dra_v1_pb2_grpc
-from draplugin.service import Driver, _servicer
+from draplugin.service import Driver, servicer
 from gpupack import kubeclient
 
 NODE = "node-a"
@@ -244,7 +244,7 @@ def test_one_bad_claim_does_not_fail_the_others_in_a_request(drv: tuple[Driver, 
     api.add(_claim(good, _result()), name="good")
     api.add(_claim(str(uuid.uuid4()), _result()), name="wrong")
     api.add(RuntimeError("surprise"), name="broken")
-    svc = _servicer(dra_v1_pb2, dra_v1_pb2_grpc, "v1", d)
+    svc = servicer(dra_v1_pb2, dra_v1_pb2_grpc, "v1", d)
     req = dra_v1_pb2.NodePrepareResourcesRequest(claims=[
         dra_v1_pb2.Claim(namespace="team", name="wrong", uid=wrong_uid),
         dra_v1_pb2.Claim(namespace="team", name="gone", uid=gone),

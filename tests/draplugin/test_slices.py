@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from draplugin import slices
 from gpupack.contract import GPUInfo
 
@@ -68,3 +70,42 @@ def test_devices_equal_decides_a_generation_bump() -> None:
     c = slices.resource_slice("n", [_gpu(0, healthy=False)], generation=1)
     assert slices.devices_equal(a, b)
     assert not slices.devices_equal(a, c)
+
+
+def test_holds_attribute_names_the_class_a_gpu_holds() -> None:
+    body = slices.resource_slice(
+        "n", [_gpu(0), _gpu(1), _gpu(2)], holds={"gpu-0": "online", "gpu-2": "bogus"}
+    )
+    holds = [d["attributes"]["holds"] for d in body["spec"]["devices"]]
+    assert holds == [{"string": "online"}, {"string": ""}, {"string": "mixed"}]
+
+
+def test_cdi_holds_from_the_prepared_claims(tmp_path) -> None:
+    from draplugin import cdi
+
+    def claim(uid: str, cls: str, device: str) -> cdi.PreparedClaim:
+        return cdi.PreparedClaim(
+            uid, "ns", "c", cls, (cdi.PreparedDevice("gpu", "n", device, "GPU-x", 1, 0, "", {"A": "1"}),)
+        )
+
+    cdi.write(tmp_path, claim("00000000-0000-0000-0000-000000000001", "online", "gpu-0"))
+    cdi.write(tmp_path, claim("00000000-0000-0000-0000-000000000002", "online", "gpu-0"))
+    cdi.write(tmp_path, claim("00000000-0000-0000-0000-000000000003", "offline", "gpu-1"))
+    cdi.write(tmp_path, claim("00000000-0000-0000-0000-000000000004", "online", "gpu-1"))
+    assert cdi.holds(tmp_path) == {"gpu-0": "online", "gpu-1": "mixed"}
+
+
+def test_the_servers_canonical_quantities_are_the_same_devices() -> None:
+    """The API server writes 81920Mi back as 80Gi and adds a taint's timeAdded: not a change (else
+    every sync would bump the pool's generation)."""
+    from draplugin.publish import published_devices
+
+    ours = slices.resource_slice("n", [_gpu(0, mem_mib=81920, healthy=False)])
+    server = copy.deepcopy(ours)
+    dev = server["spec"]["devices"][0]
+    dev["capacity"]["memory"]["value"] = "80Gi"
+    dev["capacity"]["memory"]["requestPolicy"]["default"] = "80Gi"
+    dev["taints"][0]["timeAdded"] = "2026-12-07T21:09:57Z"
+    assert published_devices(server) == published_devices(ours)
+    dev["capacity"]["memory"]["value"] = "40Gi"
+    assert published_devices(server) != published_devices(ours)
