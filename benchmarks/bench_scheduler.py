@@ -39,6 +39,24 @@ over the nodes, and a check of the result (over-committed GPUs, handoffs not don
 seconds each process used in the phase (`cpu_s`): every part shares this machine's cores, so a
 phase that uses them all is as fast as the sum allows.
 
+- dra (where the API server serves resource.k8s.io/v1 with consumable capacity, i.e. v1.36
+  assets; otherwise reported as skipped, with the reason; --no-dra: off): the gpupack phase's pods
+  drawn again with the same seed (the same kinds, shares and host requests), each GPU asked for by
+  a ResourceClaim from a ResourceClaimTemplate (one per shape: a share asks `capacity.requests`
+  memory and sm, a whole GPU `count: 1`, two GPUs `count: 2`; benchmarks/dra_objects.py), on the
+  same nodes, each also publishing its 8 GPUs as a ResourceSlice (gpupack dra-plugin's shape,
+  made before the phases); a third kube-scheduler with plain's configuration (its own plugins,
+  DynamicResources allocating; no extender). Its time includes the ResourceClaim controller
+  (kube-controller-manager) creating each pod's claim from its template, kube-scheduler's
+  allocation and the claim status write before the Binding; it does not include a kubelet's
+  NodePrepareResources (not modelled: the stand-in admits the pod as it admits plain's), whereas
+  the gpupack phase's binding waits for the device plugin's handoff of the previous pod on the
+  node. With --arrival queued the controller-manager is stopped with the DRA phase's scheduler, so
+  the claims are made from the resumption on, inside the measured time. The online/offline class
+  rule is not kept in this phase (the in-tree allocator knows no classes). Afterwards every
+  device's consumed capacity, summed over the claims, is checked against its slice
+  (`correctness.overfilled_devices`; the run exits 1 if any).
+
 `targets`: issue 29's done-when for the run, clause by clause (plain fed at twice its rate, the
 ratio, gpupack's creation -> bound p99; the last null with a queued arrival).
 
@@ -74,14 +92,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "extender"))
 
+import dra_objects as dra  # noqa: E402
 import realk8s  # noqa: E402
-from ext_helpers import container, gpu_node, pod_obj  # noqa: E402
+from ext_helpers import H100_MIB, container, gpu_node, pod_obj  # noqa: E402
 from kubelet_procs import STAND_INS, start_stand_in  # noqa: E402
 from kubernetes import client  # noqa: E402
 from pod_creator import PodCreator  # noqa: E402
 from processes import ExtenderProcess, descendants, free_port, give_extender_cpus  # noqa: E402
 
-from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, decode_assignment  # noqa: E402
+from gpupack.contract import ANN_ASSIGNMENT, ANN_HANDOFF, HANDOFF_DONE, GPUInfo, decode_assignment  # noqa: E402
 
 SHARES = [(8192, 20), (16384, 30), (24576, 40), (40960, 50), (10240, 25), (20000, 50)]
 
@@ -145,6 +164,55 @@ def plain_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
         "spec": {"containers": [{"name": "c", "image": "registry.invalid/x:1",
                                  "resources": {"requests": res, "limits": res}}]},
     }  # fmt: skip
+
+
+def dra_templates(ns: str) -> list[dict[str, Any]]:
+    """One ResourceClaimTemplate per GPU pod shape of `gpu_pod`."""
+    out = [dra.claim_template(f"share-{mem}-{sm}", ns, dra.claim_spec(1, mem, sm)) for mem, sm in SHARES]
+    out.append(dra.claim_template("whole", ns, dra.claim_spec(1)))
+    out.append(dra.claim_template("two", ns, dra.claim_spec(2)))
+    return out
+
+
+def dra_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
+    """`gpu_pod`'s pod (the same draws from `rng`), its GPUs asked for by a claim from a template."""
+    rng.random()  # the class draw: the in-tree allocator knows no classes
+    kind = rng.choices(KINDS, weights=KIND_WEIGHTS)[0]
+    template = "whole" if kind == "whole" else "two"
+    if kind == "share":
+        mem, sm = rng.choice(SHARES)
+        template = f"share-{mem}-{sm}"
+    req = host_requests(rng, kind)
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{kind}-{i}", "namespace": ns},
+        "spec": {"schedulerName": "dra-scheduler", "resourceClaims": [dra.pod_claim(template, template=True)],
+                 "containers": [{"name": "c", "image": "registry.invalid/x:1",
+                                 "resources": {"requests": req, "claims": [{"name": dra.REQUEST}]}}]},
+    }  # fmt: skip
+
+
+def dra_setup(cp: realk8s.ControlPlane, nodes: list[str], ns: str) -> tuple[list[dict[str, Any]], float]:
+    """The DeviceClass, every node's ResourceSlice (8 H100 as gpu_node publishes them) and the
+    templates; the slices and the seconds it took."""
+    t = time.monotonic()
+    res = client.ResourceV1Api(realk8s.with_pool(cp.new_api_client(), 16))
+    res.create_device_class(dra.device_class())
+    slices = [dra.node_slice(n, [GPUInfo(uuid=f"GPU-{n}-{j}", index=j, model="NVIDIA-H100-80GB-HBM3",
+                                         mem_mib=H100_MIB, sm_count=132) for j in range(8)]) for n in nodes]  # fmt: skip
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda b: res.create_resource_slice(b, _preload_content=False).data, slices))
+    for tpl in dra_templates(ns):
+        res.create_namespaced_resource_claim_template(ns, tpl)
+    return slices, round(time.monotonic() - t, 1)
+
+
+def dra_check(cp: realk8s.ControlPlane, slices: list[dict[str, Any]], ns: str) -> dict[str, Any]:
+    """Consumed capacity against the slices, summed over the phase's claims."""
+    res = client.ResourceV1Api(cp.api_client())
+    claims = json.loads(res.list_namespaced_resource_claim(ns, _preload_content=False).data)["items"]
+    bad = dra.capacity_overfills(slices, claims)
+    return {"claims": len(claims), "claims_allocated": sum(1 for c in claims if dra.results(c)),
+            "overfilled_devices": len(bad), "overfills": bad[:5]}  # fmt: skip
 
 
 class Observer:
@@ -286,6 +354,7 @@ CPU_LABELS = [  # the first whose words all occur in the command line wins
     (("gpupack-extender",), "extender"),  # the same, renamed by setproctitle (older releases)
     (("kube-scheduler", "gpupack-scheduler-"), "kube-scheduler (gpupack)"),
     (("kube-scheduler", "plain-scheduler-"), "kube-scheduler (plain)"),
+    (("kube-scheduler", "dra-scheduler-"), "kube-scheduler (dra)"),
     (("kube-apiserver",), "kube-apiserver"),
     (("kube-controller-manager",), "kube-controller-manager"),
     (("etcd",), "etcd"),
@@ -358,18 +427,21 @@ def run_phase(
     timeout: float,
     creator: PodCreator,
     queued: bool = False,
+    also_stopped: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """One phase. `queued`: the phase's kube-scheduler is stopped (SIGSTOP) while the pods are
     created and resumed once all exist, so its rate is its own whatever the creators manage; the
-    rate and `from_resume_*` then count from the resumption."""
+    rate and `from_resume_*` then count from the resumption. `also_stopped`: processes stopped and
+    resumed with it (the DRA phase's controller-manager: its claims are made in the measured time)."""
     obs = Observer(cp, ns)
     time.sleep(0.5)  # the watch is open
     s0 = sched.metrics()
     e0 = scrape(ext.url + "/metrics") if ext is not None else ""
     a0 = api_requests(api_metrics(cp))
     c0 = cpu_seconds()
-    if queued:
-        os.kill(sched.proc.proc.pid, signal.SIGSTOP)
+    stopped = (sched.proc.proc.pid, *also_stopped) if queued else ()
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         created = creator.create(ns, pods)
@@ -378,7 +450,8 @@ def run_phase(
         if queued:
             c_resume = cpu_seconds()
             t0 = time.monotonic()
-            os.kill(sched.proc.proc.pid, signal.SIGCONT)
+            for pid in reversed(stopped):
+                os.kill(pid, signal.SIGCONT)
     names = [p["metadata"]["name"] for p in pods]
     deadline = time.monotonic() + timeout
     c_bound: dict[str, float] | None = None  # CPU once every pod was seen bound (queued runs)
@@ -601,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         "latencies; the rate is bounded by the creators'); queued: created while that scheduler is "
         "stopped, then it is resumed (the rate is the scheduler's own, counted from the resumption)",
     )
+    ap.add_argument("--no-dra", action="store_true", help="skip the DRA phase")
     ap.add_argument("--json", action="store_true", help="one JSON line")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -622,8 +696,18 @@ def main(argv: list[str] | None = None) -> int:
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda i: gpu_node(cp, f"n{i:05d}"), range(args.nodes)))
             result["setup_nodes_s"] = round(time.monotonic() - t, 1)
-            for ns in ("plain", "gpu"):
+            for ns in ("plain", "gpu", "dra"):
                 cp.ensure_namespace(ns)
+            import replay_dra  # the server check (benchmarks/replay_dra.py)
+
+            why = "--no-dra" if args.no_dra else replay_dra.dra_unsupported(cp)
+            dra_slices: list[dict[str, Any]] = []
+            if why:
+                result["dra_skipped"] = why
+            else:
+                dra_slices, result["setup_dra_s"] = dra_setup(
+                    cp, [f"n{i:05d}" for i in range(args.nodes)], "dra"
+                )
             # as deployed: the extender writes only while its kube-scheduler holds the Lease (on one
             # machine the host name is both the scheduler's holder identity prefix and the extender's)
             shipped = shipped_extender_args()
@@ -638,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
             gcfg = realk8s.gpupack_scheduler_config(ext.url)
             le = dict(gcfg.get("leaderElection") or {}, leaderElect=True, resourceLock="leases")
             scheds.append(Scheduler(cp, gcfg, "gpupack-scheduler", args.qps, args.burst, leader_election=le))
+            if not why:  # plain's configuration, its profile named for the DRA pods
+                dcfg = {**plain_cfg, "profiles": [{"schedulerName": "dra-scheduler"}]}
+                scheds.append(Scheduler(cp, dcfg, "dra-scheduler", args.qps, args.burst))
             if args.extender_cpus:
                 result["pinned_cpus"] = give_extender_cpus(ext, args.extender_cpus)
             stand_in = start_stand_in(args.stand_in, cp, None, args.admit_ms / 1000, args.stand_in_procs,
@@ -649,8 +736,16 @@ def main(argv: list[str] | None = None) -> int:
                                             scheds[0], None, args.timeout, creator, queued)  # fmt: skip
                 result["gpupack"] = run_phase(cp, "gpu", [gpu_pod(rng, i, "gpu") for i in range(args.pods)],
                                               scheds[1], ext, args.timeout, creator, queued)  # fmt: skip
+                if not why:
+                    drng = random.Random(args.seed)  # gpupack's pods again
+                    kcm = cp.procs["kube-controller-manager"].proc.pid  # the ResourceClaim controller
+                    result["dra"] = run_phase(cp, "dra", [dra_pod(drng, i, "dra") for i in range(args.pods)],
+                                              scheds[2], None, args.timeout, creator, queued, (kcm,))  # fmt: skip
+                    result["dra"]["correctness"] = dra_check(cp, dra_slices, "dra")
             plain, gp = result["plain"], result["gpupack"]
             result["ratio"] = round(gp["pods_per_s"] / max(plain["pods_per_s"], 1e-9), 3)
+            if "dra" in result:
+                result["ratio_dra"] = round(result["dra"]["pods_per_s"] / max(plain["pods_per_s"], 1e-9), 3)
             # plain measures kube-scheduler only if pods came at least twice as fast as it bound them
             result["creation_over_plain"] = round(plain["created_per_s"] / max(plain["pods_per_s"], 1e-9), 2)
             # queued: every pod existed before the scheduler resumed, so no creator could hold it back
@@ -669,7 +764,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        for phase in ("plain", "gpupack"):
+        for phase in ("plain", "gpupack", "dra"):
+            if phase not in result:
+                print(f"dra      skipped: {result.get('dra_skipped')}")
+                continue
             r = result[phase]
             print(
                 f"{phase:8s} {r['pods_per_s']:7.1f} pods/s (created {r['created_per_s']}/s)  "
@@ -684,9 +782,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio gpupack/plain: {result['ratio']}" + (
             f"  (extender on CPUs {pinned['extender']}, everything else on {pinned['others']}: "
             "not the ratio of a run without --extender-cpus)" if pinned else ""))  # fmt: skip
+        if "ratio_dra" in result:
+            print(
+                f"ratio dra/plain: {result['ratio_dra']}  (device-plugin path gpupack/plain: {result['ratio']})"
+            )
+            print(f"dra correctness: {result['dra']['correctness']}")
         print(f"issue 29's targets: {result['targets']}")
         print(f"extender: {g['extender']}")
         print(f"correctness: {g['correctness']}")
+    overfilled = (result.get("dra") or {}).get("correctness", {}).get("overfilled_devices", 0)
+    if overfilled:
+        print(f"DRA: {overfilled} devices filled past their capacity", file=sys.stderr)
+        return 1
     return 0
 
 
