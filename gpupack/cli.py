@@ -17,8 +17,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "extender": ("extender.main", "run the kube-scheduler extender and admission webhook (HTTP)"),
     "device-plugin": ("deviceplugin.main", "run the per-node kubelet device plugin (gRPC)"),
     "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
-    "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
-    "dra-plugin": ("draplugin.main", "run the per-node DRA kubelet plugin (gRPC; Kubernetes 1.34+)"),
     "status": ("extender.status_cli", "show per-node, per-GPU reservations from the cluster"),
     "defrag": (
         "extender.controllers.defrag.cli",

@@ -276,7 +276,7 @@ def test_shares_allocated_by_the_scheduler_prepared_by_the_kubelet(env: Env) -> 
         ids = [e["cdi_devices"] for e in ev if e["event"] == "container" and e["pod"] == f"{NS}/{name}"]
         sources = [e["source"] for e in ev if e["event"] == "container" and e["pod"] == f"{NS}/{name}"]
         assert sources == ["prepare", "checkpoint", "reprepare"], ev
-        # the re-prepare repeats the id (kubernetes/kubernetes#140471 in v1.36.2): the same id
+        # the re-prepare repeats the id (a v1.36.2 kubelet bug, fixed upstream later): the same id
         assert all(set(x) == {f"gpu.gpupack.io/gpu={uid}-{dev}"} for x in ids), ids
         spec = json.loads((env.cdi / f"gpupack-{uid}.json").read_text())
         (d,) = spec["devices"]
