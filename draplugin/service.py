@@ -96,6 +96,8 @@ class Driver:
 
 
 def servicer(pb2: Any, pb2_grpc: Any, version: str, driver: Driver) -> Any:
+    has_share_id = "share_id" in pb2.Device.DESCRIPTOR.fields_by_name
+
     class DRA(pb2_grpc.DRAPluginServicer):  # type: ignore[misc]
         def NodePrepareResources(self, request: Any, context: Any) -> Any:
             resp = pb2.NodePrepareResourcesResponse()
@@ -119,7 +121,7 @@ def servicer(pb2: Any, pb2_grpc: Any, version: str, driver: Driver) -> Any:
                         device_name=d.device,
                         cdi_device_ids=[cdi_id],
                     )
-                    if d.share_id:
+                    if d.share_id and has_share_id:  # v1beta1's Device has no share_id
                         dev.share_id = d.share_id
                 log.info("%s prepared %s/%s (%s): %s", version, c.namespace, c.name, c.uid, ids)
             return resp

@@ -292,3 +292,41 @@ def test_unhealthy_gpu_is_not_prepared(drv: tuple[Driver, Claims]) -> None:
     d.state.mark_unhealthy(d.state.gpus()[1].uuid, "XID 79")
     with pytest.raises(claims.ClaimError, match="unhealthy"):
         d.prepare_one("team", "c", uid)
+
+
+def test_v1beta1_service_answers_as_v1_and_changes_are_announced(drv: tuple[Driver, Claims]) -> None:
+    from draplugin.api import dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+
+    d, api = drv
+    changes: list[int] = []
+    d.on_change = lambda: changes.append(1)
+    uid = str(uuid.uuid4())
+    api.add(_claim(uid, _result("gpu-1")))
+    svc = servicer(dra_v1beta1_pb2, dra_v1beta1_pb2_grpc, "v1beta1", d)
+    claim = dra_v1beta1_pb2.Claim(namespace="team", name="c", uid=uid)
+    resp = svc.NodePrepareResources(dra_v1beta1_pb2.NodePrepareResourcesRequest(claims=[claim]), None)
+    assert [x.cdi_device_ids[0] for x in resp.claims[uid].devices] == [f"gpu.gpupack.io/gpu={uid}-gpu-1"]
+    assert cdi.holds(d.cdi_dir) == {"gpu-1": "online"} and changes == [1]
+    svc.NodeUnprepareResources(dra_v1beta1_pb2.NodeUnprepareResourcesRequest(claims=[claim]), None)
+    assert cdi.holds(d.cdi_dir) == {} and changes == [1, 1]
+
+
+def test_health_stream_reports_every_gpu_and_a_change() -> None:
+    from draplugin.api import dra_health_v1alpha1_pb2 as pb
+    from draplugin.service import Health
+
+    d = Driver(node=NODE, cdi_dir="/nonexistent", state=_state(), kube=None)
+
+    class Ctx:
+        def is_active(self) -> bool:
+            return True
+
+    stream = Health(d).NodeWatchResources(pb.NodeWatchResourcesRequest(), Ctx())
+    first = next(stream)
+    assert [(x.device.pool_name, x.device.device_name, x.health) for x in first.devices] == [
+        (NODE, "gpu-0", pb.HEALTHY),
+        (NODE, "gpu-1", pb.HEALTHY),
+    ]
+    d.state.mark_unhealthy(d.state.gpus()[1].uuid, "XID 79")
+    second = next(stream)
+    assert [x.health for x in second.devices] == [pb.HEALTHY, pb.UNHEALTHY]
