@@ -330,3 +330,38 @@ def test_health_stream_reports_every_gpu_and_a_change() -> None:
     d.state.mark_unhealthy(d.state.gpus()[1].uuid, "XID 79")
     second = next(stream)
     assert [x.health for x in second.devices] == [pb.HEALTHY, pb.UNHEALTHY]
+
+
+def test_racing_prepares_of_both_classes_never_both_pass(drv: tuple[Driver, Claims]) -> None:
+    """The check and the write are one step: of an online and an offline claim prepared at the same
+    moment on one GPU, exactly one is prepared, however the threads interleave."""
+    import threading
+
+    d, api = drv
+    for round_ in range(20):
+        on, off = str(uuid.uuid4()), str(uuid.uuid4())
+        api.add(_claim(on, _result("gpu-0"), name=f"on{round_}"), name=f"on{round_}")
+        api.add(
+            _claim(off, _result("gpu-0"), name=f"off{round_}", cls="gpupack-offline"), name=f"off{round_}"
+        )
+        start = threading.Barrier(2)
+        ok: list[str] = []
+
+        def prep(name: str, uid: str, start: threading.Barrier = start, ok: list[str] = ok) -> None:
+            start.wait()
+            try:
+                d.prepare_one("team", name, uid)
+                ok.append(uid)
+            except claims.ClaimError:
+                pass
+
+        threads = [
+            threading.Thread(target=prep, args=a) for a in ((f"on{round_}", on), (f"off{round_}", off))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(ok) == 1
+        d.unprepare_one(ok[0])
+    assert _files(d) == []
