@@ -132,8 +132,9 @@ def env(k8s: realk8s.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> 
         sched.stop()
         with contextlib.suppress(client.ApiException):
             k8s.core.delete_collection_namespaced_pod(NS, grace_period_seconds=0)
-        with contextlib.suppress(client.ApiException):
-            k8s.core.delete_namespace(NS)
+        for ns in (NS, "gpupack-system", "gpupack-demo"):
+            with contextlib.suppress(client.ApiException):
+                k8s.core.delete_namespace(ns)
         for s in e.node_slices():
             with contextlib.suppress(client.ApiException):
                 e.resource.delete_resource_slice(s.metadata.name)
@@ -365,14 +366,59 @@ def test_deploy_dra_component_accepted_by_the_api_server(env: Env, tmp_path: Pat
         out = k8s.kubectl(
             "apply", "--server-side", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(dra + examples)
         )
-    finally:
-        for ns in ("gpupack-system", "gpupack-demo"):
-            with contextlib.suppress(client.ApiException):
-                k8s.core.delete_namespace(ns)
+    finally:  # gpupack-system goes with the module (the next test applies deploy/dra/ into it)
+        with contextlib.suppress(client.ApiException):
+            k8s.core.delete_namespace("gpupack-demo")
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == len(dra) + len(examples), out
     assert {o["kind"] for o in dra} >= {"DaemonSet", "ClusterRole", "ClusterRoleBinding", "ServiceAccount",
                                          "DeviceClass", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}  # fmt: skip
+
+
+def test_plugin_runs_on_its_rbac_and_writes_only_its_own_nodes_slice(env: Env) -> None:
+    """deploy/dra's ServiceAccount, ClusterRole and admission policy applied for real: the plugin,
+    with the token a DaemonSet pod on the node gets, publishes its slice; the same token cannot
+    write another node's slice."""
+    k8s, ns, sa = env.k8s, "gpupack-system", "gpupack-dra-plugin"
+    k8s.ensure_namespace(ns)
+    for f in ("serviceaccount.yaml", "rbac.yaml", "policy.yaml"):
+        k8s.kubectl("apply", "--server-side", "-f", str(REPO / "deploy" / "dra" / f))
+    try:
+        pod = k8s.core.create_namespaced_pod(ns, {"metadata": {"name": "dra-plugin-pod"}, "spec": {
+            "nodeName": NODE, "serviceAccountName": sa, "containers": [{"name": "c", "image": "registry.invalid/x:1"}]}})  # fmt: skip
+        token = k8s.core.create_namespaced_service_account_token(sa, ns, {"spec": {"expirationSeconds": 3600,
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name, "uid": pod.metadata.uid}}}).status.token  # fmt: skip
+        assert k8s.token_node_claim(token) == NODE
+        as_plugin = client.ResourceV1Api(k8s.new_api_client(token))
+        other = slices.resource_slice("some-other-node", [])
+        other["spec"]["devices"] = []
+
+        def refused() -> str:
+            try:
+                as_plugin.create_resource_slice(other)
+            except client.ApiException as e:
+                return e.body if "may write only the ResourceSlices of its own node" in (e.body or "") else ""
+            # created before the policy took effect: remove it, try again
+            env.resource.delete_resource_slice(other["metadata"]["name"])
+            return ""
+
+        assert NODE in realk8s.until(refused, 30, "the own-node policy refusing another node's slice")
+        env.resource.delete_resource_slice(slices.slice_name(NODE))
+        kubeconfig = k8s.write_kubeconfig(env.work / "plugin-sa.kubeconfig", token=token)
+        cmd = env.plugin_cmd(str(env.work / "reg"), str(env.work / "plugins")).replace(
+            str(k8s.kubeconfig), str(kubeconfig)
+        )
+        log = env.work / "rbac-plugin.log"
+        p = subprocess.Popen(["sh", "-c", cmd], stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            realk8s.until(env.slice, 30, "the slice published with the DaemonSet's permissions")
+        finally:
+            p.terminate()
+            p.wait(15)
+        assert "Forbidden" not in log.read_text() and "failed" not in log.read_text(), log.read_text()[-2000:]
+    finally:
+        k8s.kubectl("delete", "--ignore-not-found", "-f", str(REPO / "deploy" / "dra" / "policy.yaml"),
+                    "-f", str(REPO / "deploy" / "dra" / "rbac.yaml"))  # fmt: skip
 
 
 def test_refused_where_dra_is_not_served(k8s: realk8s.ControlPlane, tmp_path: Path) -> None:
