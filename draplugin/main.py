@@ -3,11 +3,13 @@
     gpupack dra-plugin --node-name N [--kubeconfig FILE] [--cdi-dir /var/run/cdi]
                        [--registry-dir /var/lib/kubelet/plugins_registry] [--plugins-dir /var/lib/kubelet/plugins]
                        [--enforcement hami-core|mps|both] [--offline-class gpupack-offline ...]
-                       [--probe-interval 5] [--nvml-module MODULE [--nvml-config TEXT]]
+                       [--probe-interval 5] [--metrics-port P [--metrics-addr A]]
+                       [--nvml-module MODULE [--nvml-config TEXT]]
 
 The same NVML discovery and health as `gpupack device-plugin` (deviceplugin.discovery, .health);
 instead of extended resources it publishes a ResourceSlice (draplugin.publish) and prepares
-ResourceClaims as CDI devices (draplugin.service). Refused, in one line, where the cluster serves
+ResourceClaims as CDI devices (draplugin.service); with --metrics-port it serves Prometheus /metrics
+and the kubelet's /healthz and /readyz probes (draplugin.metrics). Refused, in one line, where the cluster serves
 no resource.k8s.io/v1 (Kubernetes before 1.34): there the device plugin is the way.
 """
 
@@ -74,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--nvml-config", metavar="TEXT", default=None, help="passed to the --nvml-module's make_nvml"
     )
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between GPU health probes")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics, /healthz and /readyz on this port (default: none)",
+    )
+    p.add_argument("--metrics-addr", default="0.0.0.0", help="address for /metrics (default 0.0.0.0)")
     logs.add_log_flags(p)
     return p
 
@@ -131,6 +140,7 @@ def main(argv: list[str]) -> int:
         log.warning("skipped %s", s)
 
     from deviceplugin.health import DeviceState, HealthWatcher
+    from draplugin.metrics import Metrics, not_ready
     from draplugin.publish import SlicePublisher
     from draplugin.registration import Sockets
     from draplugin.service import Driver
@@ -152,6 +162,17 @@ def main(argv: list[str]) -> int:
     health = HealthWatcher(nvml, state, probe_interval_s=args.probe_interval)
     sockets = Sockets(driver, args.registry_dir, args.plugins_dir)
     done = threading.Event()
+    metrics = Metrics(
+        args.node_name,
+        state,
+        args.cdi_dir,
+        counts=lambda: {
+            "gpupack_draplugin_slice_publishes": publisher.syncs,
+            "gpupack_draplugin_slice_publish_errors": publisher.errors,
+            "gpupack_draplugin_kubelet_registrations": sockets.registration.registrations,
+        },
+    )
+    driver.observe = metrics.observe
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("signal %d: stopping", signum)
@@ -159,16 +180,31 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    metrics_server = None
     try:
         publisher.start()
         health.start()
         sockets.start()
+        if args.metrics_port is not None:
+            metrics_server = metrics.serve(
+                args.metrics_port,
+                args.metrics_addr,
+                lambda: not_ready(
+                    done.is_set,
+                    (sockets.dra_sock, sockets.reg_sock),
+                    sockets.registered.is_set,
+                    publisher.synced.is_set,
+                ),
+            )
+            log.info("metrics on http://%s:%d/metrics", args.metrics_addr, metrics_server.port)
     except OSError as e:
         print(f"{PROG}: cannot start: {e}", file=sys.stderr)
         sockets.stop()
         return 1
     while not done.wait(1.0):
         pass
+    if metrics_server is not None:
+        metrics_server.stop()
     sockets.stop()
     publisher.stop()
     health.stop()

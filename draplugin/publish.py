@@ -70,7 +70,9 @@ class SlicePublisher:
         self.driver_version = driver_version
         self.holds = holds or dict
         self.name = slices.slice_name(node)
-        self.syncs = 0  # writes made (tests read it)
+        self.syncs = 0  # writes made (tests and the metrics read it)
+        self.errors = 0  # failed syncs (the metrics read it)
+        self.synced = threading.Event()  # set once the server's slice matched (readiness)
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._node_uid = ""
@@ -163,7 +165,9 @@ class SlicePublisher:
             self._dirty.clear()
             try:
                 self.sync()
+                self.synced.set()
             except (kubeclient.ApiException, KeyError, TypeError, ValueError) as e:
+                self.errors += 1
                 reason = kubeclient.api_reason(e) if isinstance(e, kubeclient.ApiException) else repr(e)
                 log.warning(
                     "publishing ResourceSlice %s failed: %s; retrying in %.0fs", self.name, reason, RETRY_S

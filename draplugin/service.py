@@ -38,6 +38,10 @@ API_TIMEOUT_S = 10.0
 HEALTH_CHECK_TIMEOUT_S = 60
 
 
+class ClassConflict(claims.ClaimError):
+    """The claim's GPU holds a prepared claim of the other class (online / offline)."""
+
+
 @dataclass
 class Driver:
     node: str
@@ -48,6 +52,8 @@ class Driver:
     offline_classes: frozenset[str] = claims.DEFAULT_OFFLINE_CLASSES
     # called after a claim was prepared or unprepared (the slice's `holds` attributes follow)
     on_change: Callable[[], None] | None = None
+    # called once per claim handled: (prepare|unprepare, outcome, seconds) (draplugin.metrics)
+    observe: Callable[[str, str, float], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def gpus(self) -> dict[str, Any]:
@@ -81,11 +87,15 @@ class Driver:
                 log.warning("CDI spec not readable, ignored: %s", b)
             why = claims.conflict(planned, others)
             if why:
-                raise claims.ClaimError(f"{what}: {why}")
+                raise ClassConflict(f"{what}: {why}")
             cdi.write(self.cdi_dir, planned)
         if self.on_change:
             self.on_change()
         return planned
+
+    def observed(self, op: str, outcome: str, since: float) -> None:
+        if self.observe is not None:
+            self.observe(op, outcome, time.monotonic() - since)
 
     def unprepare_one(self, uid: str) -> bool:
         with self._lock:
@@ -103,16 +113,27 @@ def servicer(pb2: Any, pb2_grpc: Any, version: str, driver: Driver) -> Any:
             resp = pb2.NodePrepareResourcesResponse()
             for c in request.claims:
                 out = resp.claims[c.uid]
+                t0 = time.monotonic()
                 try:
                     prepared = driver.prepare_one(c.namespace, c.name, c.uid)
                 except (claims.ClaimError, cdi.BadUID, OSError) as e:
                     out.error = str(e)[:2000]
                     log.warning("%s prepare %s/%s (%s): %s", version, c.namespace, c.name, c.uid, out.error)
+                    outcome = (
+                        "conflict"
+                        if isinstance(e, ClassConflict)
+                        else "failed"
+                        if isinstance(e, OSError)
+                        else "refused"
+                    )
+                    driver.observed("prepare", outcome, t0)
                     continue
                 except Exception as e:  # one claim's surprise must not fail the others
                     out.error = f"internal error: {type(e).__name__}: {e}"[:2000]
                     log.exception("%s prepare %s/%s (%s)", version, c.namespace, c.name, c.uid)
+                    driver.observed("prepare", "failed", t0)
                     continue
+                driver.observed("prepare", "prepared", t0)
                 ids = prepared.cdi_ids()
                 for d, cdi_id in zip(prepared.devices, ids, strict=True):
                     dev = out.devices.add(
@@ -130,13 +151,16 @@ def servicer(pb2: Any, pb2_grpc: Any, version: str, driver: Driver) -> Any:
             resp = pb2.NodeUnprepareResourcesResponse()
             for c in request.claims:
                 out = resp.claims[c.uid]
+                t0 = time.monotonic()
                 try:
                     was = driver.unprepare_one(c.uid)
                 except cdi.BadUID:
                     was = False  # no file can have that name: nothing to undo
                 except OSError as e:
                     out.error = f"remove the CDI spec of claim {c.uid[:40]}: {e}"[:2000]
+                    driver.observed("unprepare", "failed", t0)
                     continue
+                driver.observed("unprepare", "unprepared" if was else "not_prepared", t0)
                 log.info(
                     "%s unprepared %s/%s (%s)%s",
                     version,
