@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from datetime import datetime
 from typing import Any
 
+from gpupack.contract import Reservation
 from gpupack.core.model import PodRequest
 
 from ..api.kube import Kube, NamespaceUnreadable
@@ -19,6 +20,7 @@ from ..state.node_resources import HostedPodRequest
 from ..state.view import ClusterView
 from .answers import AnswerCache, FilterAnswer, shape_of
 from .collector import VerbActivity
+from .filter_stages import Busy, NotWhole, Ranking, Verdict, Wait, rank, settle, steer
 from .fitting import FitMemo, Fitter
 from .learning import Learner
 from .pod_requests import pod_request
@@ -56,30 +58,20 @@ class FilterCost:
         self.sampled: tuple[int, int] | None = None  # a new shape's sample: (nodes looked at, asked)
 
 
-def busy_reason(node: str, key: str) -> str:
-    return f"node {node}: pod {key} is being bound there or waits for its kubelet (GPU handoff)"
+class Candidates:
+    """The candidates stage's output: the verdict before steering and ranking, the nodes the pod's
+    own defrag reservations steer it to, and how `rank` chooses (one ranking, or two: nodes held
+    by other binds first, then the policy's best), and whether it came from a new shape's sample."""
 
+    __slots__ = ("verdict", "steered", "_rankings", "sampled")
 
-def note_busy(busy: dict[str, str], failed: dict[str, str], codes: dict[str, int]) -> None:
-    """Nodes left out of an answer because another pod's bind or handoff holds them (node -> that
-    pod's key): each with the reason, counted as handoff-pending."""
-    for n, by in busy.items():
-        failed[n] = busy_reason(n, by)
-    if busy:
-        codes["handoff-pending"] = codes.get("handoff-pending", 0) + len(busy)
+    def __init__(
+        self, verdict: Verdict, steered: dict[str, Reservation], *rankings: Ranking, sampled: bool = False
+    ) -> None:
+        self.verdict, self.steered, self._rankings, self.sampled = verdict, steered, rankings, sampled
 
-
-def without_busy(
-    passed: list[str], busy: dict[str, str], failed: dict[str, str], codes: dict[str, int]
-) -> list[str]:
-    """`passed` without the nodes `busy` holds (note_busy), unless none would be left. A bind there
-    would wait for the kubelet to admit the other pod first; another node that fits is better than
-    a bind that waits and maybe fails into back-off."""
-    held = {n: busy[n] for n in passed if n in busy}
-    if not held or len(held) == len(passed):
-        return passed
-    note_busy(held, failed, codes)
-    return [n for n in passed if n not in held]
+    def rankings(self) -> tuple[Ranking, ...]:
+        return self._rankings
 
 
 class Filter:
@@ -149,7 +141,10 @@ class Filter:
             self.cost.lock_wait_s += time.perf_counter() - t
             yield
 
-    def _filter(self, args: ExtenderArgs, waited: bool = False) -> dict[str, Any]:
+    def _filter(self, args: ExtenderArgs) -> dict[str, Any]:
+        """parse -> candidates -> steer -> rank -> settle -> answer (filter_stages.py); a filter
+        whose nodes all await a bind's room waits once for it and runs the stages after parsing
+        again."""
         try:
             pod = pod_request(args.pod, self.kube)
         except PodRequestError as e:
@@ -160,122 +155,100 @@ class Filter:
             log.warning("filter: %s", e)
             return filter_result(args, [], {}, {}, error=f"gpupack: {e}")
         self.on_pod(args.pod, pod)
-        now = self.clock()
         names = args.node_names
-        with self._locked():
-            self.learner.observe(pod)
-            self.on_asked(pod)
-            sampled = self._sampled(pod, names, now)
-            if sampled is None:
-                st = self.answer(pod, names, now, self.cost)
-                cand: set[str] | None = None
-                passed: list[str] = []
-                steered: list[str] | None = None
-                if self.keep_best > 0 and not st.steered:
-                    # only the policy's best few of the nodes that pass are answered: which pass is
-                    # wanted as a set, not as a list in the request's order (~1,000 nodes a pod)
-                    cand = set(st.ok)
-                else:
-                    if st.passed is None:
-                        ok = st.ok
-                        st.passed = [n for n in names if n in ok]
-                    passed = list(st.passed)
-                    steered = [n for n in passed if n in st.steered] if st.steered else None
-                failed = dict(st.failed)
-                unresolvable = dict(st.unresolvable)
-                codes = {c: k for c, k in st.codes.items() if k}
-                if steered:
-                    target = steered[0]
-                    steer = st.steered[target]
-                    wanted = {n: st.steered[n] for n in steered}
-        if sampled is not None:
-            self.on_sampled(pod)
-            return self._settle(args, pod, *sampled, waited)
-        if names and codes.get("unknown-node") == len(st.name_set):
-            shown = ", ".join(names[:5])
-            raise WireError(f"none of the {len(names)} node(s) is known to gpupack: {shown}")
-        if steered:
-            # A pod with its own defrag reservation goes there, not anywhere else.
-            for n in passed:
-                if n not in wanted:
-                    failed[n] = f"pod is steered to node {target} by defrag reservation {steer.id}"
-                    codes["reservation-steer"] = codes.get("reservation-steer", 0) + 1
-            passed = steered
-        if cand is not None:
-            passed = self._best_of(pod, names, cand, failed, codes, now)
-        else:
-            locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
-        if cand is None and locked:
-            passed = without_busy(passed, locked, failed, codes)
-        if cand is None and self.keep_best > 0 and len(passed) > self.keep_best:
-            # The others are left out of the answer without a reason: kube-scheduler reads reasons
-            # only when no node passes (and one always does here), and this one would only say that
-            # another node was chosen. At 1,000 nodes that was ~50 KB of JSON per pod to write here
-            # and to parse there, on the scheduler's serial cycle.
-            kept = self.scorer.best(pod, names, passed, now, self.keep_best)
-            codes["not-best"] = codes.get("not-best", 0) + len(passed) - len(kept)
-            passed = kept
-        return self._settle(args, pod, passed, failed, unresolvable, codes, waited)
+        for waited in (False, True):
+            now = self.clock()
+            with self._locked():
+                c = self._candidates(pod, names, now)
+                v = steer(c.verdict, c.steered)
+                for how in c.rankings():
+                    v = rank(v, names, how)
+            if c.sampled:
+                self.on_sampled(pod)
+            unsettled = self.view.locks.unsettled(pod.uid) if v.passed else {}
+            coming = self.view.locks.coming(pod.uid, time.monotonic()) if v.passed and not waited else {}
+            out = settle(v, unsettled, coming, waited)
+            if isinstance(out, Wait):
+                self._await_room(out.nodes, pod.uid)
+                continue
+            return self._answer(args, pod, out)
+        raise AssertionError("settle waits only before the filter has waited")
 
-    def _settle(
-        self,
-        args: ExtenderArgs,
-        pod: PodRequest,
-        passed: list[str],
-        failed: dict[str, str],
-        unresolvable: dict[str, str],
-        codes: dict[str, int],
-        waited: bool,
-    ) -> dict[str, Any]:
-        """The answer from the nodes that pass, once none of them is about to take a pod whose
-        room the view does not charge yet (waiting for it, or leaving such a node out)."""
-        unsettled = self.view.locks.unsettled(pod.uid) if passed else {}
-        if passed and not waited:
-            # Every node answered is expected to take another pod any moment (kube-scheduler
-            # started its bind with this filter; see BindLocks.coming): wait for that bind to
-            # charge its room, as for one that has arrived, so a fit this answer gives is one the
-            # bind will not refuse. Once waited, such a node passes: that pod may never come.
-            coming = self.view.locks.coming(pod.uid, time.monotonic())
-            if coming and all(n in coming or n in unsettled for n in passed):
-                self._await_room(passed, pod.uid)
-                return self._filter(args, waited=True)
-        if any(n in unsettled for n in passed):
-            # A node that is about to take a pod whose room the view does not charge yet is not
-            # whole: a fit there may be refused by the bind that follows. Another node that passes
-            # is answered instead; with none, the pod waits for the room to be charged, and is
-            # answered an error to retry rather than a fit its bind may refuse.
-            whole = [n for n in passed if n not in unsettled]
-            if not whole and not waited:
-                self._await_room([n for n in passed if n in unsettled], pod.uid)
-                return self._filter(args, waited=True)
-            for n in passed:
-                if n in unsettled:
-                    failed[n] = busy_reason(n, unsettled[n])
-                    codes["handoff-pending"] = codes.get("handoff-pending", 0) + 1
-            passed = whole
-            if not passed:
-                self.metrics.rejections.labels("not-whole").inc(len(unsettled))
-                return filter_result(
-                    args, [], {}, {},
-                    error="gpupack: the node(s) this pod fits are taking other pods whose GPUs are not "
-                    f"charged yet ({', '.join(sorted(set(unsettled.values()))[:3])}); try again",
-                )  # fmt: skip
+    def _answer(self, args: ExtenderArgs, pod: PodRequest, out: Verdict | NotWhole) -> dict[str, Any]:
+        """The extender/v1 answer of a settled verdict; with keep-best, the nodes answered are
+        expected to take this pod (the next pod's filter steers clear of them)."""
+        if isinstance(out, NotWhole):
+            self.metrics.rejections.labels("not-whole").inc(len(out.by))
+            return filter_result(
+                args, [], {}, {},
+                error="gpupack: the node(s) this pod fits are taking other pods whose GPUs are not "
+                f"charged yet ({', '.join(sorted(set(out.by.values()))[:3])}); try again",
+            )  # fmt: skip
+        passed = list(out.passed)
         if self.keep_best > 0 and passed and pod.uid:
             # kube-scheduler binds there (one node: it skips prioritize, whose expectation this is):
             # the next pod's filter may come before this pod's bind and must steer clear of it
             self.view.locks.expect(
                 pod.uid, pod.key, tuple(passed[:EXPECT_MAX_NODES]), time.monotonic() + EXPECT_S
             )
-        for code, k in codes.items():
+        for code, k in out.codes.items():
             self.metrics.rejections.labels(code).inc(k)
-        return filter_result(args, passed, failed, unresolvable)
+        return filter_result(args, passed, dict(out.failed), dict(out.unresolvable))
 
-    def _sampled(
-        self, pod: PodRequest, names: list[str], now: datetime
-    ) -> tuple[list[str], dict[str, str], dict[str, str], dict[str, int]] | None:
-        """A new shape's answer from the nodes looked at within the budget (sampling.py): with
-        keep_best its best not held by another pod's bind or handoff, else every passing node in
-        the request's order (prioritize scores them); None for the whole answer. View lock held."""
+    def _candidates(self, pod: PodRequest, names: list[str], now: datetime) -> Candidates:
+        """The nodes the pod fits and why the others do not, from the placement answer of its
+        shape (or, for a new shape within its budget, a sample of the nodes), with how `rank`
+        chooses among them. View lock held."""
+        self.learner.observe(pod)
+        self.on_asked(pod)
+        sampled = self._sampled(pod, names, now)
+        if sampled is not None:
+            return sampled
+        st = self.answer(pod, names, now, self.cost)
+        codes = {c: k for c, k in st.codes.items() if k}
+        if names and codes.get("unknown-node") == len(st.name_set):
+            shown = ", ".join(names[:5])
+            raise WireError(f"none of the {len(names)} node(s) is known to gpupack: {shown}")
+        if self.keep_best > 0 and not st.steered:
+            # only the policy's best few of the nodes that pass are answered: which pass is
+            # wanted as a set, not as a list in the request's order (~1,000 nodes a pod)
+            verdict = Verdict(set(st.ok), dict(st.failed), dict(st.unresolvable), codes)
+            return Candidates(verdict, {}, self._whole_best(pod, names, now))
+        if st.passed is None:
+            ok = st.ok
+            st.passed = [n for n in names if n in ok]
+        verdict = Verdict(list(st.passed), dict(st.failed), dict(st.unresolvable), codes)
+        locked = self.view.locks.locked_nodes(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+        steered = dict(st.steered)
+        keep = self.keep_best
+        if keep <= 0:
+            return Candidates(verdict, steered, Ranking(busy=locked.get if locked else None))
+
+        def best(pool: Collection[str], keep: int, busy: Busy | None, skipped: dict[str, str]) -> list[str]:
+            return self.scorer.best(pod, names, pool, now, keep)
+
+        # nodes held by other binds leave first, then the policy's best of the rest are kept
+        return Candidates(verdict, steered, Ranking(busy=locked.get if locked else None), Ranking(keep, best))
+
+    def _whole_best(self, pod: PodRequest, names: list[str], now: datetime) -> Ranking:
+        """keep-best over a shape's whole answer: the policy's best `keep_best` of the nodes that
+        pass, none held by another pod's bind or handoff while another passes. Only the nodes the
+        ranking looks at are asked whether they are held (BindLocks.lock_check), so handoffs
+        pending elsewhere in the cluster cost nothing here. View lock held."""
+        busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
+
+        def best(pool: Collection[str], keep: int, busy: Busy | None, skipped: dict[str, str]) -> list[str]:
+            kept = self.scorer.best(pod, names, pool, now, keep, busy, skipped)
+            self.cost.scored += self.scorer.last_scored
+            self.cost.stale_order = self.scorer.last_stale
+            return kept
+
+        return Ranking(self.keep_best, best, busy_on)
+
+    def _sampled(self, pod: PodRequest, names: list[str], now: datetime) -> Candidates | None:
+        """A new shape's candidates from the nodes looked at within the budget (sampling.py): with
+        keep_best ranked by the sample's scores, else every passing node in the request's order
+        (prioritize scores them); None for the whole answer. View lock held."""
         if self.sampler is None or shape_of(pod) in self.answers.data:
             return None
         busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
@@ -285,19 +258,19 @@ class Filter:
         if sample is None:
             return None
         self.cost.sampled = (sample.looked, len(names))
-        failed = dict(sample.failed)
         codes = {c: k for c, k in sample.codes.items() if k}
         codes["not-sampled"] = len(names) - sample.looked
-        if self.keep_best > 0:
-            skipped: dict[str, str] = {}
-            passed = sample.best(self.scorer.ranked_ties(), self.keep_best, busy_on, skipped)
-            note_busy(skipped, failed, codes)
-            codes["not-best"] = len(sample.ok) - len(passed) - len(skipped)
-        else:
-            passed = [n for n in names if n in sample.ok]
-            locked = {n: by for n in passed if (by := busy_on(n)) is not None}
-            passed = without_busy(passed, locked, failed, codes)
-        return passed, failed, dict(sample.unresolvable), codes
+        failed, unresolvable = dict(sample.failed), dict(sample.unresolvable)
+        if self.keep_best <= 0:
+            verdict = Verdict([n for n in names if n in sample.ok], failed, unresolvable, codes)
+            return Candidates(verdict, {}, Ranking(busy=busy_on), sampled=True)
+        tie = self.scorer.ranked_ties()
+
+        def best(pool: Collection[str], keep: int, busy: Busy | None, skipped: dict[str, str]) -> list[str]:
+            return sample.best(tie, keep, busy, skipped)
+
+        verdict = Verdict(sample.ok.keys(), failed, unresolvable, codes)
+        return Candidates(verdict, {}, Ranking(self.keep_best, best, busy_on, always=True), sampled=True)
 
     def _await_room(self, nodes: list[str], uid: str) -> None:
         """Wait (at most WHOLE_WAIT_S, standing aside for the binds) until one of `nodes` has the
@@ -345,34 +318,3 @@ class Filter:
                 update(n, r, res)
         st.pos = pos
         return st
-
-    def _best_of(
-        self,
-        pod: PodRequest,
-        names: list[str],
-        cand: set[str],
-        failed: dict[str, str],
-        codes: dict[str, int],
-        now: datetime,
-    ) -> list[str]:
-        """filter's answer with keep_best from `cand`, the nodes that pass (no defrag steering):
-        as filter would answer from them in the request's order, without that list. Nodes locked
-        by another pod's bind or handoff are left out (with the reason) while another passes. Only
-        the nodes the answer looks at are asked whether they are locked (BindLocks.lock_check), so
-        handoffs pending elsewhere in the cluster cost nothing here."""
-        with self._locked():
-            busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
-            if len(cand) > self.keep_best:
-                skipped: dict[str, str] = {}
-                kept = self.scorer.best(pod, names, cand, now, self.keep_best, busy_on, skipped)
-                self.cost.scored += self.scorer.last_scored
-                self.cost.stale_order = self.scorer.last_stale
-                note_busy(skipped, failed, codes)
-                # the others pass too but are left out (see filter)
-                codes["not-best"] = codes.get("not-best", 0) + len(cand) - len(kept) - len(skipped)
-                return kept
-            busy = {n: by for n in cand if (by := busy_on(n)) is not None}
-        if busy and len(busy) < len(cand):
-            note_busy(busy, failed, codes)
-            cand.difference_update(busy)
-        return [n for n in names if n in cand]
