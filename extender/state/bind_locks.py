@@ -135,6 +135,12 @@ class BindLocks:
                         out.setdefault(n, key)
         return out
 
+    def about_to_take(self, exclude_uid: str, now: float | None) -> tuple[dict[str, str], dict[str, str]]:
+        """`unsettled` and, with `now`, `coming` (else nothing), read under one hold of the lock:
+        what a filter's settle stage weighs."""
+        with self.view.lock:
+            return self.unsettled(exclude_uid), {} if now is None else self.coming(exclude_uid, now)
+
     def unclaim(self, node: str, key: str) -> None:
         with self.view.lock:
             self.charged.discard(key)

@@ -3,11 +3,10 @@ lock, and post ONE Binding that carries the assignment, under the scheduler's Le
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -91,6 +90,30 @@ class _Held:
         self.handed_on = False
 
 
+class _BindTurn:
+    """The view's lock taken by a bind: after the verb being answered (VerbActivity.wait_quiet),
+    then in turn behind the other binds."""
+
+    __slots__ = ("binder",)
+
+    def __init__(self, binder: Binder) -> None:
+        self.binder = binder
+
+    def __enter__(self) -> None:
+        b = self.binder
+        b.activity.wait_quiet()
+        b._turn.acquire()
+        try:
+            b.view.lock.acquire()
+        except BaseException:
+            b._turn.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.binder.view.lock.release()
+        self.binder._turn.release()
+
+
 class Binder:
     def __init__(
         self,
@@ -147,13 +170,10 @@ class Binder:
         self.metrics.binds.inc()
         return bind_result("")
 
-    @contextlib.contextmanager
-    def _view(self) -> Iterator[None]:
+    def _view(self) -> _BindTurn:
         """The view's lock, for a bind thread: behind the other binds, not among them, and after
         the verb being answered."""
-        self.activity.wait_quiet()
-        with self._turn, self.view.lock:
-            yield
+        return _BindTurn(self)
 
     def node_locks(self) -> list[str]:
         """The nodes a bind lock is kept for: every node a GPU pod was bound to since the start

@@ -11,12 +11,10 @@ A `Verdict` is what the filter would answer so far; every stage returns a new on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from gpupack.contract import Reservation
-
-from .scoring import take_best
 
 # node -> the key of the pod that holds it (another pod's bind, handoff or expected bind), or None
 Busy = Callable[[str], str | None]
@@ -50,6 +48,33 @@ class Verdict:
     def counted(self, code: str, k: int) -> Verdict:
         """This verdict with `k` more nodes counted as left out for `code` (no reason is answered)."""
         return replace(self, codes={**self.codes, code: self.codes.get(code, 0) + k})
+
+
+def take_best(
+    ordered: Iterable[str],
+    keep: int,
+    busy: Callable[[str], str | None] | None = None,
+    skipped: dict[str, str] | None = None,
+) -> list[str]:
+    """The first `keep` of `ordered` (passing nodes, the policy's best first) that `busy` does not
+    hold, those it holds before the last one kept noted in `skipped` (node -> the pod holding it);
+    when it holds every one, the best of them, as without `busy`, none noted."""
+    kept: list[str] = []
+    held: list[str] = []
+    for n in ordered:
+        if busy is not None and (k := busy(n)) is not None:
+            held.append(n)
+            if skipped is not None:
+                skipped[n] = k
+            continue
+        kept.append(n)
+        if len(kept) == keep:
+            break
+    if not kept and held:
+        kept = held[:keep]
+        if skipped is not None:
+            skipped.clear()
+    return kept
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,10 +3,9 @@ each that does not, and (with keep_best N) only the policy's N best of those tha
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from datetime import datetime
 from typing import Any
 
@@ -56,6 +55,23 @@ class FilterCost:
         self.scored = 0
         self.stale_order = False
         self.sampled: tuple[int, int] | None = None  # a new shape's sample: (nodes looked at, asked)
+
+
+class _CountedLock:
+    """The view's lock held by a filter, the time it waited for it added to the filter's cost."""
+
+    __slots__ = ("filtering", "lock")
+
+    def __init__(self, filtering: Filter) -> None:
+        self.filtering, self.lock = filtering, filtering.view.lock
+
+    def __enter__(self) -> None:
+        t = time.perf_counter()
+        self.lock.acquire()
+        self.filtering.cost.lock_wait_s += time.perf_counter() - t
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 class Candidates:
@@ -133,13 +149,9 @@ class Filter:
                     cost.fitted, cost.scored, how,
                 )  # fmt: skip
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> _CountedLock:
         """The view's lock, its wait counted in this filter's cost."""
-        t = time.perf_counter()
-        with self.view.lock:
-            self.cost.lock_wait_s += time.perf_counter() - t
-            yield
+        return _CountedLock(self)
 
     def _filter(self, args: ExtenderArgs) -> dict[str, Any]:
         """parse -> candidates -> steer -> rank -> settle -> answer (filter_stages.py); a filter
@@ -165,8 +177,11 @@ class Filter:
                     v = rank(v, names, how)
             if c.sampled:
                 self.on_sampled(pod)
-            unsettled = self.view.locks.unsettled(pod.uid) if v.passed else {}
-            coming = self.view.locks.coming(pod.uid, time.monotonic()) if v.passed and not waited else {}
+            unsettled, coming = (
+                self.view.locks.about_to_take(pod.uid, None if waited else time.monotonic())
+                if v.passed
+                else ({}, {})
+            )
             out = settle(v, unsettled, coming, waited)
             if isinstance(out, Wait):
                 self._await_room(out.nodes, pod.uid)

@@ -39,8 +39,9 @@ from gpupack.core.model import PodRequest
 
 from ..state.view import ClusterView
 from .answers import Key, shape_of
+from .filter_stages import take_best
 from .fitting import FitMemo, Fitter
-from .scoring import Scorer, take_best
+from .scoring import Scorer
 
 # Nodes looked at, at least, before a budget stops a sampled filter: kube-scheduler's own minimum of
 # feasible nodes to find (minFeasibleNodesToFind) when percentageOfNodesToScore samples.

@@ -4,7 +4,7 @@ few nodes that filter keeps (keep_best), cached per (pod shape, learning epoch) 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from datetime import datetime
 
 from gpupack.contract import Reservation
@@ -26,6 +26,7 @@ from .answers import (
     shape_of,
     sorted_index,
 )
+from .filter_stages import take_best
 from .fitting import FitMemo, FitTable, Fitter
 from .learning import Learner
 
@@ -329,30 +330,3 @@ class Scorer:
         if self._ranked[0] != len(tie):
             self._ranked = (len(tie), sorted(tie, key=lambda n: (tie[n], n)))
         return self._ranked[1]
-
-
-def take_best(
-    ordered: Iterable[str],
-    keep: int,
-    busy: Callable[[str], str | None] | None = None,
-    skipped: dict[str, str] | None = None,
-) -> list[str]:
-    """The first `keep` of `ordered` (passing nodes, the policy's best first) that `busy` does not
-    hold, those it holds before the last one kept noted in `skipped` (node -> the pod holding it);
-    when it holds every one, the best of them, as without `busy`, none noted."""
-    kept: list[str] = []
-    held: list[str] = []
-    for n in ordered:
-        if busy is not None and (k := busy(n)) is not None:
-            held.append(n)
-            if skipped is not None:
-                skipped[n] = k
-            continue
-        kept.append(n)
-        if len(kept) == keep:
-            break
-    if not kept and held:
-        kept = held[:keep]
-        if skipped is not None:
-            skipped.clear()
-    return kept

@@ -17,6 +17,7 @@ from extender.verbs.filter_stages import (
     rank,
     settle,
     steer,
+    take_best,
 )
 from gpupack.contract import Reservation
 
@@ -67,7 +68,6 @@ def test_steer(passed, steered, want_passed, want_failed) -> None:
 
 def order_best(order: list[str]):
     """A policy that prefers the nodes in `order`."""
-    from extender.verbs.scoring import take_best
 
     def best(pool: Collection[str], keep: int, busy, skipped: dict[str, str]) -> list[str]:
         return take_best([n for n in order if n in pool], keep, busy, skipped)
