@@ -86,6 +86,39 @@ def test_autoscale_renders_what_the_deploy_component_adds(kubectl, tmp_path):
     assert differences(chart, [o for o in _kustomize(kubectl, k) if o["kind"] != "Namespace"]) == []
 
 
+def _with_components(kubectl: str, tmp_path: Path, *components: str) -> list[dict]:
+    """deploy/ with components on, as its kustomization says to turn them on (`components:` in
+    deploy/kustomization.yaml, whose labels and images then reach the components' objects too);
+    here an overlay with the base's labels and images again, as the base's run before a component."""
+    k = tmp_path / "with-components"
+    k.mkdir()
+    rel = os.path.relpath(DEPLOY, k)  # kustomize takes relative paths only
+    base = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    (k / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [rel], "components": [f"{rel}/{c}" for c in components],
+        "labels": base["labels"], "images": base["images"],
+    }))  # fmt: skip
+    return [o for o in _kustomize(kubectl, k) if o["kind"] != "Namespace"]
+
+
+@pytest.mark.parametrize("client", realhelm.CLIENTS)
+def test_dra_mode_renders_what_the_deploy_dra_component_installs(client, kubectl, tmp_path):
+    # devicePlugin.mode=dra on a cluster serving resource.k8s.io/v1: deploy/dra's objects (the DRA
+    # plugin's DaemonSet in place of the device plugin's, its RBAC, metrics Service and
+    # NetworkPolicy, the own-node policy, the DeviceClasses), and every other object unchanged
+    dra = ("--set", "devicePlugin.mode=dra", "--api-versions", "resource.k8s.io/v1")
+    chart = render(client, *_offline(*dra), home=tmp_path)
+    deploy = _with_components(kubectl, tmp_path, "dra")
+    assert differences(chart, deploy) == []
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in chart}
+    assert ("DaemonSet", "gpupack-dra-plugin") in kinds and (
+        "DaemonSet",
+        "gpupack-device-plugin",
+    ) not in kinds
+    assert {n for k, n in kinds if k == "DeviceClass"} == {"gpupack-online", "gpupack-offline"}
+
+
 def test_the_comparison_sees_a_difference(deploy_objects, tmp_path):
     # the test above can fail: one changed value shows up as that object's diff, and nothing else
     chart = render("helm", *_offline("--set", "defrag.schedule=0 3 * * *"), home=tmp_path)

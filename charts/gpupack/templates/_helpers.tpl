@@ -90,3 +90,14 @@ Seconds of a Go duration ("15s", "1m30s"), as text (`| float64` to compute with 
 {{- end -}}
 {{- $total -}}
 {{- end -}}
+
+{{/*
+DRA mode (devicePlugin.mode=dra) needs resource.k8s.io/v1 (Kubernetes 1.34 and later): what the
+server serves, else (offline, `helm template` without --api-versions) the version asked for. On an
+older cluster the install stops and says what to do instead.
+*/}}
+{{- define "gpupack.draCheck" -}}
+{{- if not (or (.Capabilities.APIVersions.Has "resource.k8s.io/v1") (semverCompare ">=1.34.0-0" .Capabilities.KubeVersion.Version)) -}}
+{{- fail (printf "devicePlugin.mode=dra needs Dynamic Resource Allocation at resource.k8s.io/v1 (Kubernetes 1.34 or later), which Kubernetes %s does not serve: set devicePlugin.mode=device-plugin (pods then ask gpupack.io/gpu-mem and gpupack.io/gpu-sm)" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- end -}}
