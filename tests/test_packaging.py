@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("gpupack", "deviceplugin", "extender")
+PACKAGES = ("gpupack", "deviceplugin", "extender", "draplugin")
 TEST_ONLY_IMPORTS = {"pytest", "hypothesis", "realk8s", "faultproxy", "fake_nvml", "processes"}
 
 
@@ -42,7 +42,7 @@ def test_product_code_imports_no_test_tooling() -> None:
 
 # The components' modules: what the image runs. gpupack.simulate is the simulator's, run from a
 # checkout or an install with the `simulate` extra.
-RUNTIME_PACKAGES = ("extender", "deviceplugin", "gpupack")
+RUNTIME_PACKAGES = ("extender", "deviceplugin", "draplugin", "gpupack")
 SIMULATE_EXTRA = ("numpy", "matplotlib")
 BLOCK_EXTRA = """
 import importlib, importlib.abc, sys
@@ -87,9 +87,8 @@ def test_the_components_run_without_the_simulate_extra() -> None:
     import sys
 
     mods = runtime_modules()
-    assert {"extender.main", "deviceplugin.main", "extender.controllers.defrag.cli", "gpupack.certs"} <= set(
-        mods
-    )
+    assert {"extender.main", "deviceplugin.main", "draplugin.main", "extender.controllers.defrag.cli",
+            "gpupack.certs"} <= set(mods)  # fmt: skip
     code = (
         f"BLOCKED = {SIMULATE_EXTRA!r}"
         + BLOCK_EXTRA
@@ -129,7 +128,15 @@ def test_the_wheel_carries_the_type_markers_and_the_message_stubs(tmp_path: Path
     )  # fmt: skip
     (wheel,) = tmp_path.glob("gpupack-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for pkg in ("gpupack", "extender", "deviceplugin"):
+    for pkg in PACKAGES:
         assert f"{pkg}/py.typed" in names
     assert "deviceplugin/api/api_pb2.pyi" in names
+    # the DRA plugin's generated gRPC code (messages, their stubs, services) for every API it serves
+    for api in ("dra_v1", "dra_v1beta1", "pluginregistration_v1", "dra_health_v1alpha1"):
+        assert {
+            f"draplugin/api/{api}_pb2.py",
+            f"draplugin/api/{api}_pb2.pyi",
+            f"draplugin/api/{api}_pb2_grpc.py",
+        } <= names
+    assert {"draplugin/main.py", "draplugin/metrics.py"} <= names
     assert not [n for n in names if n.startswith("tests/")]
