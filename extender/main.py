@@ -28,6 +28,7 @@ from gpupack.core.policies import DEFAULT_POLICY, Policy, UnknownPolicy, get_pol
 from gpupack.kubeclient import KubeConfigError
 
 from .controllers import autoscale_flags
+from .controllers.dra import flags as dra_flags
 from .serve.app import DEFAULT_MAX_BODY, WEBHOOK_MAX_BODY
 from .verbs.config import ExtenderConfig
 
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "1.5 MiB cap, and the review around them)",
     )
     autoscale_flags.add_flags(p)
+    dra_flags.add_flags(p)
     logs.add_log_flags(p)
     p.add_argument("--role", default="all", choices=["all", "extender", "webhook"], help=argparse.SUPPRESS)
     return p
@@ -297,6 +299,7 @@ def _extender_factory(
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
                       args.preemption_interval_s, marks=marks).start()  # fmt: skip
+        dra_flags.start_from_args(args, api, None if fence is None else fence.problem, make_policy(args))
         autoscale_flags.start_from_args(
             args, api, None if fence is None else fence.problem, metrics.registry, events
         )

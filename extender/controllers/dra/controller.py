@@ -1,0 +1,305 @@
+"""The allocator's loop: one pass after any change in the store (at most every `resync_s` without
+one), pods gated by `gpupack.io/dra-allocate` one at a time, oldest first, only while this replica
+may write (the extender's leader Lease, when it has one).
+
+Per pod: a pod with no gpupack claims is ungated at once (the gate never strands a pod); one whose
+claims are not all made yet waits for them (their creation wakes the loop); one whose claims are
+all allocated (a restart after the writes, or a claim shared with a pod placed before) is ungated;
+otherwise its unallocated gpupack claims are placed together (on the node its allocated ones are
+bound to, if any) and written, then it is ungated. A pod that cannot be placed, or whose claims are
+malformed, keeps its gate with an Event naming why (one per new reason) and is tried again after a
+change, no sooner than its backoff (1 s doubling to 60 s): never a hot loop. Failures stay with the
+pod that caused them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client
+
+from gpupack.core import node_rules as nr
+from gpupack.core.policy_base import Policy
+from gpupack.events import EventRecorder
+
+from .allocator import PIN_ANNOTATION, Writer, placed_node
+from .claims import Ask, ClaimError, claim_asks, gated, pod_claim_names
+from .devices import Device, charge_claims, slice_devices
+from .placement import HostUse, place_host, pod_request
+from .placement import place as place_pod
+from .store import Store
+
+log = logging.getLogger("gpupack.extender.dra")
+BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
+WAIT_S = 0.2
+
+
+@dataclass
+class Snapshot:
+    devices: dict[str, list[Device]]
+    nodes: dict[str, nr.NodeFacts]
+    used: dict[str, HostUse]
+    claims: dict[str, dict[str, Any]]
+
+
+@dataclass
+class _Retry:
+    at: float = 0.0
+    delay: float = BACKOFF_MIN_S
+    reason: str = ""
+
+
+@dataclass
+class Counts:
+    allocated: int = 0
+    ungated: int = 0
+    refused: int = 0
+    conflicts: int = 0
+    passes: int = 0
+    last: dict[str, int] = field(default_factory=dict)
+
+
+def _terminal(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+class DraAllocator:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        policy: Policy,
+        classes: Mapping[str, str],
+        events: EventRecorder | None = None,
+        fence: Callable[[], str] | None = None,
+        resync_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        place_pods: bool = False,
+    ) -> None:
+        self.place_pods = place_pods
+        self.policy, self.classes, self.events, self.fence = policy, dict(classes), events, fence
+        self.resync_s, self.clock = resync_s, clock
+        self.wake = threading.Event()
+        self.store = Store(api, self.wake.set)
+        self.writer = Writer(api)
+        self.retry: dict[str, _Retry] = {}
+        self.counts = Counts()
+        self._stop = threading.Event()
+        self._observed: set[str] = set()
+        self._due = float("inf")
+
+    def start(self) -> None:
+        self.store.start()
+        threading.Thread(target=self.run, name="dra-allocator", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wake.set()
+        self.store.stop()
+
+    def run(self) -> None:
+        self.store.wait_synced(120)
+        while not self._stop.is_set():
+            # a pod skipped for its backoff is due again at _due: wake then even if nothing changes
+            self.wake.wait(max(0.0, min(self.resync_s, self._due - self.clock())))
+            self.wake.clear()
+            if self._stop.is_set():
+                break
+            why = self.fence() if self.fence else ""
+            if why:
+                self._stop.wait(1.0)
+                continue
+            try:
+                self.one_pass()
+            except Exception:  # a bug must not end the loop; the next change tries again
+                log.exception("DRA allocator pass failed")
+                self._stop.wait(1.0)
+
+    # -- a pass --
+    def snapshot(self) -> Snapshot:
+        devices = slice_devices(self.store.slices.values())
+        claims = {f"{(c.get('metadata') or {}).get('namespace')}/{(c.get('metadata') or {}).get('name')}": c
+                  for c in self.store.claims.values()}  # fmt: skip
+        charge_claims(devices, claims.values(), self.classes)
+        nodes = {str(n["metadata"]["name"]): nr.node_facts(n) for n in self.store.nodes.values()}
+        used: dict[str, HostUse] = {}
+        for p in self.store.pods.values():
+            if _terminal(p):
+                continue
+            node = (p.get("spec") or {}).get("nodeName") or self._claims_node(p, claims) or self._pinned(p)
+            if not node:
+                continue
+            needs = nr.pod_terms(p.get("spec"), host=True).needs
+            u = used.get(node, HostUse())
+            used[node] = HostUse(u.cpu_milli + needs.cpu_milli, u.mem_bytes + needs.mem_bytes, u.pods + 1)
+        return Snapshot(devices, nodes, used, claims)
+
+    def _claims_node(self, pod: Mapping[str, Any], claims: Mapping[str, dict[str, Any]]) -> str | None:
+        ns = (pod.get("metadata") or {}).get("namespace")
+        for _, cname in pod_claim_names(pod):
+            c = claims.get(f"{ns}/{cname}") if cname else None
+            node = placed_node(c) if c else None
+            if node:
+                return node
+        return None
+
+    @staticmethod
+    def _pinned(pod: Mapping[str, Any]) -> str | None:
+        """The node this allocator pinned an ungated pod to (counted there until it is bound)."""
+        spec = pod.get("spec") or {}
+        if spec.get("schedulingGates") and gated(pod):
+            return None
+        v = ((pod.get("metadata") or {}).get("annotations") or {}).get(PIN_ANNOTATION)
+        return str(v)[:253] if isinstance(v, str) and v else None
+
+    def one_pass(self) -> None:
+        self.counts.passes += 1
+        self._due = float("inf")
+        pods = [p for p in self.store.pods.values() if gated(p) and not _terminal(p)]
+        live = {str(p["metadata"]["uid"]) for p in pods}
+        for uid in list(self.retry):
+            if uid not in live:
+                del self.retry[uid]
+        self._observed &= live
+        if not pods:
+            return
+        pods.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
+        snap: Snapshot | None = None
+        now = self.clock()
+        for p in pods:
+            r = self.retry.get(str(p["metadata"]["uid"]))
+            if r is not None and now < r.at:
+                self._due = min(self._due, r.at)
+                continue
+            if snap is None:
+                snap = self.snapshot()
+            if self.fence and self.fence():
+                return
+            self.handle(p, snap)
+            r = self.retry.get(str(p["metadata"]["uid"]))
+            if r is not None:
+                self._due = min(self._due, r.at)
+
+    def handle(self, pod: dict[str, Any], snap: Snapshot) -> None:
+        meta = pod["metadata"]
+        ns, uid = meta["namespace"], str(meta["uid"])
+        try:
+            mine: list[tuple[dict[str, Any], list[Ask]]] = []
+            for entry, cname in pod_claim_names(pod):
+                if cname is None:
+                    return self._wait(pod, f"waiting for the claim of {entry[:64]} to be made")
+                if not cname:
+                    continue
+                c = snap.claims.get(f"{ns}/{cname}")
+                if c is None:
+                    return self._wait(pod, f"waiting for ResourceClaim {cname[:64]}")
+                asks = claim_asks(c, self.classes)
+                if asks:
+                    mine.append((c, asks))
+            if len(mine) > 4:
+                raise ClaimError(f"the pod names {len(mine)} gpupack claims; at most 4")
+            if sum(len(a) for _, a in mine) > 8:
+                raise ClaimError("the pod's gpupack claims hold more than 8 requests")
+            todo = [(c, a) for c, a in mine if not (c.get("status") or {}).get("allocation")]
+            nodes = {placed_node(c) for c, _ in mine if (c.get("status") or {}).get("allocation")}
+            if len(nodes) > 1 or None in nodes:
+                raise ClaimError(
+                    "the pod's gpupack claims are allocated on different nodes, or not on one node"
+                )
+            if todo:
+                self._allocate(pod, snap, todo, next(iter(nodes)) if nodes else None)
+            elif not mine and self.place_pods:
+                return self._ungate(pod, self._host_node(pod, snap))
+            self._ungate(pod)
+        except ClaimError as e:
+            self._fail(pod, str(e), "GPUClaimRefused")
+        except client.ApiException as e:
+            if e.status in (404, 409, 422):  # changed or gone since read: the next pass sees it anew
+                self.counts.conflicts += 1
+                self._fail(pod, f"a write conflicted ({e.status}); trying again", "", quiet=True)
+            else:
+                self._fail(pod, f"the API server answered {e.status} {e.reason}", "", quiet=True)
+        else:
+            self.retry.pop(uid, None)
+
+    def _allocate(
+        self,
+        pod: dict[str, Any],
+        snap: Snapshot,
+        todo: list[tuple[dict[str, Any], list[Ask]]],
+        node: str | None,
+    ) -> None:
+        asks = [a for _, cl in todo for a in cl]
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        uid = str(pod["metadata"]["uid"])
+        if uid not in self._observed:
+            self._observed.add(uid)
+            self.policy.observe(pod_request(key, asks, nr.pod_terms(pod.get("spec")).needs))
+        terms = nr.pod_terms(pod.get("spec"), host=True)
+        chosen = place_pod(key, asks, snap.devices, snap.nodes, snap.used, terms, self.policy, node)
+        if isinstance(chosen, str):
+            raise ClaimError(chosen)
+        for c, _ in todo:
+            name = c["metadata"]["name"]
+            done = self.writer.allocate(c, chosen.results[name], chosen.node, pod)
+            self.store.claims.put(done)
+            snap.claims[f"{done['metadata']['namespace']}/{name}"] = done
+            charge_claims(snap.devices, [done], self.classes)
+            self.counts.allocated += 1
+        needs = terms.needs
+        u = snap.used.get(chosen.node, HostUse())
+        snap.used[chosen.node] = HostUse(
+            u.cpu_milli + needs.cpu_milli, u.mem_bytes + needs.mem_bytes, u.pods + 1
+        )
+        log.info("DRA allocator: %s placed on %s (%s)", key, chosen.node,
+                 ", ".join(f"{r['device']}" for rs in chosen.results.values() for r in rs))  # fmt: skip
+
+    def _host_node(self, pod: dict[str, Any], snap: Snapshot) -> str | None:
+        """Where gpupack's policy would put a pod that asks no gpupack GPU (None: leave it to the
+        scheduler: the pod has node affinity of its own, or no node fits it in this view)."""
+        spec = pod.get("spec") or {}
+        if ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ):
+            return None
+        terms = nr.pod_terms(spec, host=True)
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        node = place_host(key, snap.devices, snap.nodes, snap.used, terms, self.policy)
+        if node is not None:
+            u = snap.used.get(node, HostUse())
+            snap.used[node] = HostUse(
+                u.cpu_milli + terms.needs.cpu_milli, u.mem_bytes + terms.needs.mem_bytes, u.pods + 1
+            )
+        return node
+
+    def _ungate(self, pod: dict[str, Any], pin: str | None = None) -> None:
+        self.store.pods.put(self.writer.ungate(pod, pin))
+        self.counts.ungated += 1
+
+    def _wait(self, pod: dict[str, Any], reason: str) -> None:
+        """Waiting for an object another controller makes: a short fixed pause, no backoff, no Event."""
+        self.retry[str(pod["metadata"]["uid"])] = _Retry(at=self.clock() + WAIT_S)
+
+    def _fail(self, pod: dict[str, Any], reason: str, event: str, quiet: bool = False) -> None:
+        uid = str(pod["metadata"]["uid"])
+        r = self.retry.setdefault(uid, _Retry())
+        r.at = self.clock() + r.delay
+        r.delay = min(r.delay * 2, BACKOFF_MAX_S)
+        if quiet:
+            return
+        self.counts.refused += 1
+        if reason != r.reason:
+            r.reason = reason
+            log.info(
+                "DRA allocator: %s/%s stays gated: %s",
+                pod["metadata"]["namespace"],
+                pod["metadata"]["name"],
+                reason,
+            )
+            if self.events is not None:
+                m = pod["metadata"]
+                self.events.pod(m["namespace"], m["name"], uid, event, reason, warning=True)

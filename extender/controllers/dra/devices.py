@@ -1,0 +1,171 @@
+"""gpupack's GPUs as DRA devices: read from ResourceSlices, what allocated claims consume of them,
+and what a new allocation consumes (the requestPolicy's defaults for what a claim does not ask).
+Pure, no I/O.
+
+A device's consumption is rebuilt from every allocated claim's `consumedCapacity`, whoever
+allocated it (this controller, or kube-scheduler for a pod that bypassed the gate): the claims are
+the record, so a restart loses nothing. A result without consumedCapacity holds the device whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, Decimal
+from typing import Any
+
+from gpupack.contract import ContractError, parse_quantity
+
+from .claims import DRIVER, MIB
+
+MAX_DEVICES_PER_SLICE = 128  # the API server's own bound
+
+
+def _d(v: Any) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
+
+
+def _l(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _q(v: Any) -> Decimal | None:
+    try:
+        return parse_quantity(v, "capacity")
+    except ContractError:
+        return None
+
+
+@dataclass
+class Device:
+    node: str  # the pool, which `gpupack dra-plugin` names after the node
+    name: str
+    index: int
+    model: str
+    mem_mib: int
+    healthy: bool
+    holds: str  # the class of the claims prepared on it, as the plugin publishes it
+    mem_default: Decimal  # bytes a claim asking no memory consumes
+    sm_default: Decimal
+    # what allocated claims consume
+    mem_used: int = 0
+    sm_used: int = 0
+    whole: bool = False
+    pod_class: str | None = None
+    holders: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def _attr(dev: Mapping[str, Any], key: str) -> Any:
+    a = _d(_d(dev.get("attributes")).get(key))
+    for k in ("string", "int", "bool", "version"):
+        if k in a:
+            return a[k]
+    return None
+
+
+def slice_devices(slices: Iterable[Mapping[str, Any]]) -> dict[str, list[Device]]:
+    """node -> its gpupack devices (node-local slices of driver gpu.gpupack.io only; a pool's
+    slices of an older generation are skipped, as the scheduler skips them)."""
+    newest: dict[str, int] = {}
+    picked = []
+    for s in slices:
+        spec = _d(s.get("spec"))
+        if spec.get("driver") != DRIVER or not spec.get("nodeName"):
+            continue
+        pool = _d(spec.get("pool"))
+        gen = pool.get("generation", 0)
+        gen = gen if isinstance(gen, int) else 0
+        name = str(pool.get("name") or "")
+        newest[name] = max(newest.get(name, gen), gen)
+        picked.append((name, gen, str(spec["nodeName"]), spec))
+    out: dict[str, list[Device]] = {}
+    for pool_name, gen, node, spec in picked:
+        if gen != newest[pool_name] or pool_name != node:
+            continue
+        for i, dev in enumerate(_l(spec.get("devices"))[:MAX_DEVICES_PER_SLICE]):
+            dev = _d(dev)
+            cap = _d(dev.get("capacity"))
+            mem = _q(_d(cap.get("memory")).get("value"))
+            if mem is None or mem <= 0 or not dev.get("name"):
+                continue
+            mem_pol = _d(_d(cap.get("memory")).get("requestPolicy"))
+            sm_pol = _d(_d(cap.get("sm")).get("requestPolicy"))
+            idx = _attr(dev, "index")
+            tainted = any(_d(t).get("effect") in ("NoSchedule", "NoExecute") for t in _l(dev.get("taints")))
+            out.setdefault(node, []).append(Device(
+                node=node, name=str(dev["name"]), index=idx if isinstance(idx, int) else i,
+                model=str(_attr(dev, "model") or ""), mem_mib=int(mem // MIB),
+                healthy=_attr(dev, "healthy") is not False and not tainted,
+                holds=str(_attr(dev, "holds") or ""),
+                mem_default=_q(mem_pol.get("default")) or mem, sm_default=_q(sm_pol.get("default")) or Decimal(0),
+            ))  # fmt: skip
+    for devs in out.values():
+        devs.sort(key=lambda d: d.index)
+    return out
+
+
+def result_use(result: Mapping[str, Any], dev: Device) -> tuple[int, int, bool]:
+    """(MiB, SM percent, whole) one allocation result holds of `dev`, from its consumedCapacity;
+    a result without it (or consuming all the memory) holds the device whole."""
+    consumed = result.get("consumedCapacity")
+    if not isinstance(consumed, Mapping):
+        return dev.mem_mib, 100, True
+    mem = _q(consumed.get("memory"))
+    sm = _q(consumed.get("sm"))
+    mem_mib = (
+        dev.mem_mib if mem is None else min(dev.mem_mib, int((mem / MIB).to_integral_value(ROUND_CEILING)))
+    )
+    sm_pct = 0 if sm is None else max(0, min(100, int(sm.to_integral_value(ROUND_CEILING))))
+    return mem_mib, sm_pct, mem_mib >= dev.mem_mib
+
+
+def charge_claims(
+    devices: Mapping[str, list[Device]], claims: Iterable[Mapping[str, Any]], classes: Mapping[str, str]
+) -> None:
+    """Add every allocated claim's gpupack results to its devices (in place)."""
+    by_key = {(d.node, d.name): d for devs in devices.values() for d in devs}
+    for c in claims:
+        alloc = _d(_d(c.get("status")).get("allocation"))
+        results = _l(_d(alloc.get("devices")).get("results"))
+        if not results:
+            continue
+        meta = _d(c.get("metadata"))
+        who = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        req_class = {
+            str(_d(r).get("name")): str(_d(_d(r).get("exactly")).get("deviceClassName") or "")
+            for r in _l(_d(_d(c.get("spec")).get("devices")).get("requests"))
+        }
+        for r in results:
+            r = _d(r)
+            if r.get("driver") != DRIVER:
+                continue
+            dev = by_key.get((str(r.get("pool")), str(r.get("device"))))
+            if dev is None:
+                continue
+            mem, sm, whole = result_use(r, dev)
+            dev.mem_used += mem
+            dev.sm_used += sm
+            dev.whole = dev.whole or whole
+            # a class the controller does not know (a claim of another DeviceClass on this driver)
+            # counts as online: the stricter choice keeps offline claims off that GPU
+            cls = classes.get(req_class.get(str(r.get("request")).split("/")[0], ""), "online")
+            if dev.pod_class is None:
+                dev.pod_class = cls
+            elif dev.pod_class != cls:
+                dev.pod_class = "mixed"
+            m0, s0 = dev.holders.get(who, (0, 0))
+            dev.holders[who] = (m0 + mem, s0 + sm)
+
+
+def consumed(dev: Device, mem_mib: int | None, sm_pct: int | None) -> dict[str, str]:
+    """consumedCapacity of one result on `dev`: what the claim asks, else the requestPolicy's
+    default (a whole GPU asks nothing and so consumes the default: all of the memory)."""
+    mem = f"{mem_mib}Mi" if mem_mib is not None else _canon(dev.mem_default)
+    sm = str(sm_pct) if sm_pct is not None else _canon(dev.sm_default)
+    return {"memory": mem, "sm": sm}
+
+
+def _canon(v: Decimal) -> str:
+    if v == v.to_integral_value() and v % MIB == 0 and v >= MIB:
+        return f"{int(v // MIB)}Mi"
+    return str(int(v.to_integral_value(ROUND_CEILING)))

@@ -1,0 +1,252 @@
+"""gpupack allocating DRA claims against the real v1.36 parts: kube-apiserver (the MutatingAdmissionPolicy
+that gates pods, claim status validation), kube-controller-manager (claims made from templates,
+deallocation) and an unmodified kube-scheduler honouring the allocation and binding the pod.
+
+One set-up for the module (two fake nodes of two 80 GiB GPUs with `gpupack dra-plugin`'s slices, the
+deploy/dra DeviceClasses, a scheduler profile of its own, the allocator in this process); skipped
+where the server serves no resource.k8s.io/v1 (Kubernetes 1.28).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import realk8s
+from kubernetes import client
+
+from draplugin.slices import resource_slice
+from extender.controllers.dra.allocator import Writer, placed_node
+from extender.controllers.dra.claims import GATE
+from extender.controllers.dra.controller import DraAllocator
+from gpupack.contract import GPUInfo, parse_quantity
+from gpupack.core.policies import get_policy
+from gpupack.events import EventRecorder
+from gpupack.kubeclient import KubeClient
+
+REPO = Path(__file__).resolve().parents[3]
+NS = "dra-allocate"
+SCHED = "gpupack-dra-allocate-test"
+NODES = ("dra-alloc-0", "dra-alloc-1")
+CLASSES = {"gpupack-online": "online", "gpupack-offline": "offline"}
+GI = 1 << 30
+
+
+class Env:
+    def __init__(self, k8s: realk8s.ControlPlane) -> None:
+        self.k8s = k8s
+        self.api = k8s.api_client()
+        self.res = client.ResourceV1Api(self.api)
+        self.core = k8s.core
+        self.alloc: DraAllocator | None = None
+        self.gating_policy = False
+
+    def start_allocator(self) -> DraAllocator:
+        api = self.k8s.new_api_client()
+        events = EventRecorder(KubeClient(api), "test", "gpupack-dra-allocator")
+        self.alloc = DraAllocator(api, get_policy("gpupack"), CLASSES, events)
+        self.alloc.start()
+        assert self.alloc.store.wait_synced(30)
+        return self.alloc
+
+    def stop_allocator(self) -> None:
+        if self.alloc is not None:
+            self.alloc.stop()
+            self.alloc = None
+
+    def claims(self) -> list[dict[str, Any]]:
+        return list(json.loads(self.res.list_namespaced_resource_claim(NS, _preload_content=False).data)["items"])
+
+    def pod(self, name: str) -> Any:
+        return self.core.read_namespaced_pod(name, NS)
+
+
+def _serves_dra(k8s: realk8s.ControlPlane) -> bool:
+    try:
+        res = k8s._get("/apis/resource.k8s.io/v1")
+    except Exception:  # 404 before 1.34
+        return False
+    return any(r["name"] == "resourceslices" for r in res.get("resources", []))
+
+
+def _template(name: str, cls: str, capacity: dict[str, str] | None) -> dict[str, Any]:
+    exactly: dict[str, Any] = {"deviceClassName": cls}
+    if capacity:
+        exactly["capacity"] = {"requests": capacity}
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def env(k8s: realk8s.ControlPlane) -> Iterator[Env]:
+    if not _serves_dra(k8s):
+        pytest.skip("this API server serves no resource.k8s.io/v1 (gpupack allocating DRA claims needs 1.36)")
+    e = Env(k8s)
+    k8s.kubectl("apply", "-f", str(REPO / "deploy" / "dra" / "deviceclasses.yaml"))
+    try:
+        k8s.kubectl("apply", "-f", str(REPO / "deploy" / "examples" / "dra-allocate-gate.yaml"))
+        e.gating_policy = True
+    except Exception as err:  # a server without MutatingAdmissionPolicy v1: the tests gate pods themselves
+        print(f"gate policy not applied: {err}")
+    k8s.ensure_namespace(NS)
+    for n in NODES:
+        k8s.make_node(n, cpu="32", memory="128Gi")
+        gpus = [GPUInfo(uuid=f"GPU-{n}-{j}", index=j, model="NVIDIA A100-SXM4-80GB", mem_mib=81920, sm_count=108)
+                for j in range(2)]  # fmt: skip
+        e.res.create_resource_slice(resource_slice(n, gpus, node_uid=k8s.core.read_node(n).metadata.uid))
+    for name, cls, cap in (("share-online", "gpupack-online", {"memory": "20Gi", "sm": "40"}),
+                           ("share-offline", "gpupack-offline", {"memory": "20Gi", "sm": "40"}),
+                           ("hostile", "gpupack-online", {"memory": "1Gi", "cores": "3"})):  # fmt: skip
+        e.res.create_namespaced_resource_claim_template(NS, _template(name, cls, cap))
+    sched = k8s.start_scheduler({"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+                                 "profiles": [{"schedulerName": SCHED}]}, name="dra-allocate-scheduler")  # fmt: skip
+    e.start_allocator()
+    try:
+        yield e
+    finally:
+        e.stop_allocator()
+        sched.stop()
+        if e.gating_policy:  # other tests' pods with claims must not be gated by it
+            k8s.kubectl("delete", "-f", str(REPO / "deploy" / "examples" / "dra-allocate-gate.yaml"), check=False)
+        k8s.core.delete_namespace(NS)
+        for n in NODES:
+            k8s.core.delete_node(n)
+
+
+def _pod(env: Env, name: str, template: str | None, gate: bool = True) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": "main", "image": "x", "resources": {"requests": {"cpu": "1"}}}
+    spec: dict[str, Any] = {"schedulerName": SCHED, "containers": [c], "terminationGracePeriodSeconds": 0}
+    if template:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": template}]
+        c["resources"]["claims"] = [{"name": "gpu"}]
+    if gate and not (env.gating_policy and template):  # the policy gates pods naming claims
+        spec["schedulingGates"] = [{"name": GATE}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def _bound(env: Env, names: list[str], timeout: float = 40) -> dict[str, str]:
+    def all_bound() -> dict[str, str] | None:
+        nodes = {n: env.pod(n).spec.node_name for n in names}
+        return nodes if all(nodes.values()) else None
+
+    out: dict[str, str] = realk8s.until(all_bound, timeout, f"pods {names} bound", interval=0.1)
+    return out
+
+
+def _check_devices(env: Env) -> dict[tuple[str, str], set[str]]:
+    """Per device: the classes of the claims on it; asserts no memory/SM overfill and that every
+    claim's pod is bound on the claim's node."""
+    mem: dict[tuple[str, str], Decimal] = {}
+    sm: dict[tuple[str, str], Decimal] = {}
+    classes: dict[tuple[str, str], set[str]] = {}
+    for c in env.claims():
+        alloc = (c.get("status") or {}).get("allocation")
+        if not alloc:
+            continue
+        cls = c["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"]
+        for r in alloc["devices"]["results"]:
+            key = (r["pool"], r["device"])
+            mem[key] = mem.get(key, Decimal(0)) + parse_quantity(r["consumedCapacity"]["memory"])
+            sm[key] = sm.get(key, Decimal(0)) + parse_quantity(r["consumedCapacity"]["sm"])
+            classes.setdefault(key, set()).add(cls)
+            uuid.UUID(r["shareID"])
+        for ref in c["status"].get("reservedFor") or []:
+            bound = env.pod(ref["name"]).spec.node_name
+            assert bound in (None, placed_node(c)), (c["metadata"]["name"], bound)
+    assert all(v <= 80 * GI for v in mem.values()), mem
+    assert all(v <= 100 for v in sm.values()), sm
+    return classes
+
+
+def test_both_classes_created_at_once_are_packed_apart_and_bound_where_allocated(env: Env) -> None:
+    names = [f"on-{i}" for i in range(4)] + [f"off-{i}" for i in range(4)]
+    for n in names:  # all at once: the scheduler sees none of them before gpupack has allocated it
+        env.core.create_namespaced_pod(NS, _pod(env, n, "share-online" if n.startswith("on") else "share-offline"))
+    if env.gating_policy:
+        assert any(g.name == GATE for g in (env.pod("on-0").spec.scheduling_gates or [])) or env.pod("on-0").spec.node_name
+    nodes = _bound(env, names)
+    classes = _check_devices(env)
+    assert all(len(v) == 1 for v in classes.values()), classes  # online and offline never on one GPU
+    used = {c: sum(1 for v in classes.values() if v == {c}) for c in CLASSES}
+    assert used == {"gpupack-online": 2, "gpupack-offline": 2}, used  # 4 x 40 % packs onto 2 GPUs per class
+    for c in env.claims():
+        assert "resource.kubernetes.io/delete-protection" in c["metadata"].get("finalizers", [])
+        pod = c["metadata"]["ownerReferences"][0]["name"]
+        assert nodes[pod] == placed_node(c)
+    # a ninth share finds no GPU of its class with room, and no empty GPU: it stays gated, with the reason
+    env.core.create_namespaced_pod(NS, _pod(env, "on-late", "share-online"))
+    realk8s.until(lambda: env.alloc is not None and any(r.reason for r in env.alloc.retry.values()), 20,
+                  "the late pod refused")  # fmt: skip
+    p = env.pod("on-late")
+    assert not p.spec.node_name and any(g.name == GATE for g in p.spec.scheduling_gates or [])
+    # room made (an online pod ends): the late pod is placed on the next pass after the change
+    env.core.delete_namespaced_pod("on-0", NS, grace_period_seconds=0)
+    _bound(env, ["on-late"], timeout=90)
+    assert all(len(v) == 1 for v in _check_devices(env).values())
+    for n in [*names[1:], "on-late"]:
+        env.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
+    realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")
+
+
+def test_a_hostile_claim_stays_gated_alone_and_a_pod_without_gpupack_claims_is_ungated(env: Env) -> None:
+    env.core.create_namespaced_pod(NS, _pod(env, "bad", "hostile"))
+    env.core.create_namespaced_pod(NS, _pod(env, "good", "share-online"))
+    env.core.create_namespaced_pod(NS, _pod(env, "cpu-only", None, gate=True))  # gated by hand, no claims
+    _bound(env, ["good", "cpu-only"])
+
+    def refused() -> Any:
+        evs = env.core.list_namespaced_event(NS, field_selector="involvedObject.name=bad").items
+        return [e for e in evs if e.reason == "GPUClaimRefused"]
+
+    (ev,) = realk8s.until(refused, 20, "an Event on the hostile pod")
+    assert "no capacity cores" in ev.message
+    bad = env.pod("bad")
+    assert not bad.spec.node_name and any(g.name == GATE for g in bad.spec.scheduling_gates or [])
+    # its retries back off: no hot loop while nothing changes
+    passes = env.alloc.counts.passes if env.alloc else 0
+    time.sleep(1.0)
+    assert env.alloc is not None and env.alloc.counts.passes - passes <= 3
+    for n in ("bad", "good", "cpu-only"):
+        env.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
+    realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")
+
+
+def test_a_restart_between_the_allocation_and_the_ungating_loses_nothing(env: Env) -> None:
+    env.stop_allocator()
+    env.core.create_namespaced_pod(NS, _pod(env, "r-0", "share-offline"))
+    env.core.create_namespaced_pod(NS, _pod(env, "r-1", "share-offline"))
+
+    def made() -> Any:
+        p = env.pod("r-0")
+        return p.status.resource_claim_statuses and p.status.resource_claim_statuses[0].resource_claim_name
+
+    cname = realk8s.until(made, 20, "r-0's claim made")
+    claim = json.loads(env.res.read_namespaced_resource_claim(cname, NS, _preload_content=False).data)
+    pod = env.api.sanitize_for_serialization(env.pod("r-0"))
+    # what a controller that crashed right after its allocation write left: the claim allocated, the pod gated
+    results = [{"request": "gpu", "driver": "gpu.gpupack.io", "pool": NODES[1], "device": "gpu-1",
+                "consumedCapacity": {"memory": "20Gi", "sm": "40"}}]  # fmt: skip
+    written = Writer(env.api).allocate(claim, results, NODES[1], pod)
+    share_id = written["status"]["allocation"]["devices"]["results"][0]["shareID"]
+    # a stale second write (the crashed controller's view) fails on the resourceVersion: nothing booked twice
+    with pytest.raises(client.ApiException) as e:
+        Writer(env.api).allocate(claim | {"metadata": {**claim["metadata"], "finalizers": ["x/y"]}}, results,
+                                 NODES[0], pod)  # fmt: skip
+    assert e.value.status == 409
+    env.start_allocator()
+    nodes = _bound(env, ["r-0", "r-1"])
+    assert nodes["r-0"] == NODES[1]
+    after = json.loads(env.res.read_namespaced_resource_claim(cname, NS, _preload_content=False).data)
+    assert after["status"]["allocation"]["devices"]["results"][0]["shareID"] == share_id  # not re-allocated
+    classes = _check_devices(env)
+    # r-1 was placed counting r-0's allocation from the claims alone: beside it (40 % + 40 %), not over it
+    assert classes[(NODES[1], "gpu-1")] == {"gpupack-offline"}
+    for n in ("r-0", "r-1"):
+        env.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
+    realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")
