@@ -186,3 +186,22 @@ def test_probes_and_metrics_served(tmp_path: Path) -> None:
         assert status == 200 and 'gpupack_draplugin_prepared_claims{class="online",node="node-a"} 0.0' in text
     finally:
         server.stop()
+
+
+def test_the_guide_documents_every_series_and_flag_and_no_other(
+    wired: tuple[Driver, Claims, Metrics],
+) -> None:
+    from draplugin.main import build_parser
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "dra.md").read_text()
+    section = guide.split("## Metrics and probes", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(gpupack_[a-z0-9_]+)`", section))
+    exported_names = {
+        re.sub(r"_(bucket|sum|count)$", "", n) if k == "histogram" else n
+        for n, k in exported(wired[2].registry).items()
+    }
+    assert documented == exported_names
+    flags = guide.split("### `gpupack dra-plugin` flags", 1)[1].split("\n## ", 1)[0]
+    in_table = set(re.findall(r"`(--[a-z0-9-]+)`", flags))
+    have = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    assert in_table == have - {"--nvml-module", "--nvml-config"}  # the tests' fake NVML only
