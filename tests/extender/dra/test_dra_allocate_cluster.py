@@ -61,7 +61,9 @@ class Env:
             self.alloc = None
 
     def claims(self) -> list[dict[str, Any]]:
-        return list(json.loads(self.res.list_namespaced_resource_claim(NS, _preload_content=False).data)["items"])
+        return list(
+            json.loads(self.res.list_namespaced_resource_claim(NS, _preload_content=False).data)["items"]
+        )
 
     def pod(self, name: str) -> Any:
         return self.core.read_namespaced_pod(name, NS)
@@ -113,7 +115,16 @@ def env(k8s: realk8s.ControlPlane) -> Iterator[Env]:
         e.stop_allocator()
         sched.stop()
         if e.gating_policy:  # other tests' pods with claims must not be gated by it
-            k8s.kubectl("delete", "-f", str(REPO / "deploy" / "examples" / "dra-allocate-gate.yaml"), check=False)
+            k8s.kubectl(
+                "delete", "-f", str(REPO / "deploy" / "examples" / "dra-allocate-gate.yaml"), check=False
+            )
+            # gone once a dry run shows no gate (the server's policy cache follows the delete)
+            probe = _pod(e, "probe", "share-online", gate=False)
+            realk8s.until(
+                lambda: not k8s.core.create_namespaced_pod(NS, probe, dry_run="All").spec.scheduling_gates,
+                30,
+                "the gate policy gone",
+            )
         k8s.core.delete_namespace(NS)
         for n in NODES:
             k8s.core.delete_node(n)
@@ -167,9 +178,14 @@ def _check_devices(env: Env) -> dict[tuple[str, str], set[str]]:
 def test_both_classes_created_at_once_are_packed_apart_and_bound_where_allocated(env: Env) -> None:
     names = [f"on-{i}" for i in range(4)] + [f"off-{i}" for i in range(4)]
     for n in names:  # all at once: the scheduler sees none of them before gpupack has allocated it
-        env.core.create_namespaced_pod(NS, _pod(env, n, "share-online" if n.startswith("on") else "share-offline"))
+        env.core.create_namespaced_pod(
+            NS, _pod(env, n, "share-online" if n.startswith("on") else "share-offline")
+        )
     if env.gating_policy:
-        assert any(g.name == GATE for g in (env.pod("on-0").spec.scheduling_gates or [])) or env.pod("on-0").spec.node_name
+        assert (
+            any(g.name == GATE for g in (env.pod("on-0").spec.scheduling_gates or []))
+            or env.pod("on-0").spec.node_name
+        )
     nodes = _bound(env, names)
     classes = _check_devices(env)
     assert all(len(v) == 1 for v in classes.values()), classes  # online and offline never on one GPU
@@ -250,3 +266,43 @@ def test_a_restart_between_the_allocation_and_the_ungating_loses_nothing(env: En
     for n in ("r-0", "r-1"):
         env.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
     realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")
+
+
+def test_a_tenant_can_neither_skip_the_gate_nor_take_it_off(env: Env, tmp_path: Path) -> None:
+    if not env.gating_policy:
+        pytest.skip("the server serves no MutatingAdmissionPolicy v1: the gate policies cannot be applied")
+    env.stop_allocator()  # nothing ungates while the tenant tries
+    try:
+        rbac = client.RbacAuthorizationV1Api(env.api)
+        rbac.create_namespaced_role(NS, {"metadata": {"name": "tenant"}, "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "update", "patch"]}]})  # fmt: skip
+        rbac.create_namespaced_role_binding(NS, {
+            "metadata": {"name": "tenant"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                        "name": "tenant"},
+            "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": NS}]})  # fmt: skip
+        kc = env.k8s.service_account_kubeconfig(tmp_path / "tenant.kubeconfig", NS, "tenant")
+        from kubernetes import config as kconfig
+
+        tenant = client.CoreV1Api(kconfig.new_client_from_config(str(kc)))
+        body = _pod(env, "t-0", "share-online", gate=False)  # the tenant asks no gate: it gets one
+        realk8s.until(lambda: _try_create(tenant, body), 20, "the tenant's pod created")
+        p = env.pod("t-0")
+        assert any(g.name == GATE for g in p.spec.scheduling_gates or [])
+        with pytest.raises(client.ApiException) as e:
+            tenant.patch_namespaced_pod("t-0", NS, [{"op": "remove", "path": "/spec/schedulingGates"}])
+        assert e.value.status in (403, 422) and "only gpupack's DRA allocator" in e.value.body
+    finally:
+        env.start_allocator()
+    _bound(env, ["t-0"])  # the allocator may
+    env.core.delete_namespaced_pod("t-0", NS, grace_period_seconds=0)
+    realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")
+
+
+def _try_create(api: client.CoreV1Api, body: dict[str, Any]) -> bool:
+    try:
+        api.create_namespaced_pod(NS, body)
+        return True
+    except client.ApiException as e:
+        if e.status == 403:  # the Role's grant not yet seen by the authorizer
+            return False
+        raise

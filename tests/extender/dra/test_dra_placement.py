@@ -19,7 +19,9 @@ CLASSES = {"gpupack-online": "online", "gpupack-offline": "offline"}
 MEM = 81920
 
 
-def _claim(name: str, cls: str = "gpupack-online", capacity: dict[str, Any] | None = None, **ex: Any) -> dict[str, Any]:
+def _claim(
+    name: str, cls: str = "gpupack-online", capacity: dict[str, Any] | None = None, **ex: Any
+) -> dict[str, Any]:
     exactly: dict[str, Any] = {"deviceClassName": cls, **ex}
     if capacity is not None:
         exactly["capacity"] = {"requests": capacity}
@@ -29,15 +31,19 @@ def _claim(name: str, cls: str = "gpupack-online", capacity: dict[str, Any] | No
 
 def _devices(nodes: int = 2, gpus: int = 2) -> dict[str, Any]:
     slices = [
-        resource_slice(f"n{i}", [GPUInfo(uuid=f"G{i}{j}", index=j, model="A100", mem_mib=MEM, sm_count=108)
-                                 for j in range(gpus)])  # fmt: skip
+        resource_slice(
+            f"n{i}",
+            [GPUInfo(uuid=f"G{i}{j}", index=j, model="A100", mem_mib=MEM, sm_count=108) for j in range(gpus)],
+        )  # fmt: skip
         for i in range(nodes)
     ]
     return slice_devices(slices)
 
 
 def _facts(nodes: int = 2, cpu: int = 64000) -> dict[str, nr.NodeFacts]:
-    return {f"n{i}": nr.NodeFacts(name=f"n{i}", cpu_milli=cpu, mem_bytes=1 << 40, pods=110) for i in range(nodes)}
+    return {
+        f"n{i}": nr.NodeFacts(name=f"n{i}", cpu_milli=cpu, mem_bytes=1 << 40, pods=110) for i in range(nodes)
+    }
 
 
 def _allocated(name: str, cls: str, node: str, device: str, mem: str, sm: str) -> dict[str, Any]:
@@ -73,7 +79,10 @@ def test_claims_are_read_as_gpupack_can_place_them_or_refused_with_a_reason() ->
         (_claim("g", count=True), "count must be"),
         (_claim("h", allocationMode="All"), "ExactCount"),
         (_claim("i", adminAccess=True), "adminAccess"),
-        (_claim("j", selectors=[{"cel": {"expression": "true || device.attributes.x"}}]), "selectors of the form"),
+        (
+            _claim("j", selectors=[{"cel": {"expression": "true || device.attributes.x"}}]),
+            "selectors of the form",
+        ),
         (_claim("k", selectors=[{"cel": {"expression": "x"}}] * 5), "more than 4 selectors"),
     ],
 )
@@ -108,12 +117,17 @@ def test_consumed_capacity_takes_the_request_policys_defaults() -> None:
 
 
 def _place(
-    asks: list[Ask], devices: dict[str, Any], facts: dict[str, nr.NodeFacts] | None = None, policy: str = "gpupack"
+    asks: list[Ask],
+    devices: dict[str, Any],
+    facts: dict[str, nr.NodeFacts] | None = None,
+    policy: str = "gpupack",
 ) -> Any:
     return place("ns/p", asks, devices, facts or _facts(len(devices)), {}, nr.PodTerms(), get_policy(policy))
 
 
-def _ask(cls: str = "online", mem: int | None = 20480, sm: int | None = 40, count: int = 1, claim: str = "c") -> Ask:
+def _ask(
+    cls: str = "online", mem: int | None = 20480, sm: int | None = 40, count: int = 1, claim: str = "c"
+) -> Ask:
     return Ask(claim, "gpu", f"gpupack-{cls}", cls, count, mem, sm)
 
 
