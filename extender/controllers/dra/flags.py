@@ -21,6 +21,13 @@ log = logging.getLogger("gpupack.extender.dra")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
+def _class_name(v: str) -> str:
+    """A DeviceClass name, checked as the flag is parsed (a bad one is argparse's one line, status 2)."""
+    if not _NAME.match(v):
+        raise argparse.ArgumentTypeError(f"{v[:80]!r} is not a DeviceClass name")
+    return v
+
+
 def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dra-allocate",
@@ -34,9 +41,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="with --dra-allocate: a gated pod with no gpupack claims gets the node gpupack's policy "
         "picks (a required node affinity) as it is ungated, as the extender places CPU pods",
     )
-    p.add_argument("--dra-online-class", action="append", default=None,
+    p.add_argument("--dra-online-class", action="append", default=None, type=_class_name,
                    help="DeviceClass whose claims are online (repeatable; default gpupack-online)")  # fmt: skip
-    p.add_argument("--dra-offline-class", action="append", default=None,
+    p.add_argument("--dra-offline-class", action="append", default=None, type=_class_name,
                    help="DeviceClass whose claims are offline (repeatable; default gpupack-offline)")  # fmt: skip
 
 

@@ -306,3 +306,30 @@ def _try_create(api: client.CoreV1Api, body: dict[str, Any]) -> bool:
         if e.status == 403:  # the Role's grant not yet seen by the authorizer
             return False
         raise
+
+
+def test_gpupack_extender_dra_allocate_places_gated_pods(env: Env, tmp_path: Path) -> None:
+    """The wiring: `gpupack extender --dra-allocate --dra-place-pods` runs the allocator; a gated pod
+    with no claims is pinned to the node the policy picks."""
+    from processes import ExtenderProcess
+
+    env.stop_allocator()
+    ext = ExtenderProcess(env.k8s.kubeconfig, tmp_path / "extender.log", "--dra-allocate", "--dra-place-pods")
+    try:
+        ext.wait_ready(60)
+        env.core.create_namespaced_pod(NS, _pod(env, "x-gpu", "share-offline"))
+        env.core.create_namespaced_pod(NS, _pod(env, "x-cpu", None, gate=True))
+        nodes = _bound(env, ["x-gpu", "x-cpu"], timeout=60)
+        cpu = env.pod("x-cpu")
+        assert cpu.metadata.annotations["gpupack.io/dra-pinned-node"] == nodes["x-cpu"]
+        (term,) = (
+            cpu.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+        )
+        assert term.match_fields[0].values == [nodes["x-cpu"]]
+    finally:
+        ext.proc.terminate()
+        ext.proc.wait(10)
+        env.start_allocator()
+    for n in ("x-gpu", "x-cpu"):
+        env.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
+    realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")

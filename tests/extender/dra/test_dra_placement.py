@@ -182,3 +182,18 @@ def test_whole_gpus_and_two_requests_of_one_pod() -> None:
     assert not isinstance(both, str)
     assert both.results["a"][0]["device"] != both.results["b"][0]["device"]
     assert isinstance(_place([_ask(sm=60, claim="a"), _ask(sm=60, claim="b")], _devices(1, 1)), str)
+
+
+def test_class_flags_are_checked() -> None:
+    import argparse
+
+    from extender.controllers.dra import flags
+
+    p = argparse.ArgumentParser()
+    flags.add_flags(p)
+    assert flags.classes_from_args(p.parse_args([])) == CLASSES
+    both = p.parse_args(["--dra-online-class", "x", "--dra-offline-class", "x"])
+    with pytest.raises(ValueError, match="both online and offline"):
+        flags.classes_from_args(both)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dra-offline-class", "Not/A Name"])
