@@ -29,7 +29,7 @@ What it relaxes (so the true optimum allocates less, and unallocated is higher):
   window asking at least as much CPU and RAM fits anywhere either. It still relaxes the order
   within a window (a window's pods all count as arrived before the one left out) and "no node
   has room" per node (pooled per type, the type's nodes split fractionally between short of CPU
-  and short of RAM). On cpu300, seed 42, at the bin's last event it raises the bound from 3.01 to
+  and short of RAM). On cpu300, seed 42, at the bin's last event it raises the bound from 2.96 to
   3.05 (4 windows, 12 s), 3.33 (8 windows, 23 s) and 3.46 (16 windows, HiGHS's proven bound at
   a 200 s limit); on cpu235 (8 windows) it moves nothing (2.93).
 """
