@@ -29,7 +29,7 @@ from gpupack.events import EventRecorder
 
 from .allocator import PIN_ANNOTATION, Writer, placed_node
 from .claims import Ask, ClaimError, claim_asks, gated, pod_claim_names
-from .devices import Device, charge_claims, slice_devices
+from .devices import Device, Parsed, charge_claims, slice_devices
 from .placement import HostUse, place_host, pod_request
 from .placement import place as place_pod
 from .store import Store
@@ -91,6 +91,9 @@ class DraAllocator:
         self._stop = threading.Event()
         self._observed: set[str] = set()
         self._due = float("inf")
+        self._needs_cache: dict[tuple[str, str], nr.HostNeeds] = {}
+        self._parsed_cache: dict[tuple[str, str], list[Parsed]] = {}
+        self._slice_cache: dict[tuple[str, str], list[Device]] = {}
 
     def start(self) -> None:
         self.store.start()
@@ -121,22 +124,38 @@ class DraAllocator:
 
     # -- a pass --
     def snapshot(self) -> Snapshot:
-        devices = slice_devices(self.store.slices.values())
+        seen_slices: dict[tuple[str, str], list[Device]] = {}
+        devices = slice_devices(self.store.slices.values(), self._slice_cache, seen_slices)
+        self._slice_cache = seen_slices
         claims = {f"{(c.get('metadata') or {}).get('namespace')}/{(c.get('metadata') or {}).get('name')}": c
                   for c in self.store.claims.values()}  # fmt: skip
-        charge_claims(devices, claims.values(), self.classes)
+        parsed: dict[tuple[str, str], list[Parsed]] = {}
+        charge_claims(devices, claims.values(), self.classes, self._parsed_cache, parsed)
+        self._parsed_cache = parsed
         nodes = {str(n["metadata"]["name"]): nr.node_facts(n) for n in self.store.nodes.values()}
         used: dict[str, HostUse] = {}
+        needs_seen: dict[tuple[str, str], nr.HostNeeds] = {}
         for p in self.store.pods.values():
             if _terminal(p):
                 continue
             node = (p.get("spec") or {}).get("nodeName") or self._claims_node(p, claims) or self._pinned(p)
             if not node:
                 continue
-            needs = nr.pod_terms(p.get("spec"), host=True).needs
+            needs = self._needs(p, needs_seen)
             u = used.get(node, HostUse())
             used[node] = HostUse(u.cpu_milli + needs.cpu_milli, u.mem_bytes + needs.mem_bytes, u.pods + 1)
+        self._needs_cache = needs_seen  # bounded by the live pods: only this pass's are kept
         return Snapshot(devices, nodes, used, claims)
+
+    def _needs(self, pod: Mapping[str, Any], seen: dict[tuple[str, str], nr.HostNeeds]) -> nr.HostNeeds:
+        """The pod's effective requests, parsed once per pod version (a pass reads every pod)."""
+        m = pod.get("metadata") or {}
+        key = (str(m.get("uid")), str(m.get("resourceVersion")))
+        got = self._needs_cache.get(key)
+        if got is None:
+            got = nr.pod_terms(pod.get("spec"), host=True).needs
+        seen[key] = got
+        return got
 
     def _claims_node(self, pod: Mapping[str, Any], claims: Mapping[str, dict[str, Any]]) -> str | None:
         ns = (pod.get("metadata") or {}).get("namespace")
