@@ -40,9 +40,19 @@ DRA_OBJECTS = {
     ("ValidatingAdmissionPolicyBinding", "gpupack-dra-plugin-own-node"),
     ("DeviceClass", "gpupack-online"), ("DeviceClass", "gpupack-offline"),
 }  # fmt: skip
+# gpupack allocating the claims (devicePlugin.dra.allocate, on by default in DRA mode)
+ALLOCATE_OBJECTS = {
+    ("MutatingAdmissionPolicy", "gpupack-dra-allocate-gate"),
+    ("MutatingAdmissionPolicyBinding", "gpupack-dra-allocate-gate"),
+    ("ValidatingAdmissionPolicy", "gpupack-dra-allocate-gate-kept"),
+    ("ValidatingAdmissionPolicyBinding", "gpupack-dra-allocate-gate-kept"),
+    ("ClusterRole", "gpupack-dra-allocator"), ("ClusterRoleBinding", "gpupack-dra-allocator"),
+}  # fmt: skip
+ALLOCATE_REFUSAL = "devicePlugin.dra.allocate=true gates pods with a MutatingAdmissionPolicy"
 # tools/validate_deploy.py does not know DeviceClass (cluster-scoped), nor that the plugin needs only
-# its driver's folder of the kubelet's plugins directory mounted: its two false findings here
-VALIDATOR_BLIND_SPOTS = ("DeviceClass/gpupack-o", "--plugins-dir=")
+# its driver's folder of the kubelet's plugins directory mounted: its two false findings here; nor,
+# its schemas ending at 1.35, MutatingAdmissionPolicy v1 (1.36; cluster-scoped too)
+VALIDATOR_BLIND_SPOTS = ("DeviceClass/gpupack-o", "--plugins-dir=", "MutatingAdmissionPolicy")
 
 
 def _names(objs: list[dict]) -> set[tuple[str, str]]:
@@ -53,7 +63,17 @@ def test_dra_mode_swaps_the_node_agent_and_nothing_else(tmp_path):
     base = render("helm", "--skip-tests", "--kube-version", "1.36.2", home=tmp_path)
     dra = render("helm", "--skip-tests", "--kube-version", "1.36.2", *DRA, home=tmp_path)
     assert _names(base) - _names(dra) == DEVICE_PLUGIN_OBJECTS
-    assert _names(dra) - _names(base) == DRA_OBJECTS
+    assert _names(dra) - _names(base) == DRA_OBJECTS | ALLOCATE_OBJECTS
+    assert {"--dra-allocate", "--dra-place-pods"} <= set(
+        _containers(dra, "Deployment", "gpupack-scheduler")["extender"]["args"]
+    )
+    # allocate=false: the DRA plugin's objects only, the extender as in device-plugin mode
+    plain = render("helm", "--skip-tests", "--kube-version", "1.36.2", *DRA, "--set", "devicePlugin.dra.allocate=false",
+                   home=tmp_path)  # fmt: skip
+    assert _names(plain) - _names(base) == DRA_OBJECTS
+    assert _containers(plain, "Deployment", "gpupack-scheduler") == _containers(
+        base, "Deployment", "gpupack-scheduler"
+    )
     # networkPolicy.enabled=false turns the DRA plugin's NetworkPolicy off too
     off = render("helm", "--skip-tests", "--kube-version", "1.36.2", *DRA, "--set", "networkPolicy.enabled=false",
                  home=tmp_path)  # fmt: skip
@@ -138,8 +158,24 @@ def test_refused_offline_for_a_cluster_without_dra(tmp_path):
              check=False)  # fmt: skip
     assert r.returncode != 0 and REFUSAL in r.stderr and "set devicePlugin.mode=device-plugin" in r.stderr
     assert "Kubernetes v1.32.4 does not serve" in r.stderr, r.stderr
-    # ... and where the cluster serves it, it renders
-    render("helm3", "--kube-version", "1.32.4", "--api-versions", "resource.k8s.io/v1", *DRA, home=tmp_path)
+    # ... and where the cluster serves it, it renders (gpupack allocating needs 1.36: below)
+    render("helm3", "--kube-version", "1.32.4", "--api-versions", "resource.k8s.io/v1", *DRA,
+           "--set", "devicePlugin.dra.allocate=false", home=tmp_path)  # fmt: skip
+
+
+@pytest.mark.parametrize("client", realhelm.CLIENTS)
+def test_allocate_is_refused_where_no_mutating_admission_policy_is_served(client, tmp_path):
+    # DRA served (1.34-1.35) but no MutatingAdmissionPolicy v1: stops, and says what to set
+    dra = ("--kube-version", "1.35.0", "--api-versions", "resource.k8s.io/v1", *DRA)
+    r = helm(client, "template", "gpupack", str(CHART), *dra, home=tmp_path, check=False)
+    assert r.returncode != 0 and ALLOCATE_REFUSAL in r.stderr, r.stderr
+    assert "Kubernetes v1.35.0 does not serve: set devicePlugin.dra.allocate=false" in r.stderr, r.stderr
+    objs = render(client, *dra, "--set", "devicePlugin.dra.allocate=false", home=tmp_path)
+    assert not _names(objs) & ALLOCATE_OBJECTS
+    # ... and where the server serves it, it renders
+    served = render(client, *dra, "--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy",
+                    home=tmp_path)  # fmt: skip
+    assert _names(served) >= ALLOCATE_OBJECTS
 
 
 def _serves_dra(cluster: realk8s.ControlPlane) -> bool:
@@ -161,6 +197,14 @@ def _clear_dra_leftovers(cluster: realk8s.ControlPlane) -> None:
                     "validatingadmissionpolicybindings.admissionregistration.k8s.io",
                     "gpupack-dra-plugin-own-node", "--ignore-not-found")  # fmt: skip
     cluster.kubectl("delete", "clusterrole,clusterrolebinding", "gpupack-dra-plugin", "--ignore-not-found")
+    # deploy/examples/dra-allocate-gate.yaml (tests/extender/dra)
+    cluster.kubectl("delete", "mutatingadmissionpolicies.admissionregistration.k8s.io,"
+                    "mutatingadmissionpolicybindings.admissionregistration.k8s.io",
+                    "gpupack-dra-allocate-gate", "--ignore-not-found", check=False)  # fmt: skip
+    cluster.kubectl("delete", "validatingadmissionpolicies.admissionregistration.k8s.io,"
+                    "validatingadmissionpolicybindings.admissionregistration.k8s.io",
+                    "gpupack-dra-allocate-gate-kept", "--ignore-not-found")  # fmt: skip
+    cluster.kubectl("delete", "clusterrole,clusterrolebinding", "gpupack-dra-allocator", "--ignore-not-found")
 
 
 def test_switched_to_dra_by_upgrade_or_refused_without_it(cluster, tmp_path):
@@ -184,9 +228,12 @@ def test_switched_to_dra_by_upgrade_or_refused_without_it(cluster, tmp_path):
     notes = out.split("\nNOTES:\n", 1)[1]
     assert "DRA plugin (gpupack dra-plugin" in notes and "gpupack-online" in notes, notes
     assert "gpupack.io/gpu-mem (MiB)" not in notes, notes
+    assert "gpupack allocates the claims (devicePlugin.dra.allocate)" in notes, notes
     after = h.manifest(release, ns)
     assert _names(before) - _names(after) == DEVICE_PLUGIN_OBJECTS
-    assert _names(after) - _names(before) == DRA_OBJECTS
+    assert _names(after) - _names(before) == DRA_OBJECTS | ALLOCATE_OBJECTS  # gpupack allocating: on
+    extender = _containers(after, "Deployment", "gpupack-scheduler")["extender"]["args"]
+    assert {"--dra-allocate", "--dra-place-pods"} <= set(extender)
     live = _live(cluster, after)
     assert len(live) == len(after)  # every object accepted by the API server
     assert (
@@ -197,6 +244,9 @@ def test_switched_to_dra_by_upgrade_or_refused_without_it(cluster, tmp_path):
     (vap,) = [o for o in live.values() if o["kind"] == "ValidatingAdmissionPolicy"
               and o["metadata"]["name"] == "gpupack-dra-plugin-own-node"]  # fmt: skip
     assert sa in vap["spec"]["matchConditions"][0]["expression"]
+    (kept,) = [o for o in live.values() if o["kind"] == "ValidatingAdmissionPolicy"
+               and o["metadata"]["name"] == "gpupack-dra-allocate-gate-kept"]  # fmt: skip
+    assert f"system:serviceaccount:{ns}:gpupack-extender" in kept["spec"]["validations"][0]["expression"]
     h("uninstall", release, "-n", ns, "--wait")
     assert _live(cluster, after) == {}
     assert _gpupack_admission(cluster) == []

@@ -106,8 +106,11 @@ def _with_components(kubectl: str, tmp_path: Path, *components: str) -> list[dic
 def test_dra_mode_renders_what_the_deploy_dra_component_installs(client, kubectl, tmp_path):
     # devicePlugin.mode=dra on a cluster serving resource.k8s.io/v1: deploy/dra's objects (the DRA
     # plugin's DaemonSet in place of the device plugin's, its RBAC, metrics Service and
-    # NetworkPolicy, the own-node policy, the DeviceClasses), and every other object unchanged
-    dra = ("--set", "devicePlugin.mode=dra", "--api-versions", "resource.k8s.io/v1")
+    # NetworkPolicy, the own-node policy, the DeviceClasses; gpupack allocating: the gate policies,
+    # the allocator's RBAC and the extender's --dra-allocate --dra-place-pods), and every other
+    # object unchanged
+    dra = ("--set", "devicePlugin.mode=dra", "--api-versions", "resource.k8s.io/v1",
+           "--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")  # fmt: skip
     chart = render(client, *_offline(*dra), home=tmp_path)
     deploy = _with_components(kubectl, tmp_path, "dra")
     assert differences(chart, deploy) == []
@@ -117,6 +120,7 @@ def test_dra_mode_renders_what_the_deploy_dra_component_installs(client, kubectl
         "gpupack-device-plugin",
     ) not in kinds
     assert {n for k, n in kinds if k == "DeviceClass"} == {"gpupack-online", "gpupack-offline"}
+    assert ("MutatingAdmissionPolicy", "gpupack-dra-allocate-gate") in kinds
 
 
 def test_the_comparison_sees_a_difference(deploy_objects, tmp_path):

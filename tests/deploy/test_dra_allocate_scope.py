@@ -124,7 +124,9 @@ def test_the_same_spec_change_is_refused_without_the_gate_and_nothing_else_rides
     # lets a gated pod's node affinity be narrowed) is refused, and so is removing another gate
     other = env.pod("other", [OTHER_GATE])
     assert SCOPE in _refused(env.writer.ungate, other, "node-a")
-    assert SCOPE in _refused(env.extender.patch_namespaced_pod, "other", env.ns, {"spec": {"schedulingGates": None}})
+    assert SCOPE in _refused(
+        env.extender.patch_namespaced_pod, "other", env.ns, {"spec": {"schedulingGates": None}}
+    )
     assert env.read("other")["spec"]["schedulingGates"] == [{"name": OTHER_GATE}]
     # on a pod with the gate: the pin must be one node by name, no other spec field may change
     env.pod("g", [GATE])
@@ -141,8 +143,14 @@ def test_the_same_spec_change_is_refused_without_the_gate_and_nothing_else_rides
     # a pod with a required node affinity of its own is not re-pinned
     own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": wide}}
     mine = env.pod("mine", [GATE], affinity=own)
-    narrow = [{"op": "add", "path": "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution"
-               "/nodeSelectorTerms/0/matchFields", "value": [{"key": "metadata.name", "operator": "In", "values": ["n"]}]}]
+    narrow = [
+        {
+            "op": "add",
+            "path": "/spec/affinity/nodeAffinity/requiredDuringSchedulingIgnoredDuringExecution"
+            "/nodeSelectorTerms/0/matchFields",
+            "value": [{"key": "metadata.name", "operator": "In", "values": ["n"]}],
+        }
+    ]
     assert SCOPE in _refused(env.extender.patch_namespaced_pod, "mine", env.ns, narrow)  # fmt: skip
     env.writer.ungate(mine)  # ... but ungated as it is
     assert env.read("mine")["spec"]["affinity"] == own

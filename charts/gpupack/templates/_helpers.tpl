@@ -101,3 +101,14 @@ older cluster the install stops and says what to do instead.
 {{- fail (printf "devicePlugin.mode=dra needs Dynamic Resource Allocation at resource.k8s.io/v1 (Kubernetes 1.34 or later), which Kubernetes %s does not serve: set devicePlugin.mode=device-plugin (pods then ask gpupack.io/gpu-mem and gpupack.io/gpu-sm)" .Capabilities.KubeVersion.Version) -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+gpupack allocating DRA claims (devicePlugin.dra.allocate) gates pods with a MutatingAdmissionPolicy
+at admissionregistration.k8s.io/v1 (Kubernetes 1.36): what the server serves, else (offline) the
+version asked for.
+*/}}
+{{- define "gpupack.draAllocateCheck" -}}
+{{- if not (or (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy") (semverCompare ">=1.36.0-0" .Capabilities.KubeVersion.Version)) -}}
+{{- fail (printf "devicePlugin.dra.allocate=true gates pods with a MutatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.36 or later), which Kubernetes %s does not serve: set devicePlugin.dra.allocate=false (kube-scheduler's own allocator then places the claims)" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- end -}}
