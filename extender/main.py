@@ -299,7 +299,9 @@ def _extender_factory(
 
             Preempter(ext, KubeClient(api, timeout_s=args.api_timeout_s), events, fence,
                       args.preemption_interval_s, marks=marks).start()  # fmt: skip
-        dra_flags.start_from_args(args, api, None if fence is None else fence.problem, make_policy(args))
+        dra_flags.start_from_args(
+            args, api, None if fence is None else fence.problem, make_policy(args), metrics.registry
+        )
         autoscale_flags.start_from_args(
             args, api, None if fence is None else fence.problem, metrics.registry, events
         )

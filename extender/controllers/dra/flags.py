@@ -10,12 +10,14 @@ import socket
 from collections.abc import Callable
 
 from kubernetes import client
+from prometheus_client.registry import CollectorRegistry
 
 from gpupack.core.policy_base import Policy
 from gpupack.events import EventRecorder
 from gpupack.kubeclient import KubeClient
 
 from .controller import DraAllocator
+from .metrics import register
 
 log = logging.getLogger("gpupack.extender.dra")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -64,7 +66,11 @@ def classes_from_args(args: argparse.Namespace) -> dict[str, str]:
 
 
 def start_from_args(
-    args: argparse.Namespace, api: client.ApiClient, fence: Callable[[], str] | None, policy: Policy
+    args: argparse.Namespace,
+    api: client.ApiClient,
+    fence: Callable[[], str] | None,
+    policy: Policy,
+    registry: CollectorRegistry | None = None,
 ) -> DraAllocator | None:
     if not getattr(args, "dra_allocate", False):
         return None
@@ -72,6 +78,8 @@ def start_from_args(
     identity = getattr(args, "identity", "") or socket.gethostname()
     events = EventRecorder(KubeClient(api, timeout_s=10.0), identity, "gpupack-dra-allocator")
     alloc = DraAllocator(api, policy, classes, events, fence, place_pods=args.dra_place_pods)
+    if registry is not None:  # the extender's /metrics
+        register(registry, lambda: alloc.counts)
     alloc.start()
     log.info("DRA allocator on: classes %s", ", ".join(f"{k}={v}" for k, v in sorted(classes.items())))
     return alloc

@@ -348,6 +348,9 @@ def test_gpupack_extender_dra_allocate_places_gated_pods(env: Env, tmp_path: Pat
             cpu.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
         )
         assert term.match_fields[0].values == [nodes["x-cpu"]]
+        # its counts in the extender's /metrics
+        assert ext.metric("gpupack_dra_allocator_claims_allocated_total") >= 1
+        assert ext.metric("gpupack_dra_allocator_pods_ungated_total") >= 2
     finally:
         ext.proc.terminate()
         ext.proc.wait(10)
