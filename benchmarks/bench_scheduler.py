@@ -57,6 +57,18 @@ phase that uses them all is as fast as the sum allows.
   device's consumed capacity, summed over the claims, is checked against its slice
   (`correctness.overfilled_devices`; the run exits 1 if any).
 
+- dra-gpupack (with dra; --no-dra-gpupack: off): DRA mode as shipped on 1.36, gpupack allocating
+  (docs/dra.md "gpupack allocates"): the same pods drawn again, created with the scheduling gate
+  gpupack.io/dra-allocate (what deploy/dra's MutatingAdmissionPolicy adds; set here in the pod, so
+  admission costs nothing extra), claims from the same templates; a second `gpupack extender
+  --dra-allocate --dra-place-pods` (the templates' DeviceClass as its online class, no Lease fence,
+  its verbs unused) places each pod with the extender's policy, writes its claim's allocation and
+  removes the gate; the DRA phase's kube-scheduler binds. The allocator is one pod at a time (about
+  four API writes a GPU pod). On the same nodes and slices as the dra phase, whose pods stay: the
+  GPUs those use are counted (500 pods on 8,000 GPUs leave most free). Its time includes the
+  ResourceClaim controller, the allocation and the ungating; with --arrival queued the allocator is
+  stopped and resumed with the scheduler and the controller-manager. Checked as the dra phase.
+
 `targets`: issue 29's done-when for the run, clause by clause (plain fed at twice its rate, the
 ratio, gpupack's creation -> bound p99; the last null with a queued arrival).
 
@@ -191,6 +203,13 @@ def dra_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def dra_gated_pod(rng: random.Random, i: int, ns: str) -> dict[str, Any]:
+    """`dra_pod`'s pod, gated for gpupack's allocator as deploy/dra's admission policy gates it."""
+    pod = dra_pod(rng, i, ns)
+    pod["spec"]["schedulingGates"] = [{"name": "gpupack.io/dra-allocate"}]
+    return pod
+
+
 def dra_setup(cp: realk8s.ControlPlane, nodes: list[str], ns: str) -> tuple[list[dict[str, Any]], float]:
     """The DeviceClass, every node's ResourceSlice (8 H100 as gpu_node publishes them) and the
     templates; the slices and the seconds it took."""
@@ -206,11 +225,18 @@ def dra_setup(cp: realk8s.ControlPlane, nodes: list[str], ns: str) -> tuple[list
     return slices, round(time.monotonic() - t, 1)
 
 
-def dra_check(cp: realk8s.ControlPlane, slices: list[dict[str, Any]], ns: str) -> dict[str, Any]:
-    """Consumed capacity against the slices, summed over the phase's claims."""
+def dra_check(
+    cp: realk8s.ControlPlane, slices: list[dict[str, Any]], ns: str, also: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Consumed capacity against the slices, summed over the phase's claims and those of the
+    namespaces `also` (earlier phases on the same devices)."""
     res = client.ResourceV1Api(cp.api_client())
-    claims = json.loads(res.list_namespaced_resource_claim(ns, _preload_content=False).data)["items"]
-    bad = dra.capacity_overfills(slices, claims)
+
+    def items(n: str) -> list[dict[str, Any]]:
+        return list(json.loads(res.list_namespaced_resource_claim(n, _preload_content=False).data)["items"])
+
+    claims = items(ns)
+    bad = dra.capacity_overfills(slices, claims + [c for n in also for c in items(n)])
     return {"claims": len(claims), "claims_allocated": sum(1 for c in claims if dra.results(c)),
             "overfilled_devices": len(bad), "overfills": bad[:5]}  # fmt: skip
 
@@ -541,7 +567,7 @@ def run_phase(
         def ext_hist(metric: str, match: str = "") -> dict[float, float]:
             return diff(histogram(e1, metric, match), histogram(e0, metric, match))
 
-        lat = {}
+        lat: dict[str, dict[str, Any]] = {}
         for verb in ("filter", "prioritize", "bind"):
             h = ext_hist("gpupack_extender_request_seconds", f'verb="{verb}"')
             lat[verb] = {"n": int(h.get(float("inf"), 0)), "p50_ms": ms(hquantile(h, 0.5)),
@@ -674,7 +700,10 @@ def main(argv: list[str] | None = None) -> int:
         "latencies; the rate is bounded by the creators'); queued: created while that scheduler is "
         "stopped, then it is resumed (the rate is the scheduler's own, counted from the resumption)",
     )
-    ap.add_argument("--no-dra", action="store_true", help="skip the DRA phase")
+    ap.add_argument("--no-dra", action="store_true", help="skip the DRA phases")
+    ap.add_argument(
+        "--no-dra-gpupack", action="store_true", help="skip the DRA phase with gpupack allocating"
+    )
     ap.add_argument("--json", action="store_true", help="one JSON line")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -687,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(d)
         cp = realk8s.ControlPlane(tmp).start()
         ext = None
+        alloc: ExtenderProcess | None = None  # the DRA allocator's extender (dra-gpupack phase)
         creator = None
         scheds: list[Scheduler] = []
         try:
@@ -696,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
             with ThreadPoolExecutor(16) as pool:
                 list(pool.map(lambda i: gpu_node(cp, f"n{i:05d}"), range(args.nodes)))
             result["setup_nodes_s"] = round(time.monotonic() - t, 1)
-            for ns in ("plain", "gpu", "dra"):
+            for ns in ("plain", "gpu", "dra", "dra-gpupack"):
                 cp.ensure_namespace(ns)
             import replay_dra  # the server check (benchmarks/replay_dra.py)
 
@@ -708,6 +738,14 @@ def main(argv: list[str] | None = None) -> int:
                 dra_slices, result["setup_dra_s"] = dra_setup(
                     cp, [f"n{i:05d}" for i in range(args.nodes)], "dra"
                 )
+                res = client.ResourceV1Api(cp.api_client())
+                for tpl in dra_templates("dra-gpupack"):
+                    res.create_namespaced_resource_claim_template("dra-gpupack", tpl)
+            if not why and not args.no_dra_gpupack:  # gpupack allocating: the extender's policy
+                alloc = ExtenderProcess(cp.write_kubeconfig(tmp / "alloc.kubeconfig"), tmp / "allocator.log",
+                                        "--dra-allocate", "--dra-place-pods", "--dra-online-class", dra.DEVICE_CLASS,
+                                        *shipped_extender_args())  # fmt: skip
+                alloc.wait_ready(120)
             # as deployed: the extender writes only while its kube-scheduler holds the Lease (on one
             # machine the host name is both the scheduler's holder identity prefix and the extender's)
             shipped = shipped_extender_args()
@@ -742,10 +780,21 @@ def main(argv: list[str] | None = None) -> int:
                     result["dra"] = run_phase(cp, "dra", [dra_pod(drng, i, "dra") for i in range(args.pods)],
                                               scheds[2], None, args.timeout, creator, queued, (kcm,))  # fmt: skip
                     result["dra"]["correctness"] = dra_check(cp, dra_slices, "dra")
+                if alloc is not None:
+                    crng = random.Random(args.seed)  # gpupack's pods again
+                    kcm = cp.procs["kube-controller-manager"].proc.pid
+                    pods = [dra_gated_pod(crng, i, "dra-gpupack") for i in range(args.pods)]
+                    result["dra_gpupack"] = run_phase(cp, "dra-gpupack", pods, scheds[2], None, args.timeout,
+                                                      creator, queued, (kcm, alloc.proc.pid))  # fmt: skip
+                    result["dra_gpupack"]["correctness"] = dra_check(cp, dra_slices, "dra-gpupack", ("dra",))
             plain, gp = result["plain"], result["gpupack"]
             result["ratio"] = round(gp["pods_per_s"] / max(plain["pods_per_s"], 1e-9), 3)
             if "dra" in result:
                 result["ratio_dra"] = round(result["dra"]["pods_per_s"] / max(plain["pods_per_s"], 1e-9), 3)
+            if "dra_gpupack" in result:
+                result["ratio_dra_gpupack"] = round(
+                    result["dra_gpupack"]["pods_per_s"] / max(plain["pods_per_s"], 1e-9), 3
+                )
             # plain measures kube-scheduler only if pods came at least twice as fast as it bound them
             result["creation_over_plain"] = round(plain["created_per_s"] / max(plain["pods_per_s"], 1e-9), 2)
             # queued: every pod existed before the scheduler resumed, so no creator could hold it back
@@ -760,13 +809,15 @@ def main(argv: list[str] | None = None) -> int:
                 s.proc.stop()
             if ext is not None:
                 ext.stop()
+            if alloc is not None:
+                alloc.stop()
             cp.stop()
     if args.json:
         print(json.dumps(result))
     else:
-        for phase in ("plain", "gpupack", "dra"):
+        for phase in ("plain", "gpupack", "dra", "dra_gpupack"):
             if phase not in result:
-                print(f"dra      skipped: {result.get('dra_skipped')}")
+                print(f"{phase:8s} skipped: {result.get('dra_skipped') or '--no-dra-gpupack'}")
                 continue
             r = result[phase]
             print(
@@ -787,10 +838,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"ratio dra/plain: {result['ratio_dra']}  (device-plugin path gpupack/plain: {result['ratio']})"
             )
             print(f"dra correctness: {result['dra']['correctness']}")
+        if "ratio_dra_gpupack" in result:
+            print(f"ratio dra_gpupack/plain: {result['ratio_dra_gpupack']}")
+            print(f"dra_gpupack correctness: {result['dra_gpupack']['correctness']}")
         print(f"issue 29's targets: {result['targets']}")
         print(f"extender: {g['extender']}")
         print(f"correctness: {g['correctness']}")
-    overfilled = (result.get("dra") or {}).get("correctness", {}).get("overfilled_devices", 0)
+    overfilled = sum((result.get(p) or {}).get("correctness", {}).get("overfilled_devices", 0)
+                     for p in ("dra", "dra_gpupack"))  # fmt: skip
     if overfilled:
         print(f"DRA: {overfilled} devices filled past their capacity", file=sys.stderr)
         return 1
