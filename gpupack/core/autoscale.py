@@ -1,7 +1,7 @@
 """What the cluster autoscaler should do for gpupack pods, decided by gpupack's own fit rules.
 
 The autoscaler judges pods with kube-scheduler's in-tree filters, which do not see GPU shares. So
-gpupack decides, and the extender's autoscale controller (`extender/autoscale.py`) turns these
+gpupack decides, and the extender's autoscale controller (`extender/controllers/autoscale.py`) turns these
 decisions into objects the unmodified autoscaler understands:
 
 - :func:`plan_scale_up`: how many nodes of which node group the pending pods need (pods that fit a
