@@ -12,6 +12,10 @@ and the allocator runs in this process with the policy the device-plugin replay'
 (the same `gpupack extender` flags: --policy, --policy-seed, --workload-file). A pod the allocator
 cannot place stays gated with its reason: that is this mode's "unschedulable" (pod and claim are
 deleted, as the simulator drops the pod).
+
+`node_only` (`replay_realk8s.py --mode dra-node`): gpupack chooses only the node (the allocator's
+node-only option: the pod is pinned there and ungated, its claim left unallocated), kube-scheduler's
+in-tree allocator chooses the GPU on that node.
 """
 
 from __future__ import annotations
@@ -69,9 +73,14 @@ def submit_one(
 def replay_on_cluster(
     cp: realk8s.ControlPlane, sl: NodeList, sub: PodList, order: np.ndarray, extender_flags: list[str],
     pod_timeout: float = 60.0, progress: bool = False, namespace: str = NAMESPACE, place_pods: bool = True,
+    node_only: bool = False,
 ) -> tuple[ReplayResult, dict[str, Any]]:  # fmt: skip
     index = {n: i for i, n in enumerate(sl.names)}
-    info: dict[str, Any] = {"allocator_flags": extender_flags, "place_pods": place_pods}
+    info: dict[str, Any] = {
+        "allocator_flags": extender_flags,
+        "place_pods": place_pods,
+        "node_only": node_only,
+    }
     sched, alloc = None, None
     try:
         cp.ensure_namespace(namespace)
@@ -80,7 +89,8 @@ def replay_on_cluster(
         slices = rd.make_nodes(cp, sl)
         sched = cp.start_scheduler(rd.scheduler_config(), name=rd.SCHEDULER)
         policy = make_policy(build_parser().parse_args(extender_flags))
-        alloc = DraAllocator(cp.new_api_client(), policy, {dra.DEVICE_CLASS: "online"}, place_pods=place_pods)
+        alloc = DraAllocator(cp.new_api_client(), policy, {dra.DEVICE_CLASS: "online"}, place_pods=place_pods,
+                             node_only=node_only)  # fmt: skip
         alloc.start()
         alloc.store.wait_synced(60)
         info["setup_s"] = round(time.monotonic() - t0, 1)
@@ -114,7 +124,8 @@ def replay_on_cluster(
             curve.add(arrived, allocated)
             if progress and step % 100 == 0:
                 print(
-                    f"  dra-gpupack: {step}/{len(order)} pods, {time.monotonic() - t1:.0f}s", file=sys.stderr
+                    f"  {'dra-node' if node_only else 'dra-gpupack'}: {step}/{len(order)} pods, {time.monotonic() - t1:.0f}s",
+                    file=sys.stderr,
                 )
         info["replay_s"] = round(time.monotonic() - t1, 1)
         claims = rd.list_json(res.list_namespaced_resource_claim, namespace)
@@ -123,7 +134,8 @@ def replay_on_cluster(
         info["shared_devices"] = rd._shared_devices(claims)
         info["allocator"] = {"allocated": alloc.counts.allocated, "refused": alloc.counts.refused,
                              "conflicts": alloc.counts.conflicts, "passes": alloc.counts.passes}  # fmt: skip
-        return ReplayResult("dra-gpupack", 0, curve.values(), len(order), placed, failed, decisions), info
+        mode = "dra-node" if node_only else "dra-gpupack"
+        return ReplayResult(mode, 0, curve.values(), len(order), placed, failed, decisions), info
     finally:
         if alloc is not None:
             alloc.stop()
@@ -133,15 +145,23 @@ def replay_on_cluster(
 
 def run(
     sl: NodeList, sub: PodList, order: np.ndarray, workdir: Path, extender_flags: list[str],
-    pod_timeout: float, progress: bool, place_pods: bool = True,
+    pod_timeout: float, progress: bool, place_pods: bool = True, node_only: bool = False,
 ) -> tuple[ReplayResult, dict[str, Any]]:  # fmt: skip
-    cp = realk8s.ControlPlane(workdir / "k8s-dra-gpupack").start()
+    cp = realk8s.ControlPlane(workdir / ("k8s-dra-node" if node_only else "k8s-dra-gpupack")).start()
     try:
         why = rd.dra_unsupported(cp)
         if why:
             raise SystemExit(f"DRA replay impossible with {cp.assets}: {why}")
         return replay_on_cluster(
-            cp, sl, sub, order, extender_flags, pod_timeout, progress, place_pods=place_pods
+            cp,
+            sl,
+            sub,
+            order,
+            extender_flags,
+            pod_timeout,
+            progress,
+            place_pods=place_pods,
+            node_only=node_only,
         )
     finally:
         cp.stop()

@@ -28,7 +28,9 @@ annotations; and how many placements (node, GPUs) differ from each simulation.
 
 `--mode dra`: the same nodes and arrival order through DRA with kube-scheduler's own allocator and
 no extender (benchmarks/replay_dra.py; needs v1.36 assets); `--mode both` runs the device-plugin
-replay and then that one, each on a control plane of its own.
+replay and then that one, each on a control plane of its own. `--mode dra-gpupack`: gpupack's DRA
+allocator chooses node and GPU (benchmarks/replay_dra_gpupack.py); `--mode dra-node`: it chooses
+only the node (the pod is pinned there), kube-scheduler's in-tree allocator the GPU on it.
 
     nice -n 10 python benchmarks/replay_realk8s.py                       # 150 nodes, default, seed 42
     python benchmarks/replay_realk8s.py --nodes 20 --seed 1 --policy fgd --json
@@ -399,13 +401,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="pause after each pod, so the extender's watch has seen it bound and its handoff end")  # fmt: skip
     ap.add_argument("--pod-timeout", type=float, default=60.0)
     ap.add_argument("--sim-only", action="store_true", help="skip the real cluster")
-    ap.add_argument("--mode", choices=("device-plugin", "dra", "both", "dra-gpupack"), default="device-plugin",
+    ap.add_argument("--mode", choices=("device-plugin", "dra", "both", "dra-gpupack", "dra-node"), default="device-plugin",
                     help="the real cluster: gpupack's extender and device-plugin resources, DRA with "
                          "the in-tree allocator alone (v1.36), or both one after the other")  # fmt: skip
     ap.add_argument("--dra-gap-ms", type=float, default=0.0,
                     help="pause after each pod in the DRA replay (no extender watch to catch up)")  # fmt: skip
     ap.add_argument("--dra-cpu-pods-by-scheduler", action="store_true",
-                    help="--mode dra-gpupack: CPU-only pods placed by kube-scheduler, not pinned by gpupack")  # fmt: skip
+                    help="--mode dra-gpupack / dra-node: CPU-only pods placed by kube-scheduler, not pinned by gpupack")  # fmt: skip
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--what-if", action="append", default=[], metavar="FIELD=VALUE",
                     help="also run the pipeline model with this PipelineConfig field changed (repeatable; "
@@ -440,16 +442,17 @@ def main(argv: list[str] | None = None) -> int:
                 k, v = kv.split("=", 1)
                 changed[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
             what_if = (changed, replay_mode("pipeline", sl, sub, args.policy, args.seed, order, **changed))
-        dp = not args.sim_only and args.mode not in ("dra", "dra-gpupack")
+        dp = not args.sim_only and args.mode not in ("dra", "dra-gpupack", "dra-node")
         real, info = run_real(args, sl, sub, order, st, workdir) if dp else (None, {})
         dra_real, dra_info = (None, {})
         gp_real, gp_info = (None, {})
-        if not args.sim_only and args.mode == "dra-gpupack":  # gpupack allocates (replay_dra_gpupack.py)
+        if not args.sim_only and args.mode in ("dra-gpupack", "dra-node"):  # replay_dra_gpupack.py
             import replay_dra_gpupack
 
             gp_real, gp_info = replay_dra_gpupack.run(sl, sub, order, workdir, ["--policy", args.policy,
                                                       *st.extender_flags], args.pod_timeout, args.progress,
-                                                      place_pods=not args.dra_cpu_pods_by_scheduler)  # fmt: skip
+                                                      place_pods=not args.dra_cpu_pods_by_scheduler,
+                                                      node_only=args.mode == "dra-node")  # fmt: skip
         if not args.sim_only and args.mode in ("dra", "both"):
             import replay_dra
 
@@ -522,10 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         out["differ_real_dra_vs_sim_default"] = differ(dra_real, sim)
         out["dra"] = {**dra_info, "seconds_per_pod": round(dra_info["replay_s"] / max(1, len(order)), 3)}
     if gp_real is not None:
-        out["unallocated_pct_at_100"]["real_dra_gpupack"] = round(gp_real.unallocated_pct_at_100, 2)
-        out["placed"]["real_dra_gpupack"] = gp_real.placed
-        out["differ_real_dra_gpupack_vs_sim_default"] = differ(gp_real, sim)
-        out["dra_gpupack"] = {
+        gk = "dra_node" if args.mode == "dra-node" else "dra_gpupack"  # node only / node and GPU
+        out["unallocated_pct_at_100"][f"real_{gk}"] = round(gp_real.unallocated_pct_at_100, 2)
+        out["placed"][f"real_{gk}"] = gp_real.placed
+        out[f"differ_real_{gk}_vs_sim_default"] = differ(gp_real, sim)
+        out[gk] = {
             **gp_info,
             "seconds_per_pod": round(gp_info["replay_s"] / max(1, len(order)), 3),
         }
@@ -554,8 +558,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"real below sim FGD by {out['real_below_sim_fgd_pct']}%; "
                   f"setup {info['setup_s']}s, replay {info['replay_s']}s")  # fmt: skip
         if gp_real is not None:
-            print(f"DRA, gpupack allocating: {out['dra_gpupack']} ; placements differing from sim default "
-                  f"{tuple(out['differ_real_dra_gpupack_vs_sim_default'].values())}")  # fmt: skip
+            gk = "dra_node" if args.mode == "dra-node" else "dra_gpupack"
+            what = "gpupack choosing the node" if gk == "dra_node" else "gpupack allocating"
+            print(f"DRA, {what}: {out[gk]} ; placements differing from sim default "
+                  f"{tuple(out[f'differ_real_{gk}_vs_sim_default'].values())}")  # fmt: skip
         if dra_real is not None:
             print(f"DRA, in-tree allocator alone: {out['dra']} ; placements differing from sim default "
                   f"{tuple(out['differ_real_dra_vs_sim_default'].values())}")  # fmt: skip

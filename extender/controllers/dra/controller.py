@@ -10,6 +10,14 @@ bound to, if any) and written, then it is ungated. A pod that cannot be placed, 
 malformed, keeps its gate with an Event naming why (one per new reason) and is tried again after a
 change, no sooner than its backoff (1 s doubling to 60 s): never a hot loop. Failures stay with the
 pod that caused them.
+
+`node_only` (a measurement, not shipped: gpupack chooses the node, kube-scheduler's in-tree allocator
+the GPU on it): the placement is the same, but only the node is written, as a pin (required node
+affinity + PIN_ANNOTATION, as for CPU pods), and the claims are left for the scheduler to allocate.
+Until it has, the devices the placement planned stay booked in memory (`_planned`, one entry per
+pinned pod, dropped once its claims are allocated, the pod is gone, or it was not pinned), so the
+next placement does not plan onto capacity the scheduler is about to take; a restart loses these
+bookings (a pod pinned just before it then counts only once its claim is allocated).
 """
 
 from __future__ import annotations
@@ -79,8 +87,11 @@ class DraAllocator:
         resync_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         place_pods: bool = False,
+        node_only: bool = False,
     ) -> None:
-        self.place_pods = place_pods
+        self.place_pods, self.node_only = place_pods, node_only
+        # pod uid -> its claims as planned (allocation results not written): node_only's bookings
+        self._planned: dict[str, list[dict[str, Any]]] = {}
         self.policy, self.classes, self.events, self.fence = policy, dict(classes), events, fence
         self.resync_s, self.clock = resync_s, clock
         self.wake = threading.Event()
@@ -132,6 +143,8 @@ class DraAllocator:
         parsed: dict[tuple[str, str], list[Parsed]] = {}
         charge_claims(devices, claims.values(), self.classes, self._parsed_cache, parsed)
         self._parsed_cache = parsed
+        if self._planned:
+            self._charge_planned(devices, claims)
         nodes = {str(n["metadata"]["name"]): nr.node_facts(n) for n in self.store.nodes.values()}
         used: dict[str, HostUse] = {}
         needs_seen: dict[tuple[str, str], nr.HostNeeds] = {}
@@ -229,6 +242,8 @@ class DraAllocator:
                 raise ClaimError(
                     "the pod's gpupack claims are allocated on different nodes, or not on one node"
                 )
+            if todo and self.node_only:
+                return self._pin_only(pod, snap, todo, next(iter(nodes)) if nodes else None)
             if todo:
                 self._allocate(pod, snap, todo, next(iter(nodes)) if nodes else None)
             elif not mine and self.place_pods:
@@ -276,6 +291,56 @@ class DraAllocator:
         )
         log.info("DRA allocator: %s placed on %s (%s)", key, chosen.node,
                  ", ".join(f"{r['device']}" for rs in chosen.results.values() for r in rs))  # fmt: skip
+
+    def _charge_planned(self, devices: dict[str, list[Device]], claims: Mapping[str, dict[str, Any]]) -> None:
+        """Book node_only's planned devices of pinned pods whose claims the scheduler has not yet
+        allocated; drop the bookings of pods gone, finished or allocated (bounded by live pods)."""
+        pinned = {str(p["metadata"]["uid"]) for p in self.store.pods.values()
+                  if not _terminal(p) and not (p.get("spec") or {}).get("nodeName") and self._pinned(p)}  # fmt: skip
+        for uid, planned in list(self._planned.items()):
+            real = [claims.get(f"{c['metadata']['namespace']}/{c['metadata']['name']}") for c in planned]
+            if uid not in pinned or all(not c or (c.get("status") or {}).get("allocation") for c in real):
+                del self._planned[uid]
+                continue
+            charge_claims(devices, planned, self.classes)
+
+    def _pin_only(
+        self,
+        pod: dict[str, Any],
+        snap: Snapshot,
+        todo: list[tuple[dict[str, Any], list[Ask]]],
+        node: str | None,
+    ) -> None:
+        """node_only: gpupack's placement, but only the node is written (a pin); the GPU is left to
+        the scheduler's allocator. A pod with a required node affinity of its own is not pinned
+        (the pin would replace it): it is ungated and left to the scheduler whole."""
+        spec = pod.get("spec") or {}
+        if ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ):
+            return self._ungate(pod)
+        asks = [a for _, cl in todo for a in cl]
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        uid = str(pod["metadata"]["uid"])
+        if uid not in self._observed:
+            self._observed.add(uid)
+            self.policy.observe(pod_request(key, asks, nr.pod_terms(spec).needs))
+        terms = nr.pod_terms(spec, host=True)
+        chosen = place_pod(key, asks, snap.devices, snap.nodes, snap.used, terms, self.policy, node)
+        if isinstance(chosen, str):
+            raise ClaimError(chosen)
+        planned = [{"metadata": c["metadata"], "spec": c.get("spec"),
+                    "status": {"allocation": {"devices": {"results": chosen.results[c["metadata"]["name"]]}}}}
+                   for c, _ in todo]  # fmt: skip
+        self._ungate(pod, chosen.node)  # the snapshot counts the pinned pod's CPU and memory there
+        self._planned[uid] = planned
+        charge_claims(snap.devices, planned, self.classes)
+        u = snap.used.get(chosen.node, HostUse())
+        snap.used[chosen.node] = HostUse(
+            u.cpu_milli + terms.needs.cpu_milli, u.mem_bytes + terms.needs.mem_bytes, u.pods + 1
+        )
+        self.retry.pop(uid, None)
+        log.info("DRA allocator (node only): %s pinned to %s", key, chosen.node)
 
     def _host_node(self, pod: dict[str, Any], snap: Snapshot) -> str | None:
         """Where gpupack's policy would put a pod that asks no gpupack GPU (None: leave it to the

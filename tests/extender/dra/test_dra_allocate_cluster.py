@@ -47,13 +47,13 @@ class Env:
         self.alloc: DraAllocator | None = None
         self.gating_policy = False
 
-    def start_allocator(self) -> DraAllocator:
+    def start_allocator(self, node_only: bool = False) -> DraAllocator:
         api = self.k8s.new_api_client()
         events = EventRecorder(KubeClient(api), "test", "gpupack-dra-allocator")
         # BestFit (the core's tightest-GPU policy): a packing the assertions can name whatever the
         # order the pods come in; which node and GPU the default policy picks is the replay's business
         # (benchmarks/replay_dra_gpupack.py: the same placements as the simulator's)
-        self.alloc = DraAllocator(api, get_policy("bestfit"), CLASSES, events)
+        self.alloc = DraAllocator(api, get_policy("bestfit"), CLASSES, events, node_only=node_only)
         self.alloc.start()
         assert self.alloc.store.wait_synced(30)
         return self.alloc
@@ -358,3 +358,28 @@ def test_gpupack_extender_dra_allocate_places_gated_pods(env: Env, tmp_path: Pat
     for n in ("x-gpu", "x-cpu"):
         env.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
     realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")
+
+
+def test_node_only_pins_the_node_and_the_scheduler_allocates_the_gpu_there(env: Env) -> None:
+    """The node-only option (a measurement): gpupack writes the pin, kube-scheduler's in-tree
+    allocator allocates each claim on the pinned node, within capacity."""
+    env.stop_allocator()
+    env.start_allocator(node_only=True)
+    try:
+        names = [f"node-only-{i}" for i in range(3)]
+        for n in names:  # all at once: each placement counts the ones pinned before it (not yet allocated)
+            env.core.create_namespaced_pod(NS, _pod(env, n, "share-online"))
+        nodes = _bound(env, names)
+        for n in names:
+            assert (env.pod(n).metadata.annotations or {}).get("gpupack.io/dra-pinned-node") == nodes[n]
+        claims = env.claims()
+        assert len(claims) == 3
+        for c in claims:
+            assert placed_node(c) == nodes[c["metadata"]["ownerReferences"][0]["name"]]
+        _check_devices(env)  # no memory/SM overfill
+        for n in names:
+            env.core.delete_namespaced_pod(n, NS, grace_period_seconds=0)
+        realk8s.until(lambda: not env.claims(), 60, "claims of deleted pods gone")
+    finally:
+        env.stop_allocator()
+        env.start_allocator()
