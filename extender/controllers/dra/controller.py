@@ -105,6 +105,7 @@ class DraAllocator:
         self._needs_cache: dict[tuple[str, str], nr.HostNeeds] = {}
         self._parsed_cache: dict[tuple[str, str], list[Parsed]] = {}
         self._slice_cache: dict[tuple[str, str], list[Device]] = {}
+        self._facts_cache: dict[tuple[str, str], nr.NodeFacts] = {}
 
     def start(self) -> None:
         self.store.start()
@@ -145,7 +146,14 @@ class DraAllocator:
         self._parsed_cache = parsed
         if self._planned:
             self._charge_planned(devices, claims)
-        nodes = {str(n["metadata"]["name"]): nr.node_facts(n) for n in self.store.nodes.values()}
+        nodes: dict[str, nr.NodeFacts] = {}
+        facts_seen: dict[tuple[str, str], nr.NodeFacts] = {}
+        for n in self.store.nodes.values():
+            m = n.get("metadata") or {}
+            fkey = (str(m.get("name")), str(m.get("resourceVersion")))
+            facts = self._facts_cache.get(fkey) or nr.node_facts(n)
+            facts_seen[fkey] = nodes[fkey[0]] = facts
+        self._facts_cache = facts_seen  # a node's facts parsed once per version, live nodes only
         used: dict[str, HostUse] = {}
         needs_seen: dict[tuple[str, str], nr.HostNeeds] = {}
         for p in self.store.pods.values():
