@@ -42,11 +42,9 @@ class Chosen:
 
 
 def _gpu(d: Device) -> GPU:
-    g = GPU(uuid=d.name, index=d.index, model=d.model, mem_mib=d.mem_mib, healthy=d.healthy)
-    g.mem_used, g.milli_used = min(d.mem_used, d.mem_mib), min(d.sm_used * 10, FULL)
-    g.exclusive = d.whole
-    g.holders = dict(d.holders)
-    g.pod_class = d.pod_class
+    # positional: a placement builds one GPU per device of the cluster, keywords cost a third more
+    g = GPU(d.name, d.index, d.model, d.mem_mib, 0, d.healthy, min(d.mem_used, d.mem_mib),
+            min(d.sm_used * 10, FULL), d.pod_class, d.whole, dict(d.holders))  # fmt: skip
     if d.holds and d.holds != (d.pod_class or d.holds):
         g.pod_class = "mixed"  # prepared claims of a class the claims here disagree with: neither fits
     elif d.holds:

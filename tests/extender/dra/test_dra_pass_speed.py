@@ -120,3 +120,17 @@ def test_a_pass_copy_of_a_device_is_the_parsed_device_uncharged() -> None:
     again["n0"][0].holders["x"] = (1, 1)
     again["n0"][0].sm_used = 5
     assert slice_devices([s], cache) == first  # charging a pass's copy leaves the cache untouched
+
+
+def test_a_device_becomes_the_cores_gpu_field_by_field() -> None:
+    from decimal import Decimal
+
+    from extender.controllers.dra.devices import Device
+    from extender.controllers.dra.placement import _gpu
+    from gpupack.core.model import GPU
+
+    d = Device("n0", "gpu-1", 1, "A100", 81920, False, "", Decimal(1), Decimal(0), 90000, 30, True, "offline", {"a": (9, 3)})  # fmt: skip
+    g = _gpu(d)
+    want = GPU(uuid="gpu-1", index=1, model="A100", mem_mib=81920, healthy=False, mem_used=81920,
+               milli_used=300, pod_class="offline", exclusive=True, holders={"a": (9, 3)})  # fmt: skip
+    assert g == want and g.holders is not d.holders
