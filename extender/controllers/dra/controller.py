@@ -38,7 +38,7 @@ from gpupack.events import EventRecorder
 from .allocator import PIN_ANNOTATION, Writer, placed_node
 from .claims import Ask, ClaimError, claim_asks, gated, pod_claim_names
 from .devices import Device, Parsed, charge_claims, slice_devices
-from .placement import HostUse, place_host, pod_request
+from .placement import Chosen, HostUse, place_host, pod_request
 from .placement import place as place_pod
 from .store import Store
 
@@ -163,8 +163,7 @@ class DraAllocator:
             if not node:
                 continue
             needs = self._needs(p, needs_seen)
-            u = used.get(node, HostUse())
-            used[node] = HostUse(u.cpu_milli + needs.cpu_milli, u.mem_bytes + needs.mem_bytes, u.pods + 1)
+            used[node] = used.get(node, HostUse()).plus(needs)
         self._needs_cache = needs_seen  # bounded by the live pods: only this pass's are kept
         return Snapshot(devices, nodes, used, claims)
 
@@ -268,6 +267,27 @@ class DraAllocator:
         else:
             self.retry.pop(uid, None)
 
+    def _place(
+        self,
+        pod: dict[str, Any],
+        snap: Snapshot,
+        todo: list[tuple[dict[str, Any], list[Ask]]],
+        node: str | None,
+    ) -> tuple[str, nr.PodTerms, Chosen]:
+        """gpupack's placement of a pod's claims over this pass's snapshot (the pod's key, its
+        terms, the node and devices chosen); the policy learns the pod the first time it is seen."""
+        asks = [a for _, cl in todo for a in cl]
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        uid = str(pod["metadata"]["uid"])
+        terms = nr.pod_terms(pod.get("spec"), host=True)
+        if uid not in self._observed:
+            self._observed.add(uid)
+            self.policy.observe(pod_request(key, asks, terms.needs))
+        chosen = place_pod(key, asks, snap.devices, snap.nodes, snap.used, terms, self.policy, node)
+        if isinstance(chosen, str):
+            raise ClaimError(chosen)
+        return key, terms, chosen
+
     def _allocate(
         self,
         pod: dict[str, Any],
@@ -275,16 +295,7 @@ class DraAllocator:
         todo: list[tuple[dict[str, Any], list[Ask]]],
         node: str | None,
     ) -> None:
-        asks = [a for _, cl in todo for a in cl]
-        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
-        uid = str(pod["metadata"]["uid"])
-        if uid not in self._observed:
-            self._observed.add(uid)
-            self.policy.observe(pod_request(key, asks, nr.pod_terms(pod.get("spec")).needs))
-        terms = nr.pod_terms(pod.get("spec"), host=True)
-        chosen = place_pod(key, asks, snap.devices, snap.nodes, snap.used, terms, self.policy, node)
-        if isinstance(chosen, str):
-            raise ClaimError(chosen)
+        key, terms, chosen = self._place(pod, snap, todo, node)
         for c, _ in todo:
             name = c["metadata"]["name"]
             done = self.writer.allocate(c, chosen.results[name], chosen.node, pod)
@@ -292,11 +303,7 @@ class DraAllocator:
             snap.claims[f"{done['metadata']['namespace']}/{name}"] = done
             charge_claims(snap.devices, [done], self.classes)
             self.counts.allocated += 1
-        needs = terms.needs
-        u = snap.used.get(chosen.node, HostUse())
-        snap.used[chosen.node] = HostUse(
-            u.cpu_milli + needs.cpu_milli, u.mem_bytes + needs.mem_bytes, u.pods + 1
-        )
+        snap.used[chosen.node] = snap.used.get(chosen.node, HostUse()).plus(terms.needs)
         log.info("DRA allocator: %s placed on %s (%s)", key, chosen.node,
                  ", ".join(f"{r['device']}" for rs in chosen.results.values() for r in rs))  # fmt: skip
 
@@ -322,50 +329,30 @@ class DraAllocator:
         """node_only: gpupack's placement, but only the node is written (a pin); the GPU is left to
         the scheduler's allocator. A pod with a required node affinity of its own is not pinned
         (the pin would replace it): it is ungated and left to the scheduler whole."""
-        spec = pod.get("spec") or {}
-        if ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        ):
+        if _own_node_affinity(pod):
             return self._ungate(pod)
-        asks = [a for _, cl in todo for a in cl]
-        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        key, terms, chosen = self._place(pod, snap, todo, node)
         uid = str(pod["metadata"]["uid"])
-        if uid not in self._observed:
-            self._observed.add(uid)
-            self.policy.observe(pod_request(key, asks, nr.pod_terms(spec).needs))
-        terms = nr.pod_terms(spec, host=True)
-        chosen = place_pod(key, asks, snap.devices, snap.nodes, snap.used, terms, self.policy, node)
-        if isinstance(chosen, str):
-            raise ClaimError(chosen)
         planned = [{"metadata": c["metadata"], "spec": c.get("spec"),
                     "status": {"allocation": {"devices": {"results": chosen.results[c["metadata"]["name"]]}}}}
                    for c, _ in todo]  # fmt: skip
         self._ungate(pod, chosen.node)  # the snapshot counts the pinned pod's CPU and memory there
         self._planned[uid] = planned
         charge_claims(snap.devices, planned, self.classes)
-        u = snap.used.get(chosen.node, HostUse())
-        snap.used[chosen.node] = HostUse(
-            u.cpu_milli + terms.needs.cpu_milli, u.mem_bytes + terms.needs.mem_bytes, u.pods + 1
-        )
+        snap.used[chosen.node] = snap.used.get(chosen.node, HostUse()).plus(terms.needs)
         self.retry.pop(uid, None)
         log.info("DRA allocator (node only): %s pinned to %s", key, chosen.node)
 
     def _host_node(self, pod: dict[str, Any], snap: Snapshot) -> str | None:
         """Where gpupack's policy would put a pod that asks no gpupack GPU (None: leave it to the
         scheduler: the pod has node affinity of its own, or no node fits it in this view)."""
-        spec = pod.get("spec") or {}
-        if ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        ):
+        if _own_node_affinity(pod):
             return None
-        terms = nr.pod_terms(spec, host=True)
+        terms = nr.pod_terms(pod.get("spec"), host=True)
         key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
         node = place_host(key, snap.devices, snap.nodes, snap.used, terms, self.policy)
         if node is not None:
-            u = snap.used.get(node, HostUse())
-            snap.used[node] = HostUse(
-                u.cpu_milli + terms.needs.cpu_milli, u.mem_bytes + terms.needs.mem_bytes, u.pods + 1
-            )
+            snap.used[node] = snap.used.get(node, HostUse()).plus(terms.needs)
         return node
 
     def _ungate(self, pod: dict[str, Any], pin: str | None = None) -> None:
@@ -395,3 +382,13 @@ class DraAllocator:
             if self.events is not None:
                 m = pod["metadata"]
                 self.events.pod(m["namespace"], m["name"], uid, event, reason, warning=True)
+
+
+def _own_node_affinity(pod: dict[str, Any]) -> bool:
+    """The pod has a required node affinity of its own: a pin would replace it, so gpupack does not pin."""
+    spec = pod.get("spec") or {}
+    return bool(
+        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+    )

@@ -33,6 +33,10 @@ class HostUse:
     mem_bytes: int = 0
     pods: int = 0
 
+    def plus(self, needs: nr.HostNeeds) -> HostUse:
+        """This use with one more pod asking `needs` on the node."""
+        return HostUse(self.cpu_milli + needs.cpu_milli, self.mem_bytes + needs.mem_bytes, self.pods + 1)
+
 
 @dataclass(frozen=True)
 class Chosen:
