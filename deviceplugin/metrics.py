@@ -175,25 +175,38 @@ class Metrics:
         """/metrics, plus /healthz and /readyz for the kubelet's probes. The probes never touch
         the API server (/metrics lists this node's pods): an API slowdown must not restart the
         plugin on every GPU node. `ready` returns "" when ready, else why not."""
-        metrics_app = make_wsgi_app(self.registry)
+        return serve_metrics(self.registry, port, addr, ready, limits)
 
-        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-            path = environ.get("PATH_INFO", "")
-            if path == "/healthz":
-                start_response("200 OK", [("Content-Type", "text/plain")])
-                return [b"ok\n"]
-            if path == "/readyz":
-                why = ready() if ready is not None else ""
-                status = "503 Service Unavailable" if why else "200 OK"
-                start_response(status, [("Content-Type", "text/plain")])
-                return [(why or "ok").encode() + b"\n"]
-            return metrics_app(environ, start_response)
 
-        raise_fd_limit()  # each connection is a descriptor: the limit must be reached first
-        server = GuardedServer()
-        listener = server.add(app, addr, port, limits, name="metrics")
-        server.start()
-        return MetricsServer(server, listener.port)
+def serve_metrics(
+    registry: CollectorRegistry,
+    port: int,
+    addr: str = "0.0.0.0",
+    ready: Callable[[], str] | None = None,
+    limits: Limits = METRICS_LIMITS,
+) -> MetricsServer:
+    """A node plugin's listener (the device plugin's and the DRA plugin's): /metrics of `registry`,
+    /healthz, and /readyz (503 with `ready()`'s reason while it is not ""), on a guarded server."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok\n"]
+        if path == "/readyz":
+            why = ready() if ready is not None else ""
+            status = "503 Service Unavailable" if why else "200 OK"
+            start_response(status, [("Content-Type", "text/plain")])
+            return [(why or "ok").encode() + b"\n"]
+        body: Iterable[bytes] = metrics_app(environ, start_response)
+        return body
+
+    raise_fd_limit()  # each connection is a descriptor: the limit must be reached first
+    server = GuardedServer()
+    listener = server.add(app, addr, port, limits, name="metrics")
+    server.start()
+    return MetricsServer(server, listener.port)
 
 
 class MetricsServer:

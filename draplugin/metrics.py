@@ -17,16 +17,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from deviceplugin.health import DeviceState
-from deviceplugin.metrics import METRICS_LIMITS, MIB, MetricsServer
+from deviceplugin.metrics import METRICS_LIMITS, MIB, MetricsServer, serve_metrics
 from draplugin import cdi
-from gpupack.guarded import GuardedServer, Limits, raise_fd_limit
+from gpupack.guarded import Limits
 
 log = logging.getLogger("gpupack.draplugin.metrics")
 
@@ -188,27 +187,7 @@ class Metrics:
     ) -> MetricsServer:
         """/metrics, plus /healthz and /readyz for the kubelet's probes, on a guarded listener
         with the device plugin's budgets; `ready` returns "" when ready, else why not."""
-        metrics_app = make_wsgi_app(self.registry)
-
-        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-            path = environ.get("PATH_INFO", "")
-            if path == "/healthz":
-                start_response("200 OK", [("Content-Type", "text/plain")])
-                return [b"ok\n"]
-            if path == "/readyz":
-                why = ready() if ready is not None else ""
-                start_response(
-                    "503 Service Unavailable" if why else "200 OK", [("Content-Type", "text/plain")]
-                )
-                return [(why or "ok").encode() + b"\n"]
-            body: Iterable[bytes] = metrics_app(environ, start_response)
-            return body
-
-        raise_fd_limit()  # each connection is a descriptor: the limit must be reached first
-        server = GuardedServer()
-        listener = server.add(app, addr, port, limits, name="metrics")
-        server.start()
-        return MetricsServer(server, listener.port)
+        return serve_metrics(self.registry, port, addr, ready, limits)
 
 
 def not_ready(
