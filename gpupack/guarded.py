@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,7 @@ COMPLAINT_EVERY_S = 10.0  # malformed requests are logged as one line per listen
 EVICT_BODY_AFTER_S = 1.0  # a body reading this long may be closed to make room in the byte budget
 LINGER_S = 1.0  # after a refusal, what the client still sends is read and dropped this long
 RETRY_AFTER_S = 1
+END_TASKS_S = 2.0  # on stop, cancelled connection tasks get this long to end before the loop closes
 
 
 @dataclass(frozen=True)
@@ -257,10 +258,17 @@ class Listener:
                     # buffered here: the caller has it without waiting for this loop to wake
                     sock = direct if not writer.transport.get_write_buffer_size() else None
                     self.in_pool += 1
+                    job = self.pool.submit(_call_and_send, self.app, environ, not keep, sock)
                     try:
-                        data, sent = await asyncio.get_running_loop().run_in_executor(
-                            self.pool, _call_and_send, self.app, environ, not keep, sock
-                        )
+                        data, sent = await asyncio.wrap_future(job)
+                    except asyncio.CancelledError:
+                        if sock is not None:
+                            # stopped while a thread may still send on the lent socket: it is
+                            # closed once that thread is done, never under it (its descriptor
+                            # number could be reused by another connection)
+                            job.add_done_callback(_closer(sock))
+                            direct = None
+                        raise
                     finally:
                         self.in_pool -= 1
                         self._release(conn)  # the body is the thread's no more
@@ -514,6 +522,13 @@ def _duplicate(writer: asyncio.StreamWriter) -> socket.socket | None:
         return None
 
 
+def _closer(sock: socket.socket) -> Callable[[Future[Any]], None]:
+    def close(_: Future[Any]) -> None:
+        sock.close()
+
+    return close
+
+
 def _call_and_send(app: WSGIApp, environ: dict[str, Any], close: bool,
                    sock: socket.socket | None) -> tuple[bytes, int]:  # fmt: skip
     """In a request thread: the answer, and how many of its bytes were sent on `sock` (shared
@@ -591,6 +606,7 @@ class GuardedServer:
         finally:
             for lst in self.listeners:
                 self.loop.run_until_complete(lst.shut(grace_s))
+            self.loop.run_until_complete(_end_tasks(END_TASKS_S))
             with contextlib.suppress(Exception):
                 self.loop.close()
 
@@ -601,12 +617,29 @@ class GuardedServer:
             for lst in self.listeners:
                 await lst.close()
             await asyncio.sleep(0)  # the aborted transports' callbacks run before the loop ends
+            await _end_tasks(min(timeout, END_TASKS_S))
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         if self.thread is not None:
             self.thread.join(timeout)
+            if not self.thread.is_alive():
+                with contextlib.suppress(Exception):
+                    self.loop.close()
+
+
+async def _end_tasks(timeout: float) -> None:
+    """Cancel every task of the running loop but this one and wait (up to `timeout`) for them to
+    end. A connection's task may be waiting on a thread still inside the app: left pending, it
+    would outlive the loop and be reported at ERROR ("Task was destroyed but it is pending") by
+    whatever runs when the garbage collector finds it."""
+    me = asyncio.current_task()
+    rest = [t for t in asyncio.all_tasks() if t is not me]
+    for t in rest:
+        t.cancel()
+    if rest:
+        await asyncio.wait(rest, timeout=timeout)
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:

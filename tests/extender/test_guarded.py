@@ -190,3 +190,36 @@ def test_an_answer_larger_than_the_socket_takes_arrives_whole_and_holds_no_threa
         slow.close()
     finally:
         srv.stop()
+
+
+def test_stopping_with_a_request_in_a_thread_leaves_no_task_pending(caplog: pytest.LogCaptureFixture) -> None:
+    """stop() while the app still holds a request: the connection's task is ended with the loop,
+    not left pending for the garbage collector to report (at ERROR, in whatever runs later)."""
+    import gc
+    import logging
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    def slow(environ, start_response):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)
+        start_response("200 OK", [])
+        return [b""]
+
+    srv = GuardedServer()
+    lst = srv.add(slow, "127.0.0.1", 0, Limits(threads=1), name="t-stop")
+    srv.start()
+    s = socket.create_connection(("127.0.0.1", lst.port), timeout=5)
+    try:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert entered.wait(5)
+        caplog.set_level(logging.ERROR, logger="asyncio")
+        srv.stop()
+        assert srv.loop.is_closed()
+        del srv, lst
+        gc.collect()
+        assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+    finally:
+        release.set()
+        s.close()
