@@ -381,7 +381,7 @@ def bench_inproc(
         best = min((h for h, s in zip(hosts, scores, strict=True) if s == top), key=lambda _: rng.random())
         req = ext.pod_request(p)
         with view.lock:
-            f, _ = ext.fitter.node_fit(best, req, ext.clock(), None)
+            f, _ = ext.placements.node_fit(best, req, ext.clock(), None)
             a = assignment_from_fit(
                 view.state.nodes[best], req, f, ext.clock(), "", view.nodes[best].gpu_indexes
             )

@@ -59,7 +59,7 @@ def fleet(n: int) -> tuple[ClusterView, Extender, list[str]]:
 def bind_pending(view: ClusterView, ext: Extender, pod: dict[str, Any], node: str) -> None:
     req = ext.pod_request(pod)
     with view.lock:
-        f, _ = ext.fitter.node_fit(node, req, NOW, None)
+        f, _ = ext.placements.node_fit(node, req, NOW, None)
         assert f, f"{req.key} does not fit {node}"
         a = assignment_from_fit(view.state.nodes[node], req, f, NOW, "", view.nodes[node].gpu_indexes)  # type: ignore[arg-type]
         view.assume(req.key, req.uid, a, frozenset())

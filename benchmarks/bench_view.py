@@ -44,8 +44,8 @@ from ext_helpers import container, node_obj, pod_obj  # noqa: E402
 
 from extender.api.wire import ExtenderArgs  # noqa: E402
 from extender.state.gpu_gauges import render  # noqa: E402
+from extender.state.placement_index import shape_of  # noqa: E402
 from extender.state.view import ClusterView  # noqa: E402
-from extender.verbs.answers import shape_of  # noqa: E402
 from extender.verbs.config import ExtenderConfig  # noqa: E402
 from extender.verbs.framework import Extender  # noqa: E402
 from gpupack.contract import ANN_INVENTORY  # noqa: E402

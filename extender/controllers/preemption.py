@@ -404,7 +404,7 @@ class Preempter:
             containers={"preemptor": tuple(shares)} if shares else {},  # a CPU-only pod holds no GPU
             expires=handoff.rfc3339(expires),
             evicted_pod=",".join(choice.victims)[:1000],
-            # its host room too, from every other pod (with host tracking; extender/verbs/fitting.py)
+            # its host room too, from every other pod (with host tracking; extender/state/placement_index.py)
             host_cpu_milli=host.cpu_milli,
             host_mem_bytes=host.mem_bytes,
             host_pods=1 if self.view.track_host else 0,

@@ -23,12 +23,12 @@ from ..api.lease import BindError, LeaseFence
 from ..api.wire import BindArgs, PodRequestError, WireError, bind_result
 from ..state.metrics import Metrics
 from ..state.node_resources import HostedPodRequest
+from ..state.placement_index import PlacementIndex
 from ..state.records import init_names, pod_slots
 from ..state.view import ClusterView
 from .bind_pods import PodMemory, read_pod
 from .collector import VerbActivity
 from .config import ExtenderConfig
-from .fitting import Fitter
 from .pod_requests import pod_request, requests_gpupack
 from .settling import Settler
 from .stale import StaleCleaner
@@ -119,7 +119,7 @@ class Binder:
         self,
         view: ClusterView,
         kube: Kube | None,
-        fitter: Fitter,
+        placements: PlacementIndex,
         config: ExtenderConfig,
         metrics: Metrics,
         clock: Callable[[], datetime],
@@ -130,7 +130,7 @@ class Binder:
     ) -> None:
         self.view = view
         self.kube = kube
-        self.fitter = fitter
+        self.placements = placements
         self.config = config
         self.metrics = metrics
         self.clock = clock
@@ -266,7 +266,7 @@ class Binder:
         """The pod fitted on the node now and its assignment assumed in the view (view lock held);
         the fit's failure when it does not fit. PlacementError when the view refuses it."""
         now = self.clock()
-        f, reservation = self.fitter.node_fit(args.node, req, now, None)
+        f, reservation = self.placements.node_fit(args.node, req, now, None)
         if isinstance(f, FitFailure):
             return f
         a = assignment_from_fit(
@@ -372,7 +372,7 @@ class Binder:
         if req.needs_gpu:  # cannot be: requests_gpupack said no gpupack resource
             raise BindError(f"pod {key} requests gpupack GPU resources after all; try again", "conflict")
         with self._view():
-            f, _ = self.fitter.node_fit(args.node, req, self.clock(), None)
+            f, _ = self.placements.node_fit(args.node, req, self.clock(), None)
             if isinstance(f, FitFailure):
                 raise fit_error(args.node, f)
             try:

@@ -16,11 +16,10 @@ from ..api.kube import Kube, NamespaceUnreadable
 from ..api.wire import ExtenderArgs, PodRequestError, WireError, filter_result, unresolvable_result
 from ..state.metrics import Metrics
 from ..state.node_resources import HostedPodRequest
+from ..state.placement_index import PlacementIndex, shape_of
 from ..state.view import ClusterView
-from .answers import AnswerCache, FilterAnswer, shape_of
 from .collector import VerbActivity
 from .filter_stages import Busy, NotWhole, Ranking, Verdict, Wait, rank, settle, steer
-from .fitting import FitMemo, Fitter
 from .learning import Learner
 from .pod_requests import pod_request
 from .sampling import NewShapeSampler
@@ -97,7 +96,7 @@ class Filter:
         self,
         view: ClusterView,
         kube: Kube | None,
-        fitter: Fitter,
+        placements: PlacementIndex,
         scorer: Scorer,
         learner: Learner,
         metrics: Metrics,
@@ -108,7 +107,7 @@ class Filter:
     ) -> None:
         self.view = view
         self.kube = kube
-        self.fitter = fitter
+        self.placements = placements
         self.scorer = scorer
         self.learner = learner
         self.metrics = metrics
@@ -118,7 +117,6 @@ class Filter:
         self.keep_best = keep_best
         # told of each pod filtered that parsed, and its request (the binder's pod memory)
         self.on_pod = on_pod
-        self.answers: AnswerCache[FilterAnswer] = AnswerCache(FilterAnswer, scorer.names)
         self.activity = activity or VerbActivity()
         # told of each pod asked about, view lock held (the shape warmer's shapes to score again)
         self.on_asked: Callable[[PodRequest], None] = lambda pod: None
@@ -219,7 +217,8 @@ class Filter:
         sampled = self._sampled(pod, names, now)
         if sampled is not None:
             return sampled
-        st = self.answer(pod, names, now, self.cost)
+        st = self.placements.filter_answer(pod, names, now)
+        self.cost.fitted += self.placements.last_fitted
         codes = {c: k for c, k in st.codes.items() if k}
         if names and codes.get("unknown-node") == len(st.name_set):
             shown = ", ".join(names[:5])
@@ -264,7 +263,7 @@ class Filter:
         """A new shape's candidates from the nodes looked at within the budget (sampling.py): with
         keep_best ranked by the sample's scores, else every passing node in the request's order
         (prioritize scores them); None for the whole answer. View lock held."""
-        if self.sampler is None or shape_of(pod) in self.answers.data:
+        if self.sampler is None or self.placements.knows(shape_of(pod)):
             return None
         busy_on = self.view.locks.lock_check(pod.uid, time.monotonic(), handoffs=pod.needs_gpu)
         sample = self.sampler.sample(pod, names, now, busy_on)
@@ -300,36 +299,3 @@ class Filter:
                 if any(n not in unsettled and n not in coming for n in nodes):
                     return
                 self.view.changed.wait(min(left, 0.05))
-
-    def answer(
-        self, pod: PodRequest, names: list[str], now: datetime, cost: FilterCost | None = None
-    ) -> FilterAnswer:
-        """The pod shape's answer, updated for the nodes changed since it was last given (all of
-        them for a new shape), those nodes counted in `cost`. View lock held."""
-        shape = shape_of(pod)
-        table = self.fitter.fits.table(shape)
-        st, todo = self.answers.current(shape, names, self.view.journal, self.view.reserved)
-        pos = self.view.journal.seq
-        nodes = self.view.nodes
-        if cost is not None:
-            cost.fitted += len(todo)
-        if todo is names and pod.needs_gpu:
-            self.fitter.fit_every_node(st, names, pod, now, table)
-        else:
-            memo: FitMemo = {}
-            update = st.update
-            node_fit = self.fitter.node_fit
-            for n in todo:
-                info = nodes.get(n)
-                res = None
-                if info is not None and not info.reservations:
-                    hit = table.fresh(n, info.version)
-                    if hit is not None:
-                        r = hit[1]
-                    else:
-                        r, res = node_fit(n, pod, now, table, memo)
-                else:
-                    r, res = node_fit(n, pod, now, table, memo)
-                update(n, r, res)
-        st.pos = pos
-        return st

@@ -1,10 +1,10 @@
 """The extender: the scheduling steps behind the HTTP verbs, in the kube-scheduler framework's
 shape, wired from one part per responsibility:
 
-- filter (`filtering.Filter`): fit per node with reasons (`fitting.Fitter`), and with keep_best N
-  only the policy's N best (`scoring.Scorer.best`), so kube-scheduler's own scores cannot
-  override the policy; a new pod shape's from the nodes fitted within a time budget
-  (`sampling.NewShapeSampler`);
+- filter (`filtering.Filter`): fit per node with reasons (the placement index,
+  `state.placement_index.PlacementIndex`), and with keep_best N only the policy's N best
+  (`scoring.Scorer.best`), so kube-scheduler's own scores cannot override the policy; a new pod
+  shape's from the nodes fitted within a time budget (`sampling.NewShapeSampler`);
 - prioritize (`scoring.Scorer`): the policy's scores, 0..10;
 - bind (`binding.Binder`): fit again under the view's lock, assume, and post one Binding that
   carries the assignment (`settling` for Bindings that got no answer, `stale` for assignments
@@ -14,8 +14,8 @@ shape, wired from one part per responsibility:
   pods waiting to be scheduled and after the policy learnt;
 - upkeep (`upkeep.Upkeep`): the janitor's and the requeuer's passes.
 
-Filter and prioritize answers are cached per pod shape and node version (`answers`): only nodes
-whose state changed since are fitted again. Bind never uses those caches, so a cached answer can
+Filter and prioritize answers are cached per pod shape and node version (`placement_index`):
+only nodes whose state changed since are fitted again. Bind never uses those caches, so a cached answer can
 never over-commit.
 """
 
@@ -33,13 +33,13 @@ from ..api.lease import LeaseFence
 from ..api.wire import BindArgs, ExtenderArgs, PodRequestError
 from ..state.metrics import Metrics
 from ..state.node_resources import HostedPodRequest
+from ..state.placement_index import PlacementIndex
 from ..state.view import ClusterView
 from ..state.view_upkeep import view_sizes
 from .binding import Binder
 from .collector import VerbActivity
 from .config import ExtenderConfig
 from .filtering import Filter
-from .fitting import Fitter
 from .learning import Learner
 from .pod_requests import pod_request
 from .sampling import NewShapeSampler
@@ -78,17 +78,17 @@ class Extender:
         self.clock = clock
         self.activity = activity = activity or VerbActivity()
         self.learner = Learner(policy)
-        self.fitter = Fitter(view, policy)
-        self.scorer = Scorer(view, policy, self.fitter, self.learner)
+        self.placements = PlacementIndex(view, policy)
+        self.scorer = Scorer(view, policy, self.placements, self.learner)
         settler = Settler(view, kube, clock)
         self.cleaner = StaleCleaner(view, kube, fence, metrics, activity)
         self.binder = Binder(
-            view, kube, self.fitter, config, metrics, clock, fence, activity, settler, self.cleaner
+            view, kube, self.placements, config, metrics, clock, fence, activity, settler, self.cleaner
         )
         self.filtering = Filter(
             view,
             kube,
-            self.fitter,
+            self.placements,
             self.scorer,
             self.learner,
             metrics,
@@ -99,7 +99,7 @@ class Extender:
         )
         if config.new_shape_budget_s > 0:
             self.filtering.sampler = NewShapeSampler(
-                view, self.fitter, self.scorer, config.new_shape_budget_s, scored=config.keep_best > 0
+                view, self.placements, self.scorer, config.new_shape_budget_s, scored=config.keep_best > 0
             )
         self.upkeep = Upkeep(view, kube, config, metrics, clock, fence, events, settler)
         # idle until started (main.py): tests drive it with drain()
@@ -117,13 +117,12 @@ class Extender:
     def tracked_sizes(self) -> dict[str, int]:
         """How many entries every map, set and queue this extender keeps holds, by name: the
         view's (view_upkeep.view_sizes) and its caches'. Those kept per pod fall back when the
-        pods go; those kept per pod shape are capped (answers.CACHE_SHAPES, the learnt mix's
+        pods go; those kept per pod shape are capped (placement_index.CACHE_SHAPES, the learnt mix's
         gpupack.core.workload.LEARNT_SHAPES_MAX). The `gpupack_extender_tracked_entries` gauge."""
         out = view_sizes(self.view)
         with self.view.lock:
-            out.update(self.fitter.tracked_sizes())
+            out.update(self.placements.tracked_sizes())
             out.update(self.scorer.tracked_sizes())
-            out["filter.answers"] = len(self.filtering.answers.data)
             out.update(self.learner.tracked_sizes())
         out.update(self.warmer.tracked_sizes())
         out["binder.pods"] = len(self.binder.pods)

@@ -37,10 +37,9 @@ from datetime import datetime
 from gpupack.core.fit import Fit, FitFailure
 from gpupack.core.model import PodRequest
 
+from ..state.placement_index import FitMemo, Key, PlacementIndex, shape_of
 from ..state.view import ClusterView
-from .answers import Key, shape_of
 from .filter_stages import take_best
-from .fitting import FitMemo, Fitter
 from .scoring import Scorer
 
 # Nodes looked at, at least, before a budget stops a sampled filter: kube-scheduler's own minimum of
@@ -93,13 +92,13 @@ class NewShapeSampler:
     def __init__(
         self,
         view: ClusterView,
-        fitter: Fitter,
+        placements: PlacementIndex,
         scorer: Scorer,
         budget_s: float,
         scored: bool,
         min_nodes: int = MIN_NODES,
     ) -> None:
-        self.view, self.fitter, self.scorer = view, fitter, scorer
+        self.view, self.placements, self.scorer = view, placements, scorer
         self.budget_s = budget_s
         self.with_scores = scored  # keep_best: the sample's passing nodes are scored
         self.min_nodes = min_nodes
@@ -124,7 +123,7 @@ class NewShapeSampler:
             return None
         deadline = self.clock() + self.budget_s
         shape = shape_of(pod)
-        fits = self.fitter.fits.table(shape)
+        fits = self.placements.fit_table(shape)
         epoch = self.scorer.learner.epoch
         scores = self.scorer.scores.table((shape, epoch)) if self.with_scores else None
         nodes = self.view.nodes
@@ -166,7 +165,7 @@ class NewShapeSampler:
             i += CHUNK
             passing: list[str] = []
             for n in chunk:
-                r, res = self.fitter.node_fit(n, pod, now, fits, memo)
+                r, res = self.placements.node_fit(n, pod, now, fits, memo)
                 if res is not None:
                     return None  # steered by a defrag reservation: the full answer says where
                 self.fitted += 1

@@ -3,6 +3,8 @@ few nodes that filter keeps (keep_best), cached per (pod shape, learning epoch) 
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections.abc import Callable, Collection
 from datetime import datetime
@@ -11,23 +13,22 @@ from gpupack.contract import Reservation
 from gpupack.core.fit import Fit
 from gpupack.core.model import PodRequest
 from gpupack.core.policies import Policy
+from gpupack.core.score_scale import MAX_SCORE, normalised
 
-from ..state.records import NodeInfo
-from ..state.view import ClusterView
-from .answers import (
+from ..state.placement_index import (
     AnswerCache,
-    BestIndex,
+    FitMemo,
+    FitTable,
     Key,
     NameSets,
-    PriorityAnswer,
+    PlacementIndex,
     Tables,
     VersionedTable,
-    normalise,
     shape_of,
-    sorted_index,
 )
+from ..state.records import NodeInfo
+from ..state.view import ClusterView
 from .filter_stages import take_best
-from .fitting import FitMemo, FitTable, Fitter
 from .learning import Learner
 
 # Prioritize expects the pod on its top-scored nodes when at most this many share the top score
@@ -41,6 +42,104 @@ EXPECT_S = 2.0
 # asked about by up to a minute (gpupack.core.learning.OBSERVE_FLUSH_S): this is the same kind of lag.
 STALE_ORDER_MAX_S = 30.0
 
+
+class PriorityAnswer:
+    """Raw scores of a prioritize answer kept up to date node by node, and its last result."""
+
+    __slots__ = ("names", "name_set", "pos", "raw", "steered", "out")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.raw: dict[str, float] = {}
+        self.steered: set[str] = set()
+        self.out: list[int] | None = None
+
+    def reorder(self, names: list[str]) -> None:
+        """The same nodes, asked in the order of `names`: the scores follow that order."""
+        self.names = names
+        self.out = None
+
+    def forget(self, n: str) -> None:
+        self.raw.pop(n, None)
+        self.steered.discard(n)
+        self.out = None
+
+
+def normalise(names: list[str], raw: dict[str, float], steered: set[str]) -> list[int]:
+    """Raw scores to 0..MAX_SCORE over the lowest..highest (gpupack.core.score_scale); no fit 0;
+    steered nodes MAX_SCORE."""
+    norm = normalised(raw.values())
+    get = raw.get
+    out = [norm.get(get(n), 0) for n in names]  # type: ignore[arg-type]
+    if steered:
+        out = [MAX_SCORE if n in steered else s for n, s in zip(names, out, strict=True)]
+    return out
+
+
+def sorted_index(
+    key_of: dict[str, tuple[bool, float, float]], scored: dict[str, float], ranked: list[str]
+) -> list[tuple[tuple[bool, float, float], str]]:
+    """sorted((key, n) for n, key in key_of.items()), the order of a new BestIndex, built without
+    comparing those tuples: `ranked` (every node the policy ranked, by tie key then name) filtered
+    to key_of's nodes, nodes it has not ranked (tie key 2.0) after them by name, then a stable sort
+    on one float per node (its score negated; no score: after every score). After a learning flush
+    every pod shape builds one of ~1,000-5,000 nodes on kube-scheduler's serial cycle; the tuple
+    sort took ~0.7 ms at 1,000 nodes. A score that is not finite falls back to the tuple sort."""
+    if not all(math.isfinite(v) for v in scored.values()):
+        return sorted((k, n) for n, k in key_of.items())
+    members = [n for n in ranked if n in key_of]
+    if len(members) < len(key_of):
+        known = set(members)
+        members += sorted(n for n in key_of if n not in known)
+    last = math.inf
+    get = scored.get
+    members.sort(key=lambda n: -s if (s := get(n)) is not None else last)
+    return [(key_of[n], n) for n in members]
+
+
+class BestIndex:
+    """A request's nodes in the order :meth:`scoring.Scorer.keep_best` takes them, for one (shape,
+    epoch), kept up to date node by node: each node's sort key, and (key, node) sorted."""
+
+    __slots__ = ("names", "name_set", "pos", "key_of", "order")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.name_set = set(names)
+        self.pos = -1
+        self.key_of: dict[str, tuple[bool, float, float]] = {}
+        self.order: list[tuple[tuple[bool, float, float], str]] = []
+
+    def reorder(self, names: list[str]) -> None:
+        self.names = names  # the order of the request does not matter here
+
+    def _unlist(self, n: str, key: tuple[bool, float, float]) -> bool:
+        """Take (key, n) out of `order`. False when it is not found there (a key that does not
+        compare equal to itself: a NaN score), and `order` was sorted again from `key_of` instead."""
+        i = bisect.bisect_left(self.order, (key, n))
+        if i < len(self.order) and self.order[i] == (key, n):
+            del self.order[i]
+            return True
+        self.order = sorted((k, m) for m, k in self.key_of.items())
+        return False
+
+    def forget(self, n: str) -> None:
+        key = self.key_of.pop(n, None)
+        if key is not None:
+            self._unlist(n, key)
+
+    def set(self, n: str, key: tuple[bool, float, float]) -> None:
+        old = self.key_of.get(n)
+        if old == key:
+            return
+        self.key_of[n] = key
+        if old is not None and not self._unlist(n, old):
+            return  # sorted again, with the new key
+        bisect.insort(self.order, (key, n))
+
+
 ScoreTable = VersionedTable[float | None]  # node -> (version, raw score or None: no fit)
 
 
@@ -51,18 +150,18 @@ class Scorer:
         self,
         view: ClusterView,
         policy: Policy,
-        fitter: Fitter,
+        placements: PlacementIndex,
         learner: Learner,
         names: NameSets | None = None,
     ) -> None:
         self.view = view
         self.policy = policy
-        self.fitter = fitter
+        self.placements = placements
         self.learner = learner
         self.scores: Tables[float | None] = Tables()  # (shape, epoch) -> node -> (version, raw score)
         # the last prioritize answer per (shape, epoch), and the policy's node order per (shape,
         # epoch) for keep_best, updated for the nodes changed since (the view's journal)
-        self.names = names or NameSets()
+        self.names = names or placements.names
         self.priorities: AnswerCache[PriorityAnswer] = AnswerCache(PriorityAnswer, self.names)
         self.best_index: AnswerCache[BestIndex] = AnswerCache(BestIndex, self.names)
         self._ranked: tuple[int, list[str]] = (-1, [])  # tie_ranked
@@ -108,7 +207,7 @@ class Scorer:
     def _normalised(self, pod: PodRequest, names: list[str], now: datetime) -> list[int]:
         """The policy's scores of `names` normalised to 0..MAX_SCORE (view lock held)."""
         shape = shape_of(pod)
-        fits = self.fitter.fits.table(shape)
+        fits = self.placements.fit_table(shape)
         key = (shape, self.learner.epoch)
         table = self.scores.table(key)
         st, todo = self.priorities.current(key, names, self.view.journal, self.view.reserved)
@@ -164,10 +263,10 @@ class Scorer:
         (shape, epoch) and node version like prioritize's. `memos`: the per-state memos below,
         shared by calls over parts of one node list (the shape warmer's chunks) within one epoch."""
         shape = shape_of(pod)
-        fits = self.fitter.fits.table(shape)
+        fits = self.placements.fit_table(shape)
         table = self.scores.table((shape, self.learner.epoch))
         nodes = self.view.nodes
-        state_of = self.fitter.state
+        state_of = self.placements.state
         out: dict[str, float] = {}
         # Nodes in the same state fit and score the same (a fresh or evenly filled cluster, and after
         # the policy learned more pods, when every node is scored again), as in prioritize. Here
@@ -221,11 +320,11 @@ class Scorer:
             hit = table.fresh(n, info.version)
             if hit is not None:
                 return hit[1], None
-        r, res = self.fitter.node_fit(n, pod, now, fits, fit_memo)
+        r, res = self.placements.node_fit(n, pod, now, fits, fit_memo)
         score = None
         if isinstance(r, Fit):
             node = self.view.state.nodes[n]
-            sig = (self.fitter.state(n, info), tuple(sorted(r.charged.items())))
+            sig = (self.placements.state(n, info), tuple(sorted(r.charged.items())))
             score = memo.get(sig)
             if score is None:
                 # r was fitted on the node at its version now (node_fit answers from the fit table

@@ -9,9 +9,9 @@ waits for each:
 `ShapeWarmer` does that work in a thread of its own, a chunk of nodes at a time: each chunk under
 the view's lock, and only while no verb is being answered (VerbActivity.wait_quiet), so a filter
 waits at most for one chunk. It fills the same per-node-version caches the filter reads
-(fitting.Fitter.fits, scoring.Scorer.scores), then builds the shape's answers from them, so a
-node that changed meanwhile is simply fitted again by the next filter, as any changed node is;
-and a filter that comes first finds whatever chunks are done already.
+(placement_index.PlacementIndex's fits, scoring.Scorer.scores), then builds the shape's answers
+from them, so a node that changed meanwhile is simply fitted again by the next filter, as any
+changed node is; and a filter that comes first finds whatever chunks are done already.
 
 What it is asked to warm:
 - the shapes of pods waiting for kube-scheduler (`pending_watcher`: a watch of the profile's
@@ -38,13 +38,12 @@ from gpupack.core.model import PodRequest
 from ..api.kube import Kube, NamespaceUnreadable
 from ..api.wire import PodRequestError
 from ..state.metrics import Metrics
+from ..state.placement_index import CACHE_SHAPES, FitMemo, Key, shape_of
 from ..state.preempt_inputs import Unschedulable, unschedulable
 from ..state.sync import Watcher
 from ..state.view import ClusterView
-from .answers import CACHE_SHAPES, Key, shape_of
 from .collector import VerbActivity
 from .filtering import Filter
-from .fitting import FitMemo
 from .pod_requests import pod_request
 from .scoring import Scorer
 
@@ -173,7 +172,7 @@ class ShapeWarmer:
 
     def _current(self, shape: Key) -> bool:
         """Whether `shape` has a filter answer and an order for the current epoch (view lock held)."""
-        if shape not in self.filtering.answers.data:
+        if not self.filtering.placements.knows(shape):
             return False
         if self.filtering.keep_best <= 0:
             return True
@@ -220,7 +219,7 @@ class ShapeWarmer:
             names = list(self.view.nodes)
         t0 = time.perf_counter()
         now = self.clock()
-        fitter = self.filtering.fitter
+        placements = self.filtering.placements
         # nodes in the same state fit alike: one memo for every chunk (state numbers never repeat)
         memo: FitMemo = {}
         for i in range(0, len(names), self.chunk):
@@ -228,12 +227,12 @@ class ShapeWarmer:
             with self.view.lock:
                 if self._current(shape):
                     return False  # a filter got there first
-                table = fitter.fits.table(shape)
+                table = placements.fit_table(shape)
                 nodes = self.view.nodes
                 for n in names[i : i + self.chunk]:
                     info = nodes.get(n)
                     if info is not None and not info.reservations and table.fresh(n, info.version) is None:
-                        fitter.node_fit(n, pod, now, table, memo)
+                        placements.node_fit(n, pod, now, table, memo)
         learner = self.scorer.learner
         for attempt in range(SCORE_ATTEMPTS):
             # prioritize's scores (keep_best 0) come from the same tables as keep_best's order
@@ -254,7 +253,7 @@ class ShapeWarmer:
                     continue  # the policy learnt meanwhile: score again in chunks, not under the lock
                 # from the caches just filled: a node changed since is fitted or scored again here
                 names = list(self.view.nodes)
-                self.filtering.answer(pod, names, now)
+                self.filtering.placements.filter_answer(pod, names, now)
                 if self.filtering.keep_best > 0:
                     self.scorer.best(pod, names, (), now, self.filtering.keep_best, fresh=True)
                     self._note(shape, pod)

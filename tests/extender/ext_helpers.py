@@ -356,7 +356,7 @@ def assume_on(ext: Any, pod: dict[str, Any], node: str, now: Any) -> bool:
     view = ext.view
     req = ext.pod_request(pod)
     with view.lock:
-        f, res = ext.fitter.node_fit(node, req, now, None)
+        f, res = ext.placements.node_fit(node, req, now, None)
         if not f:
             return False
         a = assignment_from_fit(

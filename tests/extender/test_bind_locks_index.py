@@ -111,7 +111,7 @@ def _bind_pending(view: ClusterView, ext: Extender, pod: dict, node: str) -> Non
     """`pod` bound to `node` with its handoff pending (its kubelet has not admitted it yet)."""
     req = ext.pod_request(pod)
     with view.lock:
-        f, _ = ext.fitter.node_fit(node, req, NOW, None)
+        f, _ = ext.placements.node_fit(node, req, NOW, None)
         assert f, f"{pod['metadata']['name']} does not fit {node}"
         a = assignment_from_fit(view.state.nodes[node], req, f, NOW, "", view.nodes[node].gpu_indexes)
         view.assume(req.key, req.uid, a, frozenset())
@@ -175,7 +175,7 @@ def _arrive_and_hold(view: ClusterView, ext: Extender, pod: dict, node: str) -> 
     req = ext.pod_request(pod)
     with view.lock:
         view.locks.claim(node, req.key, req.uid)
-        f, _ = ext.fitter.node_fit(node, req, NOW, None)
+        f, _ = ext.placements.node_fit(node, req, NOW, None)
         assert f, f
         a = assignment_from_fit(view.state.nodes[node], req, f, NOW, "", view.nodes[node].gpu_indexes)
         view.assume(req.key, req.uid, a, frozenset())

@@ -176,7 +176,7 @@ def test_the_same_nodes_in_another_order_reuse_the_answer_and_follow_the_order()
     ext = _fresh(view, policy)
     pod = _pod(1, SHAPES[0])
     first = ext.filter(parse_extender_args({"Pod": pod, "NodeNames": names}))
-    ((shape, kept),) = ext.filtering.answers.data.items()
+    ((shape, kept),) = ext.placements.answers.data.items()
     fits = 0
     real_fit = policy.fit
 
@@ -188,7 +188,7 @@ def test_the_same_nodes_in_another_order_reuse_the_answer_and_follow_the_order()
     policy.fit = counting_fit  # type: ignore[method-assign]
     backwards = list(reversed(names))
     again = ext.filter(parse_extender_args({"Pod": _pod(2, SHAPES[0]), "NodeNames": backwards}))
-    assert ext.filtering.answers.data[shape] is kept  # updated in place (no node changed), not started over
+    assert ext.placements.answers.data[shape] is kept  # updated in place (no node changed), not started over
     assert fits == 0
     assert again["NodeNames"] == [n for n in backwards if n in first["NodeNames"]]
     assert len(again["NodeNames"]) > 1

@@ -295,7 +295,7 @@ def test_filter_keep_best_passes_exactly_schedules_node_and_the_bind_its_gpus(se
         reasons = {**out["FailedNodes"], **out["FailedAndUnresolvableNodes"]}
         assert set(reasons) == set(want.failures), (i, reasons, want.failures)
         # the bind fits again on the chosen node: the same GPUs as the simulator's
-        f, _ = ext.fitter.node_fit(want.node, req, NOW, None)
+        f, _ = ext.placements.node_fit(want.node, req, NOW, None)
         assert isinstance(f, Fit) and want.fit is not None
         assert f.charged == want.fit.charged and f.placement.containers == want.fit.placement.containers
         a = assignment_from_fit(view.state.nodes[want.node], req, f, NOW)

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extender.api.wire import ExtenderArgs, filter_result
+from extender.state.placement_index import shape_of
 from extender.state.view import ClusterView
-from extender.verbs.answers import shape_of
 from extender.verbs.binding import assignment_from_fit
 from extender.verbs.config import ExtenderConfig
 from extender.verbs.framework import Extender
@@ -79,7 +79,7 @@ def _cluster(specs: list[tuple[str, list]]) -> tuple[ClusterView, Extender, list
             pod = _pod(f"{n}-{j}", shape, cls)
             req = ext.pod_request(pod)
             with view.lock:
-                f, _ = ext.fitter.node_fit(n, req, NOW, None)
+                f, _ = ext.placements.node_fit(n, req, NOW, None)
                 if not f:
                     continue
                 a = assignment_from_fit(view.state.nodes[n], req, f, NOW, "", view.nodes[n].gpu_indexes)
@@ -110,15 +110,15 @@ def test_first_filter_answers_as_every_node_fitted_alone(specs, shape, cls, cpu)
     passed, failed, unresolvable = [], {}, {}
     with view.lock:
         for n in names:
-            r, _ = fresh.fitter.node_fit(n, req, NOW, None)  # no table, no memo: this node alone
+            r, _ = fresh.placements.node_fit(n, req, NOW, None)  # no table, no memo: this node alone
             if r:
                 passed.append(n)
             else:
                 (unresolvable if r.unresolvable else failed)[n] = r.reason
     assert out == filter_result(args, passed, failed, unresolvable)
     # the fit table now holds one Fit per state; each node is still handed its own
-    table = ext.fitter.fits.table(shape_of(req))
+    table = ext.placements.fit_table(shape_of(req))
     with view.lock:
         for n in passed:
-            f, _ = ext.fitter.node_fit(n, req, NOW, table)
+            f, _ = ext.placements.node_fit(n, req, NOW, table)
             assert isinstance(f, Fit) and f.placement.node == n

@@ -25,15 +25,14 @@ from extender.api.kube import Kube, api_client
 from extender.api.wire import BindArgs, parse_extender_args
 from extender.state.bind_locks import EXPECTED_SWEEP
 from extender.state.journal import JOURNAL_MAX
+from extender.state.placement_index import CACHE_SHAPES, STATE_IDS_MAX
 from extender.state.records import init_names, pod_slots
 from extender.state.sync import Sync
 from extender.state.view import ClusterView
 from extender.state.view_upkeep import view_sizes
-from extender.verbs.answers import CACHE_SHAPES
 from extender.verbs.bind_pods import PodMemory
 from extender.verbs.binding import assignment_from_fit
 from extender.verbs.config import ExtenderConfig
-from extender.verbs.fitting import STATE_IDS_MAX
 from extender.verbs.framework import Extender
 from extender.verbs.warming import QUEUE_MAX, TOLD_MAX, pending_watcher
 from gpupack import handoff
@@ -124,7 +123,7 @@ def _bind(ext: Extender, pod: dict[str, Any], node: str) -> dict[str, Any]:
     remembered, req = ext.binder.pods.recall(args)
     assert remembered is not None and req is not None
     with view.lock:
-        f, _ = ext.fitter.node_fit(node, req, NOW, None)
+        f, _ = ext.placements.node_fit(node, req, NOW, None)
         assert f, f
         a = assignment_from_fit(view.state.nodes[node], req, f, NOW, "", view.nodes[node].gpu_indexes)  # type: ignore[arg-type]
         view.assume(key, uid, a, init_names(pod), pod_slots(pod), req.host)
@@ -255,13 +254,13 @@ def test_a_deleted_node_leaves_nothing_in_the_caches_or_the_problems() -> None:
     view.apply_node(broken)
     assert "node/n2/inventory" in view.problems
     with view.lock:
-        assert any("n2" in t for t in ext.fitter.fits.data.values())
+        assert any("n2" in t for t in ext.placements.fits.data.values())
         assert any("n2" in t for t in ext.scorer.scores.data.values())
     view.delete_node("n2")
     with view.lock:
-        assert not any("n2" in t for t in ext.fitter.fits.data.values())
+        assert not any("n2" in t for t in ext.placements.fits.data.values())
         assert not any("n2" in t for t in ext.scorer.scores.data.values())
-        assert "n2" not in ext.fitter._states
+        assert "n2" not in ext.placements._states
     assert not any(k.startswith("node/n2/") for k in view.problems)
 
 

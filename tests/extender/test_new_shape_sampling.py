@@ -330,7 +330,7 @@ def test_a_sampled_answer_never_passes_a_node_the_pod_does_not_fit(
     req = checker.pod_request(pod)
     with view.lock:
         for n in got["NodeNames"]:
-            assert checker.fitter.node_fit(n, req, NOW, None)[0], n
+            assert checker.placements.node_fit(n, req, NOW, None)[0], n
     if keep_best:
         assert len(got["NodeNames"]) <= keep_best
     assert got["NodeNames"] or s.samples[-1] is None  # a sample answers only with a node that passes

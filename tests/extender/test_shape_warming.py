@@ -19,8 +19,8 @@ from realk8s import until
 
 from extender.api.kube import Kube, api_client
 from extender.api.wire import parse_extender_args
+from extender.state.placement_index import shape_of
 from extender.state.view import ClusterView
-from extender.verbs.answers import shape_of
 from extender.verbs.config import ExtenderConfig
 from extender.verbs.framework import Extender
 from extender.verbs.scoring import STALE_ORDER_MAX_S

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extender.verbs.answers import sorted_index
+from extender.verbs.scoring import sorted_index
 
 nodes = st.lists(st.sampled_from([f"n{i}" for i in range(30)]), unique=True, max_size=30)
 scores = st.one_of(st.none(), st.sampled_from([0.0, 1.5, -2.0, 7.25]), st.floats(-1e6, 1e6))
