@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the policy's node order that breaks score ties (as `gpupack simulate` seeds it; default 0)",
     )
     p.add_argument(
+        "--keep-cpu-for-gpus",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the gpupack policy refuses a pod asking for no GPU on a node whose free CPU it would leave "
+        "short of feeding the node's free GPUs (at the CPU per GPU of the GPU pods seen); such pods go to "
+        "nodes with CPU to spare or wait (default on; docs/operator-guide.md)",
+    )
+    p.add_argument(
         "--filter-keep-best",
         type=int,
         default=0,
@@ -208,11 +216,15 @@ def make_policy(args: argparse.Namespace) -> Policy:
     if args.filter_keep_best < 0:
         raise ConfigError(f"--filter-keep-best must be 0 (off) or more, got {args.filter_keep_best}")
     if not args.workload_file:
-        return get_policy(name, seed=args.policy_seed)
-    spec = policy_spec(name)
-    if not spec.learns:
-        raise ConfigError(f"--workload-file: policy {name} does not use a workload")
-    return spec.make(seed=args.policy_seed, workload=read_workload(args.workload_file))
+        policy = get_policy(name, seed=args.policy_seed)
+    else:
+        spec = policy_spec(name)
+        if not spec.learns:
+            raise ConfigError(f"--workload-file: policy {name} does not use a workload")
+        policy = spec.make(seed=args.policy_seed, workload=read_workload(args.workload_file))
+    if hasattr(policy, "keep_cpu_for_gpus"):  # the policies that keep CPU for GPUs (gpupack)
+        policy.keep_cpu_for_gpus = args.keep_cpu_for_gpus
+    return policy
 
 
 def extender_config(args: argparse.Namespace) -> ExtenderConfig:

@@ -11,7 +11,7 @@ from typing import Any
 from gpupack.contract import Reservation
 from gpupack.core.model import Node
 from gpupack.core.pod_filters import NodeFacts
-from gpupack.core.preemption import Preemptor, Victim, choose, without
+from gpupack.core.preemption import Admit, Preemptor, Victim, choose, without
 
 from ..state import preempt_inputs as pin
 from ..state import reservations as resv
@@ -100,11 +100,12 @@ def pass_nodes(
         return nodes, gpu_nodes, taints, classes, host, room, {n for n, ks in leaving.items() if ks}
 
 
-def fits_now(view: ClusterView, name: str, pre: Preemptor, now: datetime) -> bool:
-    """Whether `pre` fits on the node as the view has it, the pods on their way out still there."""
+def fits_now(view: ClusterView, name: str, pre: Preemptor, now: datetime, admit: Admit | None = None) -> bool:
+    """Whether `pre` fits on the node as the view has it, the pods on their way out still there
+    (and, with `admit`, the policy does not refuse it there)."""
     with view.lock:
         node = view.state.nodes.get(name)
         if node is None:
             return False
         held = resv.hold(node, view.active_reservations(name, now))
-    return choose([held], pre, {}) is not None
+    return choose([held], pre, {}, admit=admit) is not None

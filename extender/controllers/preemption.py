@@ -247,7 +247,9 @@ class Preempter:
         cands = [n for n in allowed if reachable is not None and reachable(n.name)]
         refused: dict[str, str] = {}
         while True:
-            choice = choose(cands, pre, ps.pool, ps.allowed, pod_room=ps.room, memo=ps.memo)
+            choice = choose(
+                cands, pre, ps.pool, ps.allowed, pod_room=ps.room, memo=ps.memo, admit=self.ext.policy.refuses
+            )
             if choice is None:
                 break
             why = ps.place.refusal(p, choice.node, choice.victims) or self._resources_short(pre, choice)
@@ -284,7 +286,9 @@ class Preempter:
             self.metrics.preemptions.labels("fits").inc()
             if choice.node in room:
                 room[choice.node] -= 1
-            if choice.node in leaving and not snap.fits_now(self.view, choice.node, pre, ps.now):
+            if choice.node in leaving and not snap.fits_now(
+                self.view, choice.node, pre, ps.now, self.ext.policy.refuses
+            ):
                 # only once they are gone (another preemptor's victims): held for it as for
                 # its own, so no lower-priority pod takes it meanwhile
                 r = self._reservation(p, pre, choice, nodes[choice.node], ps.by_key, ps.now)

@@ -39,6 +39,16 @@ place each pod where that grows least. gpupack generalises and extends it:
    210 only scarce small pods could fill (openb, seeds 42–51: gpushare80 10.37% → 9.58%,
    gpushare60 8.20% → 7.57%, default 4.08% → 3.78%).
 
+8. **CPU kept for GPUs.** Where CPU is what runs out (openb's cpu235 and cpu300 traces), a score
+   alone does not save the GPUs: every CPU-only pod is placed while any node has its CPU free, and
+   the CPU it takes is gone for the GPU pods that arrive later. So a pod that asks for no GPU is
+   refused on a node where its CPU would strand free GPU capacity (`stranded` grows: the node's
+   CPU left after it feeds fewer of its free GPUs at the learnt CPU-per-GPU ratio than before);
+   it goes to nodes with CPU to spare beyond their GPUs' needs, or waits (`refuses`,
+   `keep_cpu_for_gpus`). Nothing changes until the policy has seen GPU pods (no ratio), nor where
+   CPU is plentiful (openb, seeds 42–51: cpu300 13.24% → 4.6%, cpu235 4.72% → 3.9%, every other
+   trace as it was).
+
 The workload (pod shapes and their popularity) is either given (the trace replay passes the
 trace's shapes, as FGD gets them) or learnt from the pods the scheduler is shown (`observe`).
 Everything is integer arithmetic so the replay's vectorised fast path
@@ -250,9 +260,13 @@ class KeptScore(NamedTuple):
 class GpupackPolicy(WorkloadPolicy):
     name = "gpupack"
 
-    def __init__(self, seed: int = 0, workload: Workload | None = None) -> None:
+    def __init__(
+        self, seed: int = 0, workload: Workload | None = None, keep_cpu_for_gpus: bool = True
+    ) -> None:
         super().__init__(seed, workload)
         self._prep: _Prepared | None = None
+        # 8. in the module's doc: pods asking for no GPU are refused where they would strand GPUs
+        self.keep_cpu_for_gpus = keep_cpu_for_gpus
 
     @property
     def ratio(self) -> tuple[int, int]:
@@ -392,6 +406,10 @@ class GpupackPolicy(WorkloadPolicy):
             return key
 
         r = fit(node, pod, rank)
+        if r.__class__ is Fit and not r.charged:
+            refused = self.refuses(node, pod)
+            if refused is not None:
+                return refused
         if r.__class__ is Fit and len(r.charged) == 1 and nf is not None:
             # One shared GPU: the rank that chose it is its node score (node_score's formula for
             # that one change), kept with the node state and tables it was worked out under.
@@ -402,6 +420,31 @@ class GpupackPolicy(WorkloadPolicy):
                 kept = KeptScore(prep, nf, _score_inputs(node, pod), waste, prices[size], size, -key)
                 return Fit(r.placement, r.charged, kept)
         return r
+
+    def refuses(self, node: Node, pod: PodRequest) -> FitFailure | None:
+        """A pod asking for no GPU, on a node whose free CPU it would leave short of feeding the
+        node's free GPUs at the workload's CPU-per-GPU ratio (more `stranded` after it than
+        before): refused, unresolvable (evicting pods there frees GPUs as well, whose CPU is then
+        kept too). Gauged exactly as the score's stranding term (the node's GPUs seen as views),
+        so the replay's fast path (`fast_policy.gpupack_scores`) refuses the same nodes."""
+        if not self.keep_cpu_for_gpus or pod.needs_gpu or not node.gpus or not node.cpu_milli:
+            return None
+        ratio = self.ratio
+        if ratio[0] <= 0 or ratio[1] <= 0:
+            return None  # no GPU pod seen yet: nothing to keep CPU for
+        cpu = node.free_cpu
+        total = self._prepared().frags.node(gpu_views(node), node.model).total
+        added = stranded(total, cpu - pod.cpu_milli, ratio) - stranded(total, cpu, ratio)
+        if added <= 0:
+            return None
+        per_gpu = ratio[0] * FULL // ratio[1]
+        return FitFailure(
+            f"node {node.name}: its free CPU is kept for its free GPUs ({pod.cpu_milli}m of its {cpu}m "
+            f"free would leave {added / FULL:.2f} GPU(s) without the {per_gpu}m CPU per GPU the GPU pods "
+            "seen ask for); a pod asking for no GPU goes where CPU is to spare",
+            "cpu-kept-for-gpus",
+            True,
+        )
 
     def _still_holds(self, prep: _Prepared, kept: KeptScore, pod: PodRequest) -> bool:
         """Whether a kept score's pod side and tables are this pod's and the policy's now. The

@@ -53,6 +53,12 @@ class Policy:
     def fit(self, node: Node, pod: PodRequest) -> Fit | FitFailure:
         return fit(node, pod, self.gpu_rank)
 
+    def refuses(self, node: Node, pod: PodRequest) -> FitFailure | None:
+        """Why the policy refuses `pod` on `node` although it fits there (its `fit` answers this
+        failure instead of the fit), or None. Preemption asks it of the node with the victims
+        gone, so that it evicts nobody for a pod the policy would still refuse there."""
+        return None
+
     def observe(self, pod: PodRequest) -> None:
         """Called once per arriving pod; policies that learn the workload's shape override it."""
 

@@ -22,13 +22,16 @@ Plain data in and out, no I/O: the extender's preemption controller and the simu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpupack.contract import CLASS_OFFLINE
-from gpupack.core.fit import Fit, GpuRank, fit, host_fit, tightest
+from gpupack.core.fit import Fit, FitFailure, GpuRank, fit, host_fit, tightest
 from gpupack.core.model import FULL, Node, PodRequest
+
+# A policy's refusal of a fit it found (Policy.refuses): the reason, or None to take it.
+Admit = Callable[[Node, PodRequest], FitFailure | None]
 
 # Kubernetes' system priority classes (system-cluster-critical, system-node-critical) start here;
 # user PriorityClasses may not go above it, and nothing preempts a pod at or above it.
@@ -122,9 +125,13 @@ def _scoped(node: Node, gpus: frozenset[int] | None) -> Node:
     return out
 
 
-def _fits(node: Node, pod: PodRequest, rank: GpuRank) -> Fit | None:
+def _fits(node: Node, pod: PodRequest, rank: GpuRank, admit: Admit | None = None) -> Fit | None:
     f = host_fit(node, pod) if not node.gpus and not pod.needs_gpu else fit(node, pod, rank)
-    return f if isinstance(f, Fit) else None
+    if not isinstance(f, Fit):
+        return None
+    # the policy's own refusals of a fit (a CPU-only pod stranding GPUs): an eviction that leaves
+    # the pod refused there would be for nothing
+    return f if admit is None or admit(node, pod) is None else None
 
 
 def _host_short(node: Node, pod: PodRequest, slots_short: int) -> bool:
@@ -144,13 +151,14 @@ def _reprieve(
     pods: Mapping[str, Victim],
     rank: GpuRank,
     slots_short: int = 0,
+    admit: Admit | None = None,
 ) -> tuple[list[Victim], Fit] | None:
     """Give victims back while the pod still fits, until none can be; None if it never fits.
     `slots_short`: pod slots the node lacks for it (each victim frees one)."""
     chosen = list(victims)
     if len(chosen) < slots_short:
         return None
-    best = _fits(without(node, (v.key for v in chosen), pods), pod, rank)
+    best = _fits(without(node, (v.key for v in chosen), pods), pod, rank, admit)
     if best is None:
         return None
     changed = True
@@ -160,7 +168,7 @@ def _reprieve(
             if len(chosen) <= slots_short:
                 break
             rest = [x for x in chosen if x is not v]
-            f = _fits(without(node, (x.key for x in rest), pods), pod, rank)
+            f = _fits(without(node, (x.key for x in rest), pods), pod, rank, admit)
             if f is not None:
                 chosen, best, changed = rest, f, True
     return chosen, best
@@ -207,6 +215,7 @@ def _on_node(
     allowed: Mapping[str, int],
     rank: GpuRank,
     slots_short: int = 0,
+    admit: Admit | None = None,
 ) -> Choice | None:
     pod = pre.pod
     size: dict[str, int] = {}
@@ -225,7 +234,7 @@ def _on_node(
         if not on:
             continue
         on.sort(key=lambda v: _keep_first(v, allowed, size.get(v.key, 0)))
-        got = _reprieve(scoped, pod, on, pods, rank, slots_short)
+        got = _reprieve(scoped, pod, on, pods, rank, slots_short, admit)
         if got is None:
             continue
         chosen, f = got
@@ -233,7 +242,7 @@ def _on_node(
             # minimal over the whole node too: a victim the pod could spare by using another GPU
             # (with host room and one GPU, none: the pod would then fit as it is, which choose
             # has ruled out)
-            again = _reprieve(node, pod, chosen, pods, rank, slots_short)
+            again = _reprieve(node, pod, chosen, pods, rank, slots_short, admit)
             if again is None:
                 continue
             chosen, f = again
@@ -251,6 +260,7 @@ def choose(
     rank: GpuRank = tightest,
     pod_room: Mapping[str, int] | None = None,
     memo: dict[Any, Any] | None = None,
+    admit: Admit | None = None,
 ) -> Choice | None:
     """Where and whom to evict so that `pre` fits; None when no eviction the rules allow helps.
 
@@ -264,6 +274,9 @@ def choose(
     `memo`: a dict the caller keeps across calls over the same Node objects (one controller
     pass): a node's answer for a pod of the same shape and priority, with the same candidates
     and budgets, is reused. Replace a Node object to change it; never mutate one in place.
+
+    `admit`: the policy's refusal of a fit (`Policy.refuses`), if it has one: a node is chosen
+    only where the pod, its victims gone, both fits and is not refused.
     """
     budgets = dict(allowed or {})
     nodes = list(nodes)
@@ -275,7 +288,7 @@ def choose(
     for n in nodes:
         if short(n):
             continue
-        f = _fits(n, pre.pod, rank)
+        f = _fits(n, pre.pod, rank, admit)
         if f is not None:
             return Choice(n.name, (), f, 0)
     if not pre.may_preempt:
@@ -295,9 +308,9 @@ def choose(
             if not cands:
                 continue
             if memo is None:
-                c = _on_node(n, pre, cands, pods, budgets, rank, short(n))
+                c = _on_node(n, pre, cands, pods, budgets, rank, short(n), admit)
             else:
-                c = _remembered(memo, n, pre, cands, pods, budgets, rank, short(n))
+                c = _remembered(memo, n, pre, cands, pods, budgets, rank, short(n), admit)
             if c is not None and (best is None or _order_key(c, pods) < _order_key(best, pods)):
                 best = c
         if best is not None:
@@ -316,6 +329,7 @@ def _remembered(
     allowed: Mapping[str, int],
     rank: GpuRank,
     slots_short: int,
+    admit: Admit | None = None,
 ) -> Choice | None:
     # Preemptors of one Deployment ask the same question of every unchanged node; the answer
     # depends only on the node, the pod's shape and priority, the candidates and their budgets.
@@ -332,6 +346,6 @@ def _remembered(
     hit = memo.get(key)
     if hit is not None and hit[0] is node:
         return hit[1]  # type: ignore[no-any-return]
-    c = _on_node(node, pre, cands, pods, allowed, rank, slots_short)
+    c = _on_node(node, pre, cands, pods, allowed, rank, slots_short, admit)
     memo[key] = (node, c)
     return c

@@ -24,6 +24,8 @@ from gpupack.core.policies import MAX_SPEC_CPU, MAX_SPEC_GPU, Policy
 from gpupack.core.share_prices import SharePrices
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB
 
+NO_FIT = np.iinfo(np.int64).min  # a node a scorer refuses (the replay's infeasible score)
+
 # policy -> ((cluster, workload, version), `rewards_unstranding` per node of the replay's cluster)
 _REWARD_MASKS: weakref.WeakKeyDictionary[GpupackPolicy, tuple[tuple[int, int, int], np.ndarray]] = (
     weakref.WeakKeyDictionary()
@@ -115,8 +117,13 @@ def gpupack_scores(
         cost = value[f] - value[np.minimum(f, f - milli + 1)] - prices.of(milli)
         dec = dec - PRICE_WEIGHT * w * np.where(cost > 2, cost, 0) // 1000
     if w <= 0:
-        return np.full(len(idx), 50, np.int64)
-    return np.searchsorted(SIGMOID_STEPS, dec / (w * 1000), side="right").astype(np.int64)
+        out = np.full(len(idx), 50, np.int64)
+    else:
+        out = np.searchsorted(SIGMOID_STEPS, dec / (w * 1000), side="right").astype(np.int64)
+    if f is None and whole == 0 and policy.keep_cpu_for_gpus and cpu_sum > 0 and gpu_sum > 0:
+        # a pod asking for no GPU: refused where it strands GPUs (GpupackPolicy.refuses)
+        out = np.where(s_after > s_before, NO_FIT, out)
+    return out
 
 
 def _reward_mask(policy: GpupackPolicy, cl: Any) -> np.ndarray:

@@ -23,7 +23,7 @@ import numpy as np
 from gpupack.core.model import FULL, GPU, ClusterState, ContainerRequest, Node, PodRequest
 from gpupack.core.policies import Policy, policy_spec, schedule
 from gpupack.core.workload import Shape, Workload
-from gpupack.simulate.fast_policy import random_draw
+from gpupack.simulate.fast_policy import NO_FIT, random_draw
 from gpupack.simulate.openb import DEFAULT_GPU_MEM_MIB, GPU_MEM_MIB, NodeList, PodList
 
 INFLATE_TO = 1.30  # arrived GPU request, as a share of capacity
@@ -264,9 +264,6 @@ def _fast_scorer(name: str, policy: Policy) -> Scorer | None:
 
     scorer.global_sharing = getattr(fn, "global_sharing", False)  # type: ignore[attr-defined]
     return scorer
-
-
-NO_FIT = np.iinfo(np.int64).min
 
 
 class _ShapeCache:

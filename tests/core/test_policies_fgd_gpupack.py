@@ -195,3 +195,54 @@ def test_waste_table_is_what_typical_pods_cannot_fill():
     assert phi[800] == 200
     # 1000 free: 600 → 400 → 300 → 100 wasted; 300 → 700: 600 → 100, or 300 → 400 → 300 → 100.
     assert phi[1000] == 100
+
+
+def _keep_case():
+    # The GPU pods seen ask 12 cores per GPU. "dense": 8 idle GPUs and 96 cores, exactly what its
+    # GPUs need; "roomy": 2 idle GPUs and 40 cores, 16 to spare.
+    wl = Workload.of([Shape(12000, 1, 1000)] * 10)
+    return wl, node("dense", 8, cpu=96000), node("roomy", 2, cpu=40000)
+
+
+@pytest.mark.parametrize(
+    ("where", "cpu", "refused"),
+    [
+        ("dense", 1, True),  # one millicore there already leaves a GPU short of its CPU
+        ("roomy", 16000, False),  # what the node has to spare beyond its GPUs' needs
+        ("roomy", 16001, True),  # a millicore more strands GPU capacity
+    ],
+)
+def test_gpupack_keeps_a_nodes_cpu_for_its_free_gpus(where, cpu, refused):
+    wl, dense, roomy = _keep_case()
+    n = {"dense": dense, "roomy": roomy}[where]
+    p = get_policy("gpupack", workload=wl)
+    r = p.fit(n, pod("ns/c", gpus=0, cpu=cpu))
+    if refused:
+        assert not r and r.code == "cpu-kept-for-gpus" and r.unresolvable
+        assert f"node {where}: its free CPU is kept for its free GPUs" in r.reason and "12000m" in r.reason
+        assert p.refuses(n, pod("ns/c", gpus=0, cpu=cpu)) == r
+    else:
+        assert isinstance(r, Fit) and not r.charged and p.refuses(n, pod("ns/c", gpus=0, cpu=cpu)) is None
+    # switched off, or a policy that has seen no GPU pod: nothing is kept
+    off = get_policy("gpupack", workload=wl, keep_cpu_for_gpus=False)
+    assert isinstance(off.fit(n, pod("ns/c", gpus=0, cpu=cpu)), Fit)
+    learner = get_policy("gpupack")
+    learner.observe(pod("ns/cpu-only", gpus=0, cpu=4000))
+    assert isinstance(learner.fit(n, pod("ns/c", gpus=0, cpu=cpu)), Fit)
+
+
+def test_gpupack_keeps_cpu_only_for_free_gpus_and_never_refuses_a_gpu_pod():
+    wl, dense, _ = _keep_case()
+    p = get_policy("gpupack", workload=wl)
+    # GPU pods are never refused by the rule: they are what the CPU is kept for
+    assert isinstance(p.fit(dense, pod("ns/g", gpus=1, cpu=12000)), Fit)
+    # the CPU of GPUs already taken is nobody's to keep: with 4 of the 8 GPUs held, 48 cores serve
+    # the other 4 and the rest goes to pods asking for no GPU
+    for g in dense.gpus[:4]:
+        g.charge(f"ns/w{g.index}", g.mem_mib, 1000, True, "online")
+    dense.cpu_used = 12000 * 4
+    assert isinstance(p.fit(dense, pod("ns/c", gpus=0, cpu=0)), Fit)
+    assert not p.fit(dense, pod("ns/c", gpus=0, cpu=1))
+    dense.cpu_used = 12000 * 2  # GPU pods that asked for less CPU left 24 cores to spare
+    assert isinstance(p.fit(dense, pod("ns/c", gpus=0, cpu=24000)), Fit)
+    assert not p.fit(dense, pod("ns/c", gpus=0, cpu=24001))

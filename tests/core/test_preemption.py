@@ -436,3 +436,30 @@ def test_cpu_only_preemptor_on_a_node_without_gpus() -> None:
     assert c is not None and c.victims == ("x/small",)
     # a GPU pod never goes to a node without GPUs, whatever is evicted
     assert choose([n], Preemptor(PodRequest("a/gpu", containers=(share(1000, 10),)), 100), pods) is None
+
+
+def test_no_eviction_where_the_policy_would_still_refuse_the_pod() -> None:
+    """A pod asking for no GPU, whose CPU the gpupack policy keeps for free GPUs: evicting a
+    CPU-only pod on "dense" frees CPU that its idle GPUs need (the pod is still refused there), so
+    with the policy's refusal the chooser evicts on "roomy", whose CPU is to spare once freed."""
+    from gpupack.core.policies import get_policy
+    from gpupack.core.workload import Shape, Workload
+
+    policy = get_policy("gpupack", workload=Workload.of([Shape(12000, 1, 1000)] * 10))  # 12 cores a GPU
+    dense = Node("dense", [GPU(f"D-{i}", i, "H100", MIB) for i in range(8)], cpu_milli=96000, ram_mib=10**6)
+    roomy = Node("roomy", [GPU(f"R-{i}", i, "H100", MIB) for i in range(2)], cpu_milli=40000, ram_mib=10**6)
+    dense.cpu_used, roomy.cpu_used = 96000, 40000
+    pods = {
+        "batch/d": Victim("batch/d", 1, "offline", cpu_milli=96000, node="dense"),
+        "batch/r": Victim("batch/r", 5, "offline", cpu_milli=40000, node="roomy"),
+    }
+    pre = Preemptor(PodRequest("web/cpu", "online", (), cpu_milli=8000), 1000)
+    # without the refusal, the lower-priority victim on dense goes, for nothing
+    plain = choose([dense, roomy], pre, pods)
+    assert plain is not None and plain.node == "dense" and plain.victims == ("batch/d",)
+    kept = choose([dense, roomy], pre, pods, admit=policy.refuses)
+    assert kept is not None and kept.node == "roomy" and kept.victims == ("batch/r",)
+    assert policy.refuses(without(roomy, kept.victims, pods), pre.pod) is None
+    assert policy.refuses(without(dense, ("batch/d",), pods), pre.pod) is not None
+    # and none at all where every node would still refuse it
+    assert choose([dense], pre, pods, admit=policy.refuses) is None

@@ -445,3 +445,33 @@ def test_extender_cli_refuses_a_bad_workload_file_in_one_line(tmp_path):
         make_policy(args)
     policy = make_policy(build_parser().parse_args(["--workload-file", str(good), "--policy-seed", "42"]))
     assert policy.workload.counts == WORKLOAD.counts and not policy.learn  # type: ignore[attr-defined]
+
+
+def test_a_pod_asking_for_no_gpu_is_refused_where_its_cpu_would_strand_gpus():
+    """--keep-cpu-for-gpus (on by default): a CPU-only pod passes the GPU node whose CPU is to
+    spare and the node without GPUs, and is refused, unresolvably and with the reason, on the GPU
+    node whose CPU its GPUs need (the GPU pods seen ask 8 cores a GPU)."""
+    wl = Workload.of([Shape(8000, 1, 1000)] * 5)
+    view = ClusterView(track_host=True)
+    view.replace_nodes([sized_node("tight", cpu="16", n=2), sized_node("spare", cpu="32", n=2),
+                        sized_node("plain", cpu="8", n=0)])  # fmt: skip
+    view.replace_pods([])
+    pod = host_pod("cpu", "", [res("2")], uid="uid-cpu")
+    del pod["spec"]["nodeName"]
+    for flags, passed in (
+        ([], ["spare", "plain"]),
+        (["--no-keep-cpu-for-gpus"], ["tight", "spare", "plain"]),
+    ):
+        args = build_parser().parse_args(flags)
+        policy = make_policy(args)
+        assert policy.keep_cpu_for_gpus is (not flags)
+        policy.workload = wl
+        ext = Extender(view, policy, None, clock=lambda: NOW)
+        out = ext.filter(ExtenderArgs(pod, ["tight", "spare", "plain"], None))
+        assert out["NodeNames"] == passed, out
+        if not flags:
+            why = out["FailedAndUnresolvableNodes"]["tight"]
+            assert why.startswith(
+                "node tight: its free CPU is kept for its free GPUs (2000m of its 16000m free"
+            )
+            assert "8000m CPU per GPU" in why
