@@ -46,8 +46,8 @@ place each pod where that grows least. gpupack generalises and extends it:
    CPU left after it feeds fewer of its free GPUs at the learnt CPU-per-GPU ratio than before);
    it goes to nodes with CPU to spare beyond their GPUs' needs, or waits (`refuses`,
    `keep_cpu_for_gpus`). Nothing changes until the policy has seen GPU pods (no ratio), nor where
-   CPU is plentiful (openb, seeds 42–51: cpu300 13.24% → 4.6%, cpu235 4.72% → 3.9%, every other
-   trace as it was).
+   CPU is plentiful (openb, seeds 42–51: cpu300 13.24% → 4.47%, cpu235 4.72% → 3.92%, every
+   other trace as it was, decision for decision).
 
 The workload (pod shapes and their popularity) is either given (the trace replay passes the
 trace's shapes, as FGD gets them) or learnt from the pods the scheduler is shown (`observe`).
