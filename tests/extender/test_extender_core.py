@@ -128,7 +128,9 @@ def test_cpu_only_pod_is_placed_by_cpu_and_memory_and_the_policy():
     view = ClusterView(on_problem=lambda k, m: problems.append(k), track_host=True)
     view.replace_nodes([node_obj("g", 1), plain, node_obj("bad", raw_inventory="{not json")])
     view.replace_pods([])
-    ext = Extender(view, get_policy(DEFAULT_POLICY), None, clock=lambda: NOW)
+    # CPU kept for GPUs (on by default) would refuse the GPU node below: this test is of the
+    # placement by CPU and memory, so the rule is off here (its own test follows)
+    ext = Extender(view, get_policy(DEFAULT_POLICY, keep_cpu_for_gpus=False), None, clock=lambda: NOW)
 
     def cpu_pod(name, cpu):
         c = {"name": "c", "image": "x", "resources": {"requests": {"cpu": cpu, "memory": "1Gi"}}}
@@ -163,6 +165,37 @@ def test_cpu_only_pod_is_placed_by_cpu_and_memory_and_the_policy():
     out = ext.filter(args(cpu_pod("s", "60"), ["g", "plain"]))
     assert out["NodeNames"] == ["g"], out
 
+
+
+def test_a_cpu_only_pod_is_kept_off_the_cpu_a_gpu_nodes_free_gpus_need():
+    """The shipped policy (CPU kept for GPUs): after GPU pods asking 4 cores for a tenth of a GPU
+    (40 cores a GPU), a pod asking 25 of the GPU node's 64 cores would leave its free GPU short of
+    them: refused there, unresolvably and with the reason; the GPU-less node takes it. 24 cores
+    leave enough."""
+    plain = node_obj("plain", 1)
+    del plain["metadata"]["annotations"]
+    plain["status"]["allocatable"].pop("gpupack.io/gpu")
+    view = ClusterView(track_host=True)
+    view.replace_nodes([node_obj("g", 1), plain])
+    view.replace_pods([])
+    ext = Extender(view, get_policy(DEFAULT_POLICY), None, clock=lambda: NOW)
+    for i in range(8):  # the policy learns the CPU per GPU from the pods it is asked about
+        w = pod_obj(f"w{i}", [container("c", 1, 1000, 10)])
+        w["metadata"]["uid"] = f"uid-w{i}"
+        w["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "4"}
+        assert ext.filter(args(w, ["g"]))["NodeNames"] == ["g"]
+
+    def cpu_pod(name, cpu):
+        c = {"name": "c", "image": "x", "resources": {"requests": {"cpu": cpu, "memory": "1Gi"}}}
+        p = pod_obj(name, [c])
+        p["metadata"]["uid"] = f"uid-{name}"
+        return p
+
+    out = ext.filter(args(cpu_pod("p", "25"), ["g", "plain"]))
+    assert out["NodeNames"] == ["plain"], out
+    assert out["FailedAndUnresolvableNodes"]["g"].startswith("node g: its free CPU is kept for its free GPUs")
+    assert "(25000m of its 64000m free" in out["FailedAndUnresolvableNodes"]["g"]
+    assert ext.filter(args(cpu_pod("q", "24"), ["g", "plain"]))["NodeNames"] == ["g", "plain"]
 
 def test_corrupt_inventory_is_reported_not_fatal():
     view, ext, problems = make([node_obj("ok", 1), node_obj("bad", raw_inventory="{not json")])

@@ -187,8 +187,9 @@ def test_kube_scheduler_binds_where_schedule_picks(
     cluster: realk8s.ControlPlane, ns: str, sfx: str, tmp_path: Path, kubelet: Any
 ) -> None:
     core = cluster.core
-    # nodes that differ in GPUs and CPU, one with most of its CPU taken by a pod of nobody's
-    shapes = {"a": ("16", 8), "b": ("96", 8), "c": ("32", 4), "d": ("64", 8), "e": ("48", 2)}
+    # nodes that differ in GPUs and CPU, one with most of its CPU taken by a pod of nobody's; "f" has
+    # CPU to spare beyond its GPUs' needs (the policy keeps the rest of a node's CPU for its free GPUs)
+    shapes = {"a": ("16", 8), "b": ("96", 8), "c": ("32", 4), "d": ("64", 8), "e": ("48", 2), "f": ("192", 2)}
     for k, (cpu, n) in shapes.items():
         name = f"kb-{k}-{sfx}"
         labels = {LABEL_GPU_NODE: "true", LABEL_GPU_MODEL: MODEL, LABEL_GPU_COUNT: str(n)}
@@ -264,18 +265,23 @@ def test_kube_scheduler_binds_where_schedule_picks(
         # the extender counts a bind after the API server took the Binding
         until(lambda: ext.metric("gpupack_extender_binds_total ") == 11.0, 10, "bound by the extender")
         # ... and a GPU pod sent right after to a node where one was just bound is not held up by it
-        # (the policy put the one above where no GPU was left free: here both go to a node with room)
+        # (the policy put the one above where no GPU was left free: here both go to a node with room,
+        # and CPU to spare beyond its free GPUs' needs, which the policy keeps from CPU-only pods)
+        small = container("c")
+        small["resources"]["requests"].update(cpu="1", memory="1Gi")
+        body = pod_obj("cpu-pinned", [small], namespace=ns)
+        view = mirror(core)
+        small_req = Extender(view, sim, None).pod_request(
+            {**body, "metadata": {**body["metadata"], "uid": "probe-s"}}
+        )
         free = min(
             n
-            for n, nd in mirror(core).state.nodes.items()
-            if n.startswith("kb-") and any(g.empty for g in nd.gpus)
+            for n, nd in view.state.nodes.items()
+            if n.startswith("kb-") and any(g.empty for g in nd.gpus) and sim.refuses(nd, small_req) is None
         )
         pin = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchFields": [
                 {"key": "metadata.name", "operator": "In", "values": [free]}]}]}}}  # fmt: skip
-        small = container("c")
-        small["resources"]["requests"].update(cpu="1", memory="1Gi")
-        body = pod_obj("cpu-pinned", [small], namespace=ns)
         body["spec"]["affinity"] = pin
         g = container("c", gpu=1, mem=8000, sm=30)
         after = pod_obj("after", [g], namespace=ns)
