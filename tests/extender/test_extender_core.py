@@ -166,7 +166,6 @@ def test_cpu_only_pod_is_placed_by_cpu_and_memory_and_the_policy():
     assert out["NodeNames"] == ["g"], out
 
 
-
 def test_a_cpu_only_pod_is_kept_off_the_cpu_a_gpu_nodes_free_gpus_need():
     """The shipped policy (CPU kept for GPUs): after GPU pods asking 4 cores for a tenth of a GPU
     (40 cores a GPU), a pod asking 25 of the GPU node's 64 cores would leave its free GPU short of
@@ -196,6 +195,7 @@ def test_a_cpu_only_pod_is_kept_off_the_cpu_a_gpu_nodes_free_gpus_need():
     assert out["FailedAndUnresolvableNodes"]["g"].startswith("node g: its free CPU is kept for its free GPUs")
     assert "(25000m of its 64000m free" in out["FailedAndUnresolvableNodes"]["g"]
     assert ext.filter(args(cpu_pod("q", "24"), ["g", "plain"]))["NodeNames"] == ["g", "plain"]
+
 
 def test_corrupt_inventory_is_reported_not_fatal():
     view, ext, problems = make([node_obj("ok", 1), node_obj("bad", raw_inventory="{not json")])
