@@ -47,7 +47,7 @@ from gpupack.contract import (
 )
 from gpupack.core.fgd import Shape, Workload, workload_to_json
 from gpupack.core.model import Node
-from gpupack.core.policies import get_policy, schedule
+from gpupack.core.policies import Policy, get_policy, schedule
 
 until = realk8s.until
 MODEL = "NVIDIA-H100-80GB-HBM3"
@@ -183,6 +183,11 @@ def mirror(core: client.CoreV1Api) -> ClusterView:
     return view
 
 
+def probe_request(view: ClusterView, policy: Policy, body: dict[str, Any], uid: str) -> Any:
+    """`body` (a pod not created yet) as the extender's request, the uid given."""
+    return Extender(view, policy, None).pod_request({**body, "metadata": {**body["metadata"], "uid": uid}})
+
+
 def test_kube_scheduler_binds_where_schedule_picks(
     cluster: realk8s.ControlPlane, ns: str, sfx: str, tmp_path: Path, kubelet: Any
 ) -> None:
@@ -216,8 +221,7 @@ def test_kube_scheduler_binds_where_schedule_picks(
             c["resources"]["requests"]["cpu"] = cpu
             body = pod_obj(f"p{i}", [c], namespace=ns)
             view = mirror(core)
-            probe = Extender(view, sim, None)
-            req = probe.pod_request({**body, "metadata": {**body["metadata"], "uid": f"probe-{i}"}})
+            req = probe_request(view, sim, body, f"probe-{i}")
             want = schedule(view.state.clone(), req, sim, commit=False)
             assert want.node is not None and want.fit is not None, (i, want.failures)
             create_pod(core, body, ns)
@@ -250,9 +254,7 @@ def test_kube_scheduler_binds_where_schedule_picks(
         c["resources"]["requests"].update(cpu="20", memory="4Gi")
         body = pod_obj("cpu-only", [c], namespace=ns)
         view = mirror(core)
-        req = Extender(view, sim, None).pod_request(
-            {**body, "metadata": {**body["metadata"], "uid": "probe-c"}}
-        )
+        req = probe_request(view, sim, body, "probe-c")
         assert not req.needs_gpu
         want = schedule(view.state.clone(), req, sim, commit=False)
         assert want.node is not None, want.failures
@@ -271,9 +273,7 @@ def test_kube_scheduler_binds_where_schedule_picks(
         small["resources"]["requests"].update(cpu="1", memory="1Gi")
         body = pod_obj("cpu-pinned", [small], namespace=ns)
         view = mirror(core)
-        small_req = Extender(view, sim, None).pod_request(
-            {**body, "metadata": {**body["metadata"], "uid": "probe-s"}}
-        )
+        small_req = probe_request(view, sim, body, "probe-s")
         free = min(
             n
             for n, nd in view.state.nodes.items()
