@@ -15,8 +15,8 @@ shape, wired from one part per responsibility:
 - upkeep (`upkeep.Upkeep`): the janitor's and the requeuer's passes.
 
 Filter and prioritize answers are cached per pod shape and node version (`placement_index`):
-only nodes whose state changed since are fitted again. Bind never uses those caches, so a cached answer can
-never over-commit.
+only nodes whose state changed since are fitted again. Bind never uses those caches, so a cached
+answer can never over-commit.
 """
 
 from __future__ import annotations
